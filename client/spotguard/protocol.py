@@ -1,0 +1,268 @@
+"""The wire protocol that the daemon and its clients speak, and the one model of a notice.
+
+Everything that crosses a socket is UTF-8 JSON validated by the pydantic models below; nothing is
+ever unpickled. A message is one JSON object with a protocol version ``v`` and a ``type`` that picks
+the model (a discriminated union), so both sides reject unknown or malformed input with one clear
+error instead of guessing.
+
+Sockets (ZeroMQ):
+
+* **PUB** (daemon) -> SUB (clients): two frames, ``[topic, json]``. Topics are the ``type`` of the
+  event: ``notice``, ``cancel``, ``heartbeat``, ``durable``.
+* **ROUTER** (daemon) <- REQ (clients): one JSON request frame, one JSON reply frame
+  (:class:`Reply`). Request types: ``register``, ``unregister``, ``status``, ``safe``, ``commit``,
+  ``notify``.
+
+Exceptions::
+
+    ProtocolError            a message that is not valid JSON, too large, or not a known message
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_MESSAGE_BYTES",
+    "Kind",
+    "Notice",
+    "NoticeEvent",
+    "CancelEvent",
+    "HeartbeatEvent",
+    "DurableEvent",
+    "Event",
+    "RegisterRequest",
+    "UnregisterRequest",
+    "StatusRequest",
+    "SafeRequest",
+    "CommitRequest",
+    "NotifyRequest",
+    "Request",
+    "Reply",
+    "ProtocolError",
+    "TERMINATING_KINDS",
+    "encode",
+    "decode_event",
+    "decode_request",
+    "decode_reply",
+    "utcnow",
+]
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+"""Largest request the daemon accepts; larger ones get an error reply without being parsed."""
+
+
+class ProtocolError(ValueError):
+    """A message that is not valid JSON, is too large, or is not a known message of this version."""
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Kind(str, enum.Enum):
+    """What is about to happen. Terminating kinds end the machine or the job; the rest are advisory."""
+
+    PREEMPT = "preempt"  # spot/preemptible capacity reclaimed (GCP, Azure Preempt, Alibaba)
+    TERMINATE = "terminate"  # the instance goes away (AWS spot terminate, Azure Terminate)
+    STOP = "stop"  # AWS spot stop: disk survives, processes do not
+    HIBERNATE = "hibernate"  # AWS spot hibernate
+    REBALANCE = "rebalance"  # AWS rebalance recommendation: elevated risk, advisory
+    MAINTENANCE = "maintenance"  # host maintenance that the VM survives (live migration)
+    REBOOT = "reboot"  # Azure Reboot, AWS instance/system-reboot
+    REDEPLOY = "redeploy"  # Azure Redeploy: moved to another host, local disk lost
+    FREEZE = "freeze"  # Azure Freeze: paused for seconds
+    SIGNAL = "signal"  # SIGTERM/SIGINT to the daemon (Kubernetes, RunPod, docker stop)
+    WALLTIME = "walltime"  # the scheduler's time limit is near (Slurm)
+    DRILL = "drill"  # manual notice from `spotguard notify`
+
+
+TERMINATING_KINDS = frozenset(
+    {Kind.PREEMPT, Kind.TERMINATE, Kind.STOP, Kind.HIBERNATE, Kind.REBOOT, Kind.REDEPLOY,
+     Kind.SIGNAL, Kind.WALLTIME, Kind.DRILL}
+)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Notice(_Model):
+    """One normalised interruption notice, whatever platform announced it.
+
+    ``id`` is stable across polls: the platform's event id where there is one, else
+    ``platform:kind:target-time``; never a hash of a payload that changes per request.
+    """
+
+    id: str = Field(min_length=1, max_length=256)
+    platform: str = Field(min_length=1, max_length=32)
+    kind: Kind
+    deadline: AwareDatetime | None = None
+    """When the interruption happens (UTC); ``None`` when the platform gives no time."""
+    received_at: AwareDatetime = Field(default_factory=utcnow)
+    terminating: bool = True
+    """True when the machine or job ends at the deadline; False for advisory notices."""
+    source: str = Field(default="", max_length=64)
+    """The watcher that produced it, e.g. ``aws.spot``; cancellation is tracked per source."""
+    detail: str = Field(default="", max_length=1024)
+    raw: Any = None
+    """The platform's payload, for debugging only."""
+
+    def seconds_left(self, now: datetime | None = None) -> float | None:
+        """Seconds until the deadline (negative once passed), or None without a deadline."""
+        if self.deadline is None:
+            return None
+        return (self.deadline - (now or utcnow())).total_seconds()
+
+
+# ---------------------------------------------------------------- events (PUB -> SUB)
+
+
+class _Message(_Model):
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+class NoticeEvent(_Message):
+    type: Literal["notice"] = "notice"
+    notice: Notice
+
+
+class CancelEvent(_Message):
+    type: Literal["cancel"] = "cancel"
+    id: str
+    reason: str = ""
+
+
+class HeartbeatEvent(_Message):
+    """Sent every heartbeat interval; ``pending`` lets a subscriber notice an event it missed."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    seq: int
+    daemon_id: str
+    pending: list[str] = Field(default_factory=list)
+    interval: float = 1.0
+
+
+class DurableEvent(_Message):
+    """A committed checkpoint became durable in the configured store."""
+
+    type: Literal["durable"] = "durable"
+    job_id: str = ""
+    step: int
+    location: str
+
+
+Event = Annotated[
+    Union[NoticeEvent, CancelEvent, HeartbeatEvent, DurableEvent], Field(discriminator="type")
+]
+
+# ---------------------------------------------------------------- requests (REQ -> ROUTER)
+
+
+class RegisterRequest(_Message):
+    type: Literal["register"] = "register"
+    pid: int = Field(gt=0)
+    rank: int = Field(default=0, ge=0)
+    job_id: str = Field(default="", max_length=256)
+
+
+class UnregisterRequest(_Message):
+    type: Literal["unregister"] = "unregister"
+    pid: int = Field(gt=0)
+
+
+class StatusRequest(_Message):
+    type: Literal["status"] = "status"
+
+
+class SafeRequest(_Message):
+    """The client reached a safe state for these notices (checkpoint committed, or nothing to save)."""
+
+    type: Literal["safe"] = "safe"
+    pid: int = Field(gt=0)
+    notice_ids: list[str] = Field(default_factory=list, max_length=64)
+
+
+class CommitRequest(_Message):
+    """A checkpoint was committed locally; the daemon may make it durable.
+
+    ``path`` must resolve inside the daemon's checkpoint root, or the request is refused.
+    """
+
+    type: Literal["commit"] = "commit"
+    pid: int = Field(gt=0)
+    job_id: str = Field(default="", max_length=256)
+    path: str = Field(min_length=1, max_length=4096)
+    step: int = Field(ge=0)
+    size_bytes: int = Field(default=0, ge=0)
+    files: int = Field(default=0, ge=0)
+
+
+class NotifyRequest(_Message):
+    """Inject a manual notice (drills, ``scancel --signal`` style stops)."""
+
+    type: Literal["notify"] = "notify"
+    kind: Kind = Kind.DRILL
+    deadline_seconds: float | None = Field(default=None, ge=0, le=7 * 24 * 3600)
+    detail: str = Field(default="", max_length=1024)
+
+
+Request = Annotated[
+    Union[RegisterRequest, UnregisterRequest, StatusRequest, SafeRequest, CommitRequest, NotifyRequest],
+    Field(discriminator="type"),
+]
+
+
+class Reply(_Message):
+    type: Literal["reply"] = "reply"
+    ok: bool
+    error: str = ""
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+_EVENT = TypeAdapter(Event)
+_REQUEST = TypeAdapter(Request)
+_REPLY = TypeAdapter(Reply)
+
+
+def encode(message: BaseModel) -> bytes:
+    """Serialise a message for the wire (compact UTF-8 JSON)."""
+    return message.model_dump_json().encode()
+
+
+def _decode(adapter: TypeAdapter, data: bytes, limit: int) -> Any:
+    if len(data) > limit:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {limit}")
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"not UTF-8 JSON: {exc}") from None
+    if isinstance(obj, dict) and obj.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {obj.get('v')!r}; this side speaks {PROTOCOL_VERSION}")
+    try:
+        return adapter.validate_python(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "message"
+        raise ProtocolError(f"invalid message: {where}: {first['msg']}") from None
+
+
+def decode_event(data: bytes, limit: int = 1024 * 1024) -> NoticeEvent | CancelEvent | HeartbeatEvent | DurableEvent:
+    return _decode(_EVENT, data, limit)
+
+
+def decode_request(
+    data: bytes, limit: int = MAX_MESSAGE_BYTES
+) -> RegisterRequest | UnregisterRequest | StatusRequest | SafeRequest | CommitRequest | NotifyRequest:
+    return _decode(_REQUEST, data, limit)
+
+
+def decode_reply(data: bytes, limit: int = 1024 * 1024) -> Reply:
+    return _decode(_REPLY, data, limit)

@@ -1,0 +1,1 @@
+"""spotguard daemon: watches the platform, delivers notices, makes checkpoints durable."""

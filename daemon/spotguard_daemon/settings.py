@@ -1,0 +1,314 @@
+"""The daemon's settings: one model, built once at the entry point and passed down.
+
+Precedence, lowest to highest: defaults < TOML file (``--config``, else ``/etc/spotguard/spotguard.toml``
+when present) < environment (``SPOTGUARD_...``, nested sections with ``__``, e.g.
+``SPOTGUARD_AWS__INTERVAL=2``) < command-line flags. Invalid values are rejected at start-up with one
+line naming the setting (:func:`load_settings` raises :class:`SettingsError`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal as _signal
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from spotguard._paths import default_runtime_dir as _default_runtime_dir
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = ["Settings", "SettingsError", "load_settings", "DEFAULT_CONFIG_PATH", "redacted"]
+
+DEFAULT_CONFIG_PATH = Path("/etc/spotguard/spotguard.toml")
+
+Platform = Literal["auto", "aws", "gcp", "azure", "alibaba", "none"]
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message is one line naming the setting and the problem."""
+
+
+def _default_state_dir() -> Path:
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    if os.geteuid() == 0:
+        return Path("/var/lib/spotguard")
+    return Path.home() / ".local" / "state" / "spotguard"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class RunnerSettings(_Section):
+    """How every watcher is polled when its endpoint misbehaves."""
+
+    request_timeout: float = Field(2.0, gt=0, le=300)
+    """Seconds before one metadata request is abandoned (long-polls add their own wait)."""
+    backoff_initial: float = Field(0.5, gt=0, le=60)
+    """First delay after a failed poll; doubles per consecutive failure, with full jitter."""
+    backoff_max: float = Field(30.0, gt=0, le=600)
+    """Ceiling of the backoff delay."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "RunnerSettings":
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError("backoff_max must be >= backoff_initial")
+        return self
+
+
+class AwsSettings(_Section):
+    endpoint: str = "http://169.254.169.254"
+    interval: float = Field(1.0, gt=0, le=3600)
+    """Seconds between polls of each IMDS path (AWS recommends 5, the notice gives about 120)."""
+    token_ttl: int = Field(21600, ge=1, le=21600)
+    """IMDSv2 session-token lifetime in seconds."""
+    imdsv1_fallback: bool = False
+    """Fall back to token-less IMDSv1 requests when the token PUT fails. Off: IMDSv2 only."""
+    scheduled_events: bool = True
+    rebalance: bool = True
+
+
+class GcpSettings(_Section):
+    endpoint: str = "http://metadata.google.internal/computeMetadata/v1"
+    long_poll: bool = True
+    """Use ``wait_for_change`` long-polls; falls back to polling at ``interval`` when they fail."""
+    long_poll_timeout: int = Field(60, ge=1, le=3600)
+    """``timeout_sec`` sent to the metadata server; the client waits a little longer."""
+    interval: float = Field(1.0, gt=0, le=3600)
+    preemptible: Literal["auto", "yes", "no"] = "auto"
+    """Legacy Preemptible VM (stopped after 24 h): ``auto`` reads ``instance/scheduling/preemptible``."""
+    preemptible_max_runtime: float = Field(24 * 3600, gt=0)
+    preemptible_lead: float = Field(600.0, ge=0)
+    """Seconds before the 24 h cap at which the walltime notice is raised."""
+
+
+class AzureSettings(_Section):
+    endpoint: str = "http://169.254.169.254"
+    interval: float = Field(1.0, gt=0, le=3600)
+    first_call_timeout: float = Field(150.0, gt=0)
+    """The first Scheduled Events call after boot can take up to two minutes."""
+    vm_name: str | None = None
+    """This VM's name in ``Resources``; read from IMDS when unset."""
+    freeze_threshold: float = Field(30.0, ge=0)
+    """Freeze events shorter than this many seconds are ignored (``DurationInSeconds``)."""
+    acknowledge: bool = True
+    """POST ``StartRequests`` once every registered client reported safe (or at the deadline)."""
+
+
+class AlibabaSettings(_Section):
+    endpoint: str = "http://100.100.100.200"
+    interval: float = Field(1.0, gt=0, le=3600)
+    hardened: bool = True
+    """Use the hardened-mode metadata token (PUT /latest/api/token)."""
+    token_ttl: int = Field(21600, ge=1, le=21600)
+
+
+class SignalSettings(_Section):
+    grace: float = Field(30.0, ge=0, le=3600)
+    """Deadline of the notice raised when the daemon itself gets SIGTERM/SIGINT (Kubernetes default 30 s)."""
+
+
+class SlurmSettings(_Section):
+    enabled: Literal["auto", "yes", "no"] = "auto"
+    """``auto``: on when ``SLURM_JOB_ID`` is set."""
+    lead: float = Field(300.0, ge=0)
+    """Seconds before the job's end time at which the walltime notice is raised."""
+    squeue: str = "squeue"
+    interval: float = Field(60.0, gt=0)
+    """Seconds between reads of the end time (it changes only with ``scontrol update``)."""
+
+
+class ZmqSettings(_Section):
+    pub_endpoint: str | None = None
+    """Notices are published here; default ``ipc://<runtime_dir>/events.sock``."""
+    request_endpoint: str | None = None
+    """Requests are served here; default ``ipc://<runtime_dir>/requests.sock``."""
+    heartbeat_interval: float = Field(1.0, gt=0, le=60)
+    max_message_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    allow_remote: bool = False
+    """Allow ``tcp://`` endpoints on addresses other than loopback."""
+
+    @field_validator("pub_endpoint", "request_endpoint")
+    @classmethod
+    def _scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("ipc://", "tcp://")):
+            raise ValueError("must start with ipc:// or tcp://")
+        return value
+
+
+class DeliverySettings(_Section):
+    signal: str = "SIGUSR1"
+    """Signal sent to registered and listed processes on a terminating notice; ``none`` to disable."""
+    pid_files: list[Path] = Field(default_factory=list)
+    """Files holding one PID each (e.g. written by a launcher) that also get the signal."""
+    cgroup: Path | None = None
+    """A cgroup v2 directory whose ``cgroup.procs`` also get the signal."""
+    hook: list[str] | None = None
+    """Command run per notice (argv list); the notice JSON arrives on stdin."""
+    webhook: AnyHttpUrl | None = None
+    """URL that gets each notice as a JSON POST."""
+    webhook_secret: SecretStr | None = None
+    """Sent as a bearer token to the webhook; never logged."""
+    attempts: int = Field(3, ge=1, le=20)
+    """Tries per hook or webhook call, with exponential backoff."""
+    timeout: float = Field(10.0, gt=0, le=600)
+
+    @field_validator("signal")
+    @classmethod
+    def _known_signal(cls, value: str) -> str:
+        if value.lower() == "none":
+            return "none"
+        name = value.upper() if value.upper().startswith("SIG") else "SIG" + value.upper()
+        if not hasattr(_signal.Signals, name):
+            raise ValueError(f"unknown signal {value!r}")
+        return name
+
+
+class MetricsSettings(_Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(9464, ge=0, le=65535)
+
+
+class StorageSettings(_Section):
+    url: str | None = None
+    """Durable store: ``file:///dir``, ``s3://bucket/prefix``, ``gs://bucket/prefix``,
+    ``az://container/prefix``. Default ``file://<state_dir>/durable``."""
+    keep: int = Field(3, ge=1)
+    """Durable checkpoints kept per job; older ones and unreferenced objects are deleted."""
+    concurrency: int = Field(8, ge=1, le=128)
+    bandwidth_mbps: float | None = Field(None, gt=0)
+    """Upload bandwidth cap in megabytes per second; unset for no cap."""
+    finish_superseded: bool = False
+    """Finish uploading an older checkpoint when a newer one is committed meanwhile."""
+    endpoint_url: str | None = None
+    """S3-compatible (or emulator) endpoint; GCS and Azure emulators too."""
+    azure_account: str | None = None
+    azure_connection_string: SecretStr | None = None
+
+
+class Settings(BaseSettings):
+    """Everything the daemon can be told. See README's settings reference."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SPOTGUARD_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    platform: Platform = "auto"
+    """Cloud platform to watch; ``auto`` detects it from DMI and the environment, never by probing."""
+    runtime_dir: Path = Field(default_factory=_default_runtime_dir)
+    """Sockets live here (created mode 0700)."""
+    state_dir: Path = Field(default_factory=_default_state_dir)
+    """Pending notices and the upload journal live here."""
+    checkpoint_root: Path | None = None
+    """Committed checkpoints must lie under this directory; unset refuses every commit."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
+
+    runner: RunnerSettings = RunnerSettings()
+    aws: AwsSettings = AwsSettings()
+    gcp: GcpSettings = GcpSettings()
+    azure: AzureSettings = AzureSettings()
+    alibaba: AlibabaSettings = AlibabaSettings()
+    signal: SignalSettings = SignalSettings()
+    slurm: SlurmSettings = SlurmSettings()
+    zmq: ZmqSettings = ZmqSettings()
+    delivery: DeliverySettings = DeliverySettings()
+    metrics: MetricsSettings = MetricsSettings()
+    storage: StorageSettings = StorageSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
+
+    @property
+    def pub_endpoint(self) -> str:
+        return self.zmq.pub_endpoint or f"ipc://{self.runtime_dir}/events.sock"
+
+    @property
+    def request_endpoint(self) -> str:
+        return self.zmq.request_endpoint or f"ipc://{self.runtime_dir}/requests.sock"
+
+    @property
+    def storage_url(self) -> str:
+        return self.storage.url or f"file://{self.state_dir / 'durable'}"
+
+    @model_validator(mode="after")
+    def _loopback_only(self) -> "Settings":
+        for field in ("pub_endpoint", "request_endpoint"):
+            endpoint = getattr(self.zmq, field)
+            if endpoint and endpoint.startswith("tcp://") and not self.zmq.allow_remote:
+                host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+                if host not in ("127.0.0.1", "localhost", "[::1]", "::1"):
+                    raise ValueError(
+                        f"zmq.{field}: {endpoint} is not loopback; set zmq.allow_remote=true to allow it"
+                    )
+        if self.metrics.enabled and self.metrics.host not in ("127.0.0.1", "localhost", "::1") \
+                and not self.zmq.allow_remote:
+            raise ValueError(f"metrics.host: {self.metrics.host} is not loopback; set zmq.allow_remote=true to allow it")
+        return self
+
+
+def _one_line(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "settings"
+    msg = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    shown = "" if isinstance(value, (dict, list)) or value is None else f" (got {str(value)[:80]!r})"
+    more = f" [and {len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
+    return f"{where}: {msg}{shown}{more}"
+
+
+def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings from every source. ``config=None`` uses the default file when it exists.
+
+    Raises :class:`SettingsError` with one line naming the bad setting.
+    """
+    if config is None and DEFAULT_CONFIG_PATH.is_file():
+        config = DEFAULT_CONFIG_PATH
+    if config is not None:
+        if not config.is_file():
+            raise SettingsError(f"--config: {config}: no such file")
+        try:
+            import tomllib
+
+            tomllib.loads(config.read_text())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SettingsError(f"--config: {config}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"--config: {config}: not valid TOML: {exc}") from None
+    cls = type("Settings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": config}})
+    try:
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise SettingsError(_one_line(exc)) from None
+
+
+def redacted(settings: Settings) -> dict[str, Any]:
+    """The effective settings as JSON-able data, secrets shown as ``**********``."""
+    return settings.model_dump(mode="json")

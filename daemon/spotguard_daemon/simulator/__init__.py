@@ -1,0 +1,1 @@
+"""Faithful local metadata endpoints for AWS, GCP, Azure and Alibaba, with a control API."""

@@ -1,0 +1,1 @@
+"""One module per platform event source; see base.py for the protocol."""

@@ -1,0 +1,106 @@
+"""``spotguard cadence``: how often should this job checkpoint? The Young/Daly sum, shown step by step.
+
+A planning aid, not a daemon function: it reads no settings and touches no network. The formulas and
+the per-platform MTBF defaults live in :mod:`spotguard.cadence`; this module only parses, checks and
+prints. Invalid numbers exit with status 2 and one line on stderr (click's usage-error status).
+"""
+
+from __future__ import annotations
+
+import math
+
+import click
+
+from spotguard import cadence as _cadence
+
+__all__ = ["cadence"]
+
+
+def _number(name: str, raw: str | None, *, integer: bool = False) -> float | int | None:
+    """Parse ``raw`` as a finite number > 0 (an integer >= 1 if ``integer``), else exit 2."""
+    if raw is None:
+        return None
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        kind = "an integer >= 1" if integer else "a finite number > 0"
+        _fail(f"--{name} must be {kind}, got {raw!r}")
+    return value
+
+
+def _fail(message: str) -> None:
+    click.echo(f"spotguard cadence: error: {message}", err=True)
+    raise click.exceptions.Exit(2)
+
+
+def _duration(seconds: float) -> str:
+    """``805 s (13.4 min)``: seconds, plus the unit a human reads most easily."""
+    if seconds >= 2 * 3600:
+        return f"{seconds:.0f} s ({seconds / 3600:.1f} h)"
+    if seconds >= 120:
+        return f"{seconds:.0f} s ({seconds / 60:.1f} min)"
+    return f"{seconds:.1f} s"
+
+
+def _node_mtbf(mtbf_hours: float | None, platform: str | None) -> tuple[float, str]:
+    """The node MTBF in seconds and where it came from."""
+    if mtbf_hours is not None and platform is not None:
+        _fail("give --mtbf-hours or --platform, not both")
+    if mtbf_hours is not None:
+        return mtbf_hours * 3600, "--mtbf-hours"
+    if platform is not None:
+        if platform not in _cadence.NODE_MTBF_S:
+            _fail(f"--platform must be one of {', '.join(sorted(_cadence.NODE_MTBF_S))}, "
+                  f"got {platform!r}")
+        return _cadence.node_mtbf(platform), f"rough default for --platform {platform}"
+    return _cadence.DEFAULT_NODE_MTBF_S, "rough default for one spot GPU node (a guess)"
+
+
+@click.command("cadence")
+@click.option("--checkpoint-seconds", "checkpoint", required=True, metavar="C",
+              help="Seconds one checkpoint costs (blocking + persist).")
+@click.option("--mtbf-hours", "mtbf_hours", metavar="H", help="Measured MTBF of one node, hours.")
+@click.option("--platform", metavar="|".join(sorted(_cadence.NODE_MTBF_S)),
+              help="Use this platform's rough default node MTBF instead of --mtbf-hours.")
+@click.option("--nodes", default="1", show_default=True, metavar="N",
+              help="Nodes whose failure ends the job.")
+@click.option("--step-seconds", "step", metavar="S", help="Seconds per training step.")
+def cadence(checkpoint: str, mtbf_hours: str | None, platform: str | None, nodes: str,
+            step: str | None) -> None:
+    """Compute the optimum checkpoint interval (Young 1974, Daly 2006), step by step."""
+    c = _number("checkpoint-seconds", checkpoint)
+    node_s, source = _node_mtbf(_number("mtbf-hours", mtbf_hours), platform)
+    n = _number("nodes", nodes, integer=True)
+    step_s = _number("step-seconds", step)
+    m = _cadence.job_mtbf(node_s, n)
+    young, daly = _cadence.young_interval(m, c), _cadence.daly_interval(m, c)
+    for line in _explain(c, node_s, source, n, m, young, daly, step_s):
+        click.echo(line)
+
+
+def _explain(c: float, node_s: float, source: str, n: int, m: float, young: float, daly: float,
+             step_s: float | None) -> list[str]:
+    x = c / (2 * m)
+    lines = [
+        f"checkpoint cost  C = {_duration(c)}",
+        f"node MTBF          = {_duration(node_s)}  [{source}]",
+        f"job MTBF         M = node MTBF / nodes = {node_s:.6g} / {n} = {_duration(m)}",
+        f"Young (1974)     T = sqrt(2*M*C) = sqrt(2 * {m:.6g} * {c:.6g}) = {_duration(young)}",
+        f"Daly (2006)      x = C/(2M) = {x:.6f}",
+    ]
+    if x < 1:
+        lines.append(f"                 T = sqrt(2*M*C) * (1 + sqrt(x)/3 + x/9) - C = {_duration(daly)}")
+    else:
+        lines.append(f"                 C >= 2M, so T = M = {_duration(daly)}")
+        lines.append("warning: a checkpoint costs more than twice the MTBF; the job will rarely "
+                     "get past one: make saves cheaper or use fewer nodes")
+    waste = _cadence.expected_waste(daly, m, c)
+    if waste < 1:
+        lines.append(f"expected waste     ~ C/T + T/(2M) = {100 * waste:.1f} % of run time "
+                     "(Daly's T, first order)")
+    if step_s is not None:
+        steps_d, steps_y = _cadence.steps_between(daly, step_s), _cadence.steps_between(young, step_s)
+        lines.append(f"steps between saves = floor(T / {step_s:g} s): Daly {steps_d}, Young {steps_y}")
+    return lines

@@ -1,0 +1,194 @@
+"""The client's link to the local daemon: events over SUB, requests over one fresh REQ each.
+
+:class:`DaemonLink` is driven by its owner's background thread (:meth:`DaemonLink.poll`); it never
+starts a thread and never raises for a daemon that is absent, slow or restarting, because training
+must go on whether or not a daemon runs beside it. What it tracks:
+
+* **liveness**: the daemon is *alive* while heartbeats (or replies) keep arriving; after
+  ``dead_after`` heartbeat intervals of silence it is *gone* (logged once per transition).
+* **reconnects**: ZeroMQ reconnects the SUB socket by itself when the daemon comes back on the same
+  endpoint; a heartbeat from a new ``daemon_id`` (a restart) or the first one after silence makes
+  the link register again and ask for ``status``, so pending notices published while nobody
+  listened (the ZeroMQ "slow joiner" gap) are still learnt.
+
+Requests use a fresh REQ socket each (``linger=0``, short timeout): a REQ socket whose reply never
+came is stuck in its state machine, and a fresh one costs microseconds. Requests are thread-safe
+(the checkpointer's commit callback runs in its persist thread).
+
+Exceptions: none escape; a failed request returns ``None`` and is logged at debug level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from spotguard import _paths
+from spotguard.protocol import (
+    HeartbeatEvent,
+    Notice,
+    ProtocolError,
+    RegisterRequest,
+    Reply,
+    StatusRequest,
+    UnregisterRequest,
+    decode_event,
+    decode_reply,
+    encode,
+)
+
+__all__ = ["DaemonLink"]
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[Any], None]
+"""Receives each decoded event, and each pending notice learnt from ``status`` as a ``Notice``."""
+
+
+class DaemonLink:
+    """One process's connection to the daemon (see the module docstring for the contract)."""
+
+    def __init__(
+        self,
+        sink: EventSink,
+        *,
+        job_id: str = "",
+        rank: int = 0,
+        pub_endpoint: str | None = None,
+        request_endpoint: str | None = None,
+        request_timeout: float = 0.5,
+        dead_after: float = 3.0,
+    ) -> None:
+        self._sink = sink
+        self._job_id, self._rank = job_id, rank
+        self._request_endpoint = request_endpoint or _paths.request_endpoint()
+        self._timeout_ms = max(1, int(request_timeout * 1000))
+        self._dead_after = dead_after
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RCVHWM, 1000)
+        for topic in (b"notice", b"cancel", b"heartbeat"):
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sub.connect(pub_endpoint or _paths.pub_endpoint())
+        self._lock = threading.Lock()
+        self._daemon_id: str | None = None
+        self._last_seen = 0.0
+        self._interval = 1.0
+        self._alive = False
+        self._closed = False
+
+    @property
+    def alive(self) -> bool:
+        """True while the daemon answers or sends heartbeats."""
+        return self._alive
+
+    def connect(self) -> bool:
+        """Register this process and learn pending notices; False when no daemon answered."""
+        reply = self.request(RegisterRequest(pid=os.getpid(), rank=self._rank, job_id=self._job_id))
+        if reply is None or not reply.ok:
+            return False
+        status = self.request(StatusRequest())
+        for notice in _pending_notices(status):
+            self._sink(notice)
+        return True
+
+    def poll(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for events, pass them to the sink, update liveness."""
+        if self._closed:
+            time.sleep(timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and self._sub.poll(int(left * 1000) + 1):
+            self._receive_one()
+        self._check_silence()
+
+    def request(self, message: Any) -> Reply | None:
+        """Send one request and wait briefly for its reply; None when none came or it was invalid."""
+        if self._closed:
+            return None
+        sock = self._ctx.socket(zmq.REQ)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._request_endpoint)
+            sock.send(encode(message))
+            if not sock.poll(self._timeout_ms):
+                log.debug("daemon did not answer %s within %d ms", message.type, self._timeout_ms)
+                return None
+            reply = decode_reply(sock.recv())
+        except (zmq.ZMQError, ProtocolError) as exc:
+            log.debug("request %s failed: %s", message.type, exc)
+            return None
+        finally:
+            sock.close(linger=0)
+        self._mark_seen()
+        return reply
+
+    def close(self) -> None:
+        """Unregister (best effort, when the daemon is alive) and release the sockets."""
+        if self._closed:
+            return
+        if self._alive:
+            self.request(UnregisterRequest(pid=os.getpid()))
+        self._closed = True
+        self._sub.close(linger=0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ internals
+
+    def _receive_one(self) -> None:
+        try:
+            frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            event = decode_event(frames[-1])
+        except zmq.Again:
+            return
+        except (ProtocolError, IndexError) as exc:
+            log.warning("ignored an invalid event from the daemon: %s", exc)
+            return
+        if isinstance(event, HeartbeatEvent):
+            self._on_heartbeat(event)
+        else:
+            self._mark_seen()
+            self._sink(event)
+
+    def _on_heartbeat(self, beat: HeartbeatEvent) -> None:
+        self._interval = beat.interval
+        restarted = self._daemon_id is not None and beat.daemon_id != self._daemon_id
+        rejoined = not self._alive
+        self._daemon_id = beat.daemon_id
+        self._mark_seen()
+        if restarted:
+            log.info("daemon restarted (id %s); registering again", beat.daemon_id)
+        if restarted or rejoined:
+            self.connect()
+        self._sink(beat)
+
+    def _mark_seen(self) -> None:
+        with self._lock:
+            self._last_seen = time.monotonic()
+            if not self._alive:
+                log.info("daemon reachable at %s", self._request_endpoint)
+            self._alive = True
+
+    def _check_silence(self) -> None:
+        with self._lock:
+            silent = time.monotonic() - self._last_seen
+            if self._alive and silent > max(self._dead_after * self._interval, 0.5):
+                log.warning("daemon silent for %.1f s; training goes on, waiting for it", silent)
+                self._alive = False
+
+
+def _pending_notices(status: Reply | None) -> list[Notice]:
+    """The notices in a ``status`` reply's ``data["notices"]``; invalid entries are skipped."""
+    notices = []
+    for raw in (status.data.get("notices") or []) if status is not None and status.ok else []:
+        try:
+            notices.append(Notice.model_validate(raw))
+        except ValueError as exc:
+            log.warning("ignored an invalid pending notice in status: %s", exc)
+    return notices

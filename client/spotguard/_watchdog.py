@@ -1,0 +1,73 @@
+"""The forced-exit watchdog: a hung clean stop must not outlive the interruption's deadline.
+
+After a terminating notice, the training loop is expected to reach a step boundary, save, and exit
+on its own. A collective whose peer is already gone, a wedged data loader or a stuck file system can
+keep it from ever getting there, holding the accelerator until the platform's hard kill and leaving
+a launcher no way to tell "preempted" from "crashed". The watchdog is a daemon thread that, once
+armed, calls ``os._exit(code)`` at the armed instant unless disarmed first. ``os._exit`` skips
+``finally`` blocks and atexit handlers on purpose: those are what may be hung.
+
+Arming again keeps the earlier instant (a later notice never postpones an earlier deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+__all__ = ["Watchdog"]
+
+log = logging.getLogger(__name__)
+
+
+class Watchdog:
+    """Calls ``os._exit(code)`` at the armed ``time.monotonic()`` instant unless disarmed."""
+
+    def __init__(self, code: int) -> None:
+        self._code = code
+        self._cond = threading.Condition()
+        self._at: float | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def armed_at(self) -> float | None:
+        """The monotonic instant of the forced exit, or None while disarmed."""
+        return self._at
+
+    def arm(self, at: float) -> None:
+        """Force the exit at monotonic time ``at`` (or keep an earlier instant already armed)."""
+        with self._cond:
+            if self._at is not None and self._at <= at:
+                return
+            self._at = at
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="spotguard-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        log.info("forced exit armed in %.1f s", at - time.monotonic())
+
+    def disarm(self) -> None:
+        with self._cond:
+            if self._at is not None:
+                log.info("forced exit disarmed")
+            self._at = None
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                if self._at is None:
+                    self._cond.wait()
+                    continue
+                left = self._at - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        # No logging here: a hung main thread may hold a handler's or sys.stderr's lock.
+        message = f"spotguard: clean stop overran its deadline; forced exit {self._code}\n"
+        try:
+            os.write(2, message.encode())
+        finally:
+            os._exit(self._code)

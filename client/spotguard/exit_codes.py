@@ -1,0 +1,28 @@
+"""Exit statuses of a training process that stopped because of an interruption notice.
+
+Launchers decide whether to start the job again from its exit status, so the two outcomes of a
+notice get distinctive values that no ordinary crash produces:
+
+``EXIT_PREEMPTED = 75``
+    ``EX_TEMPFAIL`` from ``sysexits.h``, "temporary failure, try again". The process stopped cleanly
+    after a notice: the newest checkpoint is committed and the daemon was told the process is safe.
+    Requeue on it: a Slurm batch script (``[ $? -eq 75 ] && scontrol requeue $SLURM_JOB_ID``),
+    Kubernetes (``restartPolicy: OnFailure``, or a ``podFailurePolicy`` rule ``onExitCodes: [75]``),
+    torchrun (``--max-restarts``) and systemd (``RestartForceExitStatus=75``) all can.
+
+``EXIT_FORCED = 76``
+    The forced-exit watchdog ended the process because the clean stop did not finish before the
+    deadline (minus a margin): typically a collective that hangs because a peer is already gone.
+    The last committed checkpoint is still valid (commits are atomic); requeue on it as on 75, but
+    a recurring 76 points at a hang worth investigating.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EXIT_PREEMPTED", "EXIT_FORCED"]
+
+EXIT_PREEMPTED = 75
+"""A clean stop after a notice (``EX_TEMPFAIL``): restart the identical command to resume."""
+
+EXIT_FORCED = 76
+"""The watchdog forced the exit because the clean stop overran its deadline."""

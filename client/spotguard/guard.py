@@ -1,0 +1,281 @@
+"""The client's view of interruption notices: from the daemon, or from a signal, as one ``Notice``.
+
+A :class:`Guard` learns of an interruption in two ways, whichever comes first:
+
+* from the local daemon over ZeroMQ (:mod:`spotguard._daemon_client`), when one is reachable;
+* from ``SIGTERM`` or ``SIGUSR1`` sent to this process (Kubernetes, Slurm ``--signal``, RunPod,
+  ``docker stop``, or the daemon's own signal delivery). A signal becomes a *local* notice whose
+  deadline is ``signal_deadlines[signum]`` seconds after it arrived (``None``: no deadline).
+
+The signal handlers only append to a list; a background thread (and every read of :attr:`notice`)
+turns that into a notice. Nothing else happens in a handler: no I/O, no locks, no ``sys.exit``,
+because a handler runs between two bytecodes of whatever the main thread was doing.
+
+Contract:
+
+* :attr:`stop_requested` is True while a terminating notice is pending (advisory ones too when
+  ``stop_on_advisory``). The training loop checks it at step boundaries and stops cleanly.
+* Advisory notices (``terminating=False``, e.g. AWS rebalance) raise :attr:`checkpoint_requested`
+  once (when ``checkpoint_on_advisory``) so the loop can checkpoint early.
+* A ``cancel`` event removes its notice, unless :meth:`begin_stop` was already called: a stop
+  that began is finished.
+* Every stopping notice arms the forced-exit :class:`~spotguard._watchdog.Watchdog` at its deadline
+  minus ``force_exit_margin`` (``force_exit_timeout`` after it arrived when it has no deadline).
+* Training never fails because the daemon is absent or restarts: requests time out quickly and
+  report ``False``.
+
+Exceptions: none of its own; it raises only for invalid arguments (``ValueError``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any, Mapping
+
+from spotguard._daemon_client import DaemonLink
+from spotguard._watchdog import Watchdog
+from spotguard.exit_codes import EXIT_FORCED
+from spotguard.protocol import CancelEvent, CommitRequest, Kind, Notice, NoticeEvent, SafeRequest
+
+__all__ = ["Guard", "DEFAULT_SIGNAL_DEADLINES"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIGNAL_DEADLINES: Mapping[int, float | None] = {signal.SIGTERM: 30.0, signal.SIGUSR1: None}
+"""SIGTERM: Kubernetes' default grace period is 30 s. SIGUSR1: a stop request with no deadline."""
+
+
+class Guard:
+    """Watches for interruption notices in a background thread; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str = "",
+        rank: int | None = None,
+        daemon: bool = True,
+        pub_endpoint: str | None = None,
+        request_endpoint: str | None = None,
+        signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
+        stop_on_advisory: bool = False,
+        checkpoint_on_advisory: bool = True,
+        force_exit: bool = True,
+        force_exit_margin: float = 2.0,
+        force_exit_timeout: float = 120.0,
+        request_timeout: float = 0.5,
+    ) -> None:
+        if force_exit_margin < 0 or force_exit_timeout <= 0:
+            raise ValueError("force_exit_margin must be >= 0 and force_exit_timeout > 0")
+        self.job_id = job_id
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self._signal_deadlines = dict(signal_deadlines)
+        self._stop_on_advisory, self._checkpoint_on_advisory = stop_on_advisory, checkpoint_on_advisory
+        self._margin, self._timeout = force_exit_margin, force_exit_timeout
+        self._watchdog = Watchdog(EXIT_FORCED) if force_exit else None
+        self._lock = threading.RLock()
+        self._notices: dict[str, Notice] = {}
+        self._force_at: dict[str, float] = {}
+        self._checkpoint_ids: set[str] = set()
+        self._signals: list[tuple[int, float]] = []
+        self._signal_count = 0
+        self._stopping = False
+        self._previous: dict[int, Any] = {}
+        self._closed = threading.Event()
+        self._link = None
+        if daemon:
+            self._link = DaemonLink(self._on_event, job_id=job_id, rank=self.rank,
+                                    pub_endpoint=pub_endpoint, request_endpoint=request_endpoint,
+                                    request_timeout=request_timeout)
+            self._link.connect()
+        self._install_handlers()
+        self._thread = threading.Thread(target=self._loop, name="spotguard-guard", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def notice(self) -> Notice | None:
+        """The most urgent pending notice: terminating first, then the earliest deadline."""
+        self._take_signals()
+        with self._lock:
+            if not self._notices:
+                return None
+            return min(self._notices.values(), key=_urgency)
+
+    @property
+    def stop_requested(self) -> bool:
+        """True while a notice asks this process to stop (see ``stop_on_advisory``)."""
+        self._take_signals()
+        with self._lock:
+            return any(self._stops(n) for n in self._notices.values())
+
+    @property
+    def checkpoint_requested(self) -> bool:
+        """True after an advisory notice, until :meth:`clear_checkpoint_request`."""
+        with self._lock:
+            return bool(self._checkpoint_ids)
+
+    def clear_checkpoint_request(self) -> None:
+        with self._lock:
+            self._checkpoint_ids.clear()
+
+    @property
+    def daemon_alive(self) -> bool:
+        return self._link is not None and self._link.alive
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the most urgent notice's deadline; None without a notice or a deadline."""
+        notice = self.notice
+        return None if notice is None else notice.seconds_left()
+
+    def begin_stop(self) -> None:
+        """Mark the clean stop as begun: from now on a cancel no longer clears the notice."""
+        with self._lock:
+            self._stopping = True
+
+    # ------------------------------------------------------------------ reports to the daemon
+
+    def report_safe(self) -> bool:
+        """Tell the daemon this process is safe for the pending notices; False if none answered."""
+        ids = [n.id for n in self._notices.values() if n.platform != "local"][:64]
+        return self._request(SafeRequest(pid=os.getpid(), notice_ids=ids))
+
+    def report_commit(self, info: Any) -> bool:
+        """Tell the daemon a checkpoint was committed (a ``CommitInfo``); False if none answered."""
+        files = info.files if isinstance(info.files, int) else len(info.files)
+        return self._request(CommitRequest(
+            pid=os.getpid(), job_id=self.job_id, path=str(info.path), step=info.step,
+            size_bytes=int(info.size_bytes or 0), files=files))
+
+    def _request(self, message: Any) -> bool:
+        if self._link is None or not self._link.alive:
+            return False
+        reply = self._link.request(message)
+        return reply is not None and reply.ok
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self, *, disarm: bool = True) -> None:
+        """Stop the thread, unregister, restore the previous signal handlers.
+
+        ``disarm=False`` leaves the forced-exit watchdog armed: a clean stop calls it so that a
+        hang after the guard closed (a collective in a ``finally``) is still bounded.
+        """
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._thread.join(timeout=5)
+        if self._link is not None:
+            self._link.close()
+        self._restore_handlers()
+        if disarm and self._watchdog is not None:
+            self._watchdog.disarm()
+
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                if self._link is not None:
+                    self._link.poll(0.05)
+                else:
+                    self._closed.wait(0.05)
+                self._take_signals()
+            except Exception:  # noqa: BLE001 - the guard must never die silently mid-run
+                log.exception("spotguard guard loop error; continuing")
+                self._closed.wait(0.5)
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("Guard created outside the main thread: no signal handlers installed")
+            return
+        for signum in self._signal_deadlines:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _restore_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals.append((signum, time.time()))  # the only thing a handler does
+
+    def _take_signals(self) -> None:
+        while self._signals:
+            with self._lock:
+                try:
+                    signum, at = self._signals.pop(0)
+                except IndexError:  # the other thread took it
+                    return
+                self._signal_count += 1
+            grace = self._signal_deadlines.get(signum)
+            received = datetime.fromtimestamp(at, timezone.utc)
+            self._add_notice(Notice(
+                id=f"local:{signal.Signals(signum).name}:{self._signal_count}", platform="local",
+                kind=Kind.SIGNAL, received_at=received, source="signal",
+                deadline=None if grace is None else received + timedelta(seconds=grace),
+                detail=f"{signal.Signals(signum).name} received by pid {os.getpid()}"))
+
+    def _on_event(self, event: Any) -> None:
+        if isinstance(event, Notice):
+            self._add_notice(event)
+        elif isinstance(event, NoticeEvent):
+            self._add_notice(event.notice)
+        elif isinstance(event, CancelEvent):
+            self._cancel(event.id, event.reason)
+
+    def _stops(self, notice: Notice) -> bool:
+        return notice.terminating or self._stop_on_advisory
+
+    def _add_notice(self, notice: Notice) -> None:
+        with self._lock:
+            if notice.id in self._notices:
+                return
+            self._notices[notice.id] = notice
+            left = notice.seconds_left()
+            log.warning("interruption notice %s (%s, %s): %s", notice.id, notice.kind.value,
+                        "no deadline" if left is None else f"{left:.1f} s left", notice.detail)
+            if self._stops(notice):
+                grace = self._timeout if left is None else left - self._margin
+                self._force_at[notice.id] = time.monotonic() + max(grace, 1.0)
+                self._rearm()
+            elif self._checkpoint_on_advisory:
+                self._checkpoint_ids.add(notice.id)
+
+    def _cancel(self, notice_id: str, reason: str) -> None:
+        with self._lock:
+            if notice_id not in self._notices:
+                return
+            if self._stopping:
+                log.info("notice %s cancelled after the stop began; stopping anyway", notice_id)
+                return
+            log.warning("notice %s cancelled (%s)", notice_id, reason or "no reason given")
+            del self._notices[notice_id]
+            self._force_at.pop(notice_id, None)
+            self._checkpoint_ids.discard(notice_id)
+            self._rearm()
+
+    def _rearm(self) -> None:
+        if self._watchdog is None:
+            return
+        self._watchdog.disarm()
+        if self._force_at:
+            self._watchdog.arm(min(self._force_at.values()))
+
+
+def _urgency(notice: Notice) -> tuple[bool, bool, datetime]:
+    far = datetime.max.replace(tzinfo=timezone.utc)
+    return (not notice.terminating, notice.deadline is None, notice.deadline or far)

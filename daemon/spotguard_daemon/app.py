@@ -1,0 +1,288 @@
+"""The daemon: builds every part from the settings and runs them on one asyncio loop.
+
+Parts and their wiring (sources produce, the store decides, actions act)::
+
+    Runner(watcher) --snapshot--> NoticeStore --announce/cancel--> Server.publish (PUB)
+    signal / notify --add-------->            +--announce---------> Delivery (signal, hook, webhook)
+    Server (ROUTER) --> RequestHandler --> store (safe), on_commit hook (storage engine)
+
+Life cycle: lock the runtime directory, serve metrics, bind the sockets, re-announce the notices a
+previous run left pending, start one task per runner plus the request, heartbeat and housekeeping
+loops, then tell systemd ``READY=1``. The first SIGTERM/SIGINT raises a ``signal`` notice due in
+``signal.grace`` seconds; the daemon keeps serving until every registered client reported safe for
+it (or unregistered, or died) or the grace passed, then exits 0. A second signal exits at once.
+
+A platform that cannot be reached never stops the daemon: the runners back off and count errors.
+
+Exceptions: :class:`~spotguard_daemon.server.ServerError` (sockets or runtime directory unusable)
+and ``OSError`` (metrics port taken) escape :meth:`Daemon.run` at start-up; nothing escapes later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import httpx
+from spotguard import __version__
+from spotguard.protocol import CancelEvent, CommitRequest, Notice, NoticeEvent, utcnow
+
+from spotguard_daemon import systemd
+from spotguard_daemon.delivery import Delivery
+from spotguard_daemon.handlers import RequestHandler
+from spotguard_daemon.metrics import Metrics
+from spotguard_daemon.server import Server, lock_runtime_dir
+from spotguard_daemon.settings import Settings
+from spotguard_daemon.store import NoticeStore
+from spotguard_daemon.watchers import signal as signal_source
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger(__name__)
+
+HOUSEKEEPING_SECONDS = 0.5
+
+
+class Daemon:
+    """One daemon process. ``watchers`` overrides detection (tests); ``registry`` the metrics'."""
+
+    def __init__(self, settings: Settings, *, watchers: list | None = None, registry=None) -> None:
+        self.settings = settings
+        self.daemon_id = uuid.uuid4().hex[:12]
+        self.started_at = utcnow()
+        self.platform = settings.platform
+        self.metrics = Metrics(registry)
+        self.metrics_port: int | None = None
+        self.store = NoticeStore(settings.state_dir / "notices.json")
+        self.uploads: Callable[[], dict[str, Any]] = lambda: {"state": "not configured"}
+        """Upload queue state for ``status``; the storage engine replaces it."""
+        self.handler = RequestHandler(self.store, platform=self.platform,
+                                      checkpoint_root=settings.checkpoint_root, info=self.info,
+                                      on_change=self._clients_changed)
+        self.server = Server(pub_endpoint=settings.pub_endpoint,
+                             request_endpoint=settings.request_endpoint, handler=self.handler,
+                             pending_ids=lambda: [n.id for n in self.store.pending()],
+                             daemon_id=self.daemon_id,
+                             max_message_bytes=settings.zmq.max_message_bytes,
+                             heartbeat_interval=settings.zmq.heartbeat_interval,
+                             observe=self.metrics.request_served)
+        self._watchers = watchers
+        self._ackable: dict[str, Any] = {}
+        self._acked: set[str] = set()
+        self._signal_notice: Notice | None = None
+        self._force = False
+        self._restoring = False
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def on_commit(self) -> Callable[[CommitRequest, Path], None]:
+        return self.handler.on_commit
+
+    @on_commit.setter
+    def on_commit(self, hook: Callable[[CommitRequest, Path], None]) -> None:
+        """Where accepted commits go: ``hook(request, resolved_path)``, called on the loop."""
+        self.handler.on_commit = hook
+
+    def info(self) -> dict[str, Any]:
+        metrics = f"http://{self.settings.metrics.host}:{self.metrics_port}/metrics" \
+            if self.metrics_port is not None else None
+        return {"daemon_id": self.daemon_id, "version": __version__, "pid": os.getpid(),
+                "platform": self.platform, "started_at": self.started_at.isoformat(),
+                "pub_endpoint": self.server.pub_endpoint,
+                "request_endpoint": self.server.request_endpoint, "metrics": metrics,
+                "draining": self._signal_notice is not None, "uploads": self.uploads()}
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self) -> int:
+        """Run until stopped by a signal (or :meth:`stop`); return the exit status."""
+        lock = lock_runtime_dir(self.settings.runtime_dir)
+        try:
+            async with httpx.AsyncClient(trust_env=False) as metadata_http, \
+                    httpx.AsyncClient(timeout=self.settings.delivery.timeout) as webhook_http:
+                return await self._run(metadata_http, webhook_http)
+        finally:
+            os.close(lock)
+
+    async def _run(self, metadata_http: httpx.AsyncClient, webhook_http: httpx.AsyncClient) -> int:
+        self._stop = asyncio.Event()
+        self._changed = asyncio.Event()
+        self.delivery = Delivery(self.settings.delivery, self.handler.signallable_pids,
+                                 http=webhook_http, outcome=self.metrics.delivered)
+        watchers = self._start_watching(metadata_http)
+        self._start_serving()
+        self._install_signal_handlers()
+        runners = [self._runner(w) for w in watchers]
+        for coro in [self.server.serve(), self.server.heartbeats(), self._housekeeping(), *runners]:
+            self._spawn(coro)
+        systemd.notify("READY=1")
+        log.info("spotguard daemon %s ready (platform %s, %d watchers)", __version__, self.platform,
+                 len(watchers))
+        try:
+            await self._until_done()
+        finally:
+            await self._shutdown(watchers)
+        return 0
+
+    def _start_watching(self, http: httpx.AsyncClient) -> list:
+        """Resolve ``auto`` to a platform and build its watchers (unless given to the constructor)."""
+        try:
+            from spotguard_daemon.watchers import detect
+        except ImportError as exc:  # the watchers package is optional for --platform none
+            detect = None
+            log.debug("no platform detection available: %s", exc)
+        if self.platform == "auto":
+            self.platform = detect.detect_platform(self.settings) if detect else "none"
+        self.handler.platform = self.platform
+        watchers = self._watchers
+        if watchers is None:
+            watchers = detect.build_watchers(self.settings, http, self.platform) if detect else []
+        if self.settings.azure.acknowledge:
+            self._ackable = {w.name: w for w in watchers if hasattr(w, "acknowledge")}
+        return watchers
+
+    def _start_serving(self) -> None:
+        self.metrics.set_info(__version__, self.platform)
+        self.metrics.track_deadline(self.store.pending)
+        if self.settings.metrics.enabled:
+            self.metrics_port = self.metrics.serve(self.settings.metrics.host, self.settings.metrics.port)
+        self.server.bind()
+        self.store.on_announce(self._announce)
+        self.store.on_cancel(self._cancel)
+        self._restoring = True
+        try:
+            self.store.restore()
+        finally:
+            self._restoring = False
+
+    def _runner(self, watcher) -> Awaitable[None]:
+        from spotguard_daemon.watchers.runner import Runner
+
+        return Runner(watcher, self.store, self.settings.runner, self.metrics).run()
+
+    def _spawn(self, coro: Awaitable) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("daemon task failed: %r", task.exception(), exc_info=task.exception())
+
+    # ------------------------------------------------------------------ notices
+
+    def _announce(self, notice: Notice) -> None:
+        self.server.publish(NoticeEvent(notice=notice))
+        self.metrics.notice_published(notice, latency=not self._restoring)
+        log.warning("notice %s: %s on %s, deadline %s (%s)", notice.id, notice.kind.value,
+                    notice.platform, notice.deadline.isoformat() if notice.deadline else "unknown",
+                    notice.detail or notice.source)
+        self.delivery.deliver(notice)
+
+    def _cancel(self, notice: Notice, reason: str) -> None:
+        self.server.publish(CancelEvent(id=notice.id, reason=reason))
+
+    def _clients_changed(self) -> None:
+        if hasattr(self, "_changed"):
+            self._changed.set()
+            self._acknowledge_ready()
+
+    def _all_safe(self, notice_id: str, *, need_one: bool = False) -> bool:
+        clients = self.handler.live_clients()
+        safe = self.store.safe_pids(notice_id)
+        return (bool(clients) or not need_one) and all(c.pid in safe for c in clients)
+
+    def _acknowledge_ready(self) -> None:
+        """Start Azure events early once every client is safe (at least one), or at the deadline."""
+        for notice in self.store.pending():
+            watcher = self._ackable.get(notice.source)
+            if watcher is None or notice.id in self._acked:
+                continue
+            left = notice.seconds_left()
+            if (left is not None and left <= 0) or self._all_safe(notice.id, need_one=True):
+                self._acked.add(notice.id)
+                self._spawn(self._acknowledge(watcher, notice))
+
+    async def _acknowledge(self, watcher, notice: Notice) -> None:
+        raw = notice.raw if isinstance(notice.raw, dict) else {}
+        event_id = raw.get("EventId") or notice.id
+        try:
+            await watcher.acknowledge([event_id])
+            log.info("acknowledged event %s", event_id)
+        except Exception as exc:  # the platform's fault must not stop the daemon
+            log.warning("acknowledging event %s failed: %s", event_id, exc)
+
+    # ------------------------------------------------------------------ housekeeping and stop
+
+    async def _housekeeping(self) -> None:
+        watchdog = systemd.watchdog_interval()
+        loop = asyncio.get_running_loop()
+        next_ping = loop.time()
+        while True:
+            self.store.expire()
+            self.metrics.clients.set(len(self.handler.live_clients()))
+            self._acknowledge_ready()
+            if watchdog is not None and loop.time() >= next_ping:
+                systemd.notify("WATCHDOG=1")
+                next_ping = loop.time() + watchdog
+            await asyncio.sleep(min(HOUSEKEEPING_SECONDS, watchdog or HOUSEKEEPING_SECONDS))
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in signal_source.HANDLED:
+            loop.add_signal_handler(signum, self._on_signal, signum)
+
+    def _on_signal(self, signum: int) -> None:
+        if self._signal_notice is not None or self._force:
+            log.warning("second signal: exiting now")
+            self._force = True
+            self._changed.set()
+            return
+        notice = signal_source.signal_notice(signum, grace=self.settings.signal.grace,
+                                             platform=self.platform)
+        self._signal_notice = notice
+        self.store.add(notice, ephemeral=True)
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Exit without a notice and without waiting for clients (embedding, tests)."""
+        self._force = True
+        self._stop.set()
+        self._changed.set()
+
+    async def _until_done(self) -> None:
+        await self._stop.wait()
+        notice = self._signal_notice
+        while notice is not None and not self._force:
+            left = notice.seconds_left() or 0.0
+            if self._all_safe(notice.id):
+                log.info("every registered client is safe; stopping")
+                return
+            if left <= 0:
+                log.warning("signal grace of %gs passed; stopping", self.settings.signal.grace)
+                return
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(left, HOUSEKEEPING_SECONDS))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _shutdown(self, watchers: list) -> None:
+        systemd.notify("STOPPING=1")
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.delivery.drain(timeout=2.0)
+        for watcher in watchers:
+            try:
+                await watcher.aclose()
+            except Exception as exc:
+                log.debug("closing watcher %s: %s", getattr(watcher, "name", watcher), exc)
+        self.server.close()
+        self.metrics.close()
+        log.info("spotguard daemon stopped")

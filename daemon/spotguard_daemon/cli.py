@@ -1,0 +1,201 @@
+"""The ``spotguard`` command: run the daemon, ask it for status, inject a notice, run a simulator.
+
+Exit statuses: 0 success; 1 the daemon is unreachable or failed at start-up (one line on stderr);
+2 invalid settings or usage (one line on stderr naming the setting or option, no traceback).
+
+The group imports little (click and the settings model), so ``spotguard --help`` and the commands
+that other parts add stay quick; each command imports what it needs when it runs. Other parts add
+their commands at the bottom (``main.add_command(...)``).
+
+Exceptions: none escape; see the exit statuses.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from spotguard_daemon.settings import Settings, SettingsError, load_settings, redacted
+
+__all__ = ["main", "request"]
+
+PLATFORMS = ("aws", "gcp", "azure", "alibaba")
+
+
+def _fail(status: int, message: str) -> None:
+    click.echo(f"spotguard: {message}", err=True)
+    sys.exit(status)
+
+
+def _settings(config: str | None, **overrides: Any) -> Settings:
+    try:
+        return load_settings(Path(config) if config else None, **overrides)
+    except SettingsError as exc:
+        _fail(2, str(exc))
+
+
+def request(endpoint: str, message: Any, timeout: float) -> Any:
+    """Send one request to the daemon and return its :class:`Reply`, or None after ``timeout``."""
+    import zmq
+    from spotguard.protocol import ProtocolError, decode_reply, encode
+
+    with zmq.Context() as ctx, ctx.socket(zmq.REQ) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(encode(message))
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        try:
+            return decode_reply(sock.recv())
+        except ProtocolError as exc:
+            _fail(1, f"the daemon at {endpoint} sent an invalid reply: {exc}")
+
+
+class _Group(click.Group):
+    """A group whose usage errors are one line on stderr with exit status 2."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> None:
+        try:
+            super().main(args=args, prog_name=prog_name or "spotguard", standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            where = f"{exc.ctx.command_path}: " if exc.ctx else ""
+            _fail(2, f"{where}{exc.format_message()}")
+        except click.ClickException as exc:
+            _fail(exc.exit_code, exc.format_message())
+        except click.Abort:
+            _fail(1, "aborted")
+        sys.exit(0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """spotguard: ride spot and preemptible machines without losing training work."""
+
+
+config_option = click.option("--config", metavar="PATH", help="TOML settings file "
+                             "(default /etc/spotguard/spotguard.toml when present).")
+
+
+@main.command()
+@config_option
+@click.option("--platform", metavar="NAME", help="auto, aws, gcp, azure, alibaba or none.")
+@click.option("--runtime-dir", metavar="DIR", help="Directory of the sockets (made 0700).")
+@click.option("--state-dir", metavar="DIR", help="Directory of pending notices and upload state.")
+@click.option("--checkpoint-root", metavar="DIR", help="Commits must lie under this directory.")
+@click.option("--metrics-port", metavar="PORT", help="Port of /metrics (0: any free port).")
+@click.option("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR.")
+@click.option("--print-config", is_flag=True, help="Print the effective settings as JSON and exit.")
+def daemon(config: str | None, metrics_port: str | None, print_config: bool, **flags: Any) -> None:
+    """Run the node daemon in the foreground (systemd, a container, a terminal)."""
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    if metrics_port is not None:
+        overrides["metrics"] = {"port": metrics_port}
+    settings = _settings(config, **overrides)
+    if print_config:
+        click.echo(json.dumps(redacted(settings), indent=2))
+        return
+    _run_daemon(settings)
+
+
+def _run_daemon(settings: Settings) -> None:
+    import asyncio
+
+    from spotguard_daemon import logs
+    from spotguard_daemon.app import Daemon
+    from spotguard_daemon.server import ServerError
+
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        sys.exit(asyncio.run(Daemon(settings).run()))
+    except (ServerError, OSError) as exc:
+        _fail(1, f"cannot start: {exc}")
+
+
+@main.command()
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon's status reply as JSON.")
+@click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon.")
+def status(config: str | None, as_json: bool, timeout: float) -> None:
+    """Show the daemon's pending notices and clients; exit 1 when it does not answer."""
+    from spotguard.protocol import StatusRequest
+
+    endpoint = _settings(config).request_endpoint
+    reply = request(endpoint, StatusRequest(), timeout)
+    if reply is None:
+        _fail(1, f"no daemon answered on {endpoint} within {timeout:g} s")
+    if as_json:
+        click.echo(json.dumps(reply.data, indent=2))
+    else:
+        click.echo(_human_status(reply.data))
+
+
+def _human_status(data: dict[str, Any]) -> str:
+    from spotguard.protocol import Notice
+
+    lines = [f"spotguard daemon {data.get('version')} pid {data.get('pid')} platform "
+             f"{data.get('platform')}, up since {data.get('started_at')}"
+             + (" (stopping)" if data.get("draining") else "")]
+    notices = [Notice.model_validate(n) for n in data.get("notices", [])]
+    lines.append(f"pending notices: {len(notices) or 'none'}")
+    for notice in notices:
+        left = notice.seconds_left()
+        due = "no deadline" if left is None else f"deadline in {left:.0f} s"
+        safe = data.get("safe", {}).get(notice.id, [])
+        lines.append(f"  {notice.id}  {notice.kind.value}  {due}  safe pids: {safe or '-'}")
+    clients = data.get("clients", [])
+    lines.append(f"clients: {len(clients) or 'none'}")
+    lines += [f"  pid {c['pid']} rank {c['rank']} job {c['job_id'] or '-'}" for c in clients]
+    lines.append(f"metrics: {data.get('metrics') or 'off'}")
+    return "\n".join(lines)
+
+
+@main.command()
+@config_option
+@click.option("--kind", default="drill", show_default=True,
+              type=click.Choice(["drill", "preempt", "terminate", "stop", "walltime", "maintenance",
+                                 "rebalance", "signal"]), help="Kind of the notice.")
+@click.option("--deadline", type=click.FloatRange(0, 7 * 24 * 3600), metavar="SECONDS",
+              help="Seconds from now until the interruption (none: no deadline).")
+@click.option("--detail", default="", help="Free text shown to the clients.")
+@click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon.")
+def notify(config: str | None, kind: str, deadline: float | None, detail: str, timeout: float) -> None:
+    """Inject a manual notice (a drill, or a scripted stop) into the daemon."""
+    from spotguard.protocol import Kind, NotifyRequest
+
+    endpoint = _settings(config).request_endpoint
+    reply = request(endpoint, NotifyRequest(kind=Kind(kind), deadline_seconds=deadline,
+                                            detail=detail), timeout)
+    if reply is None:
+        _fail(1, f"no daemon answered on {endpoint} within {timeout:g} s")
+    if not reply.ok:
+        _fail(1, f"the daemon refused: {reply.error}")
+    click.echo(reply.data["notice"]["id"])
+
+
+@main.command()
+@click.argument("platform", type=click.Choice(PLATFORMS))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535),
+              help="0 picks a free port; the URL is printed on the first line.")
+def simulate(platform: str, host: str, port: int) -> None:
+    """Serve a local metadata endpoint that imitates PLATFORM, with a control API."""
+    from spotguard_daemon.simulator import serve
+
+    serve(platform, host, port)
+
+
+@main.command()
+def version() -> None:
+    """Print the version."""
+    from spotguard import __version__
+
+    click.echo(f"spotguard {__version__}")
+
+
+# ---------------------------------------------------------------- commands of other parts
+# Each part adds its command here, one line each, importing lazily inside the command, e.g.:
+# from spotguard_daemon.cadence import cadence_command; main.add_command(cadence_command, "cadence")

@@ -1,0 +1,104 @@
+"""Prometheus metrics of the daemon, in a registry of its own (tests build a fresh one each).
+
+Names carry their unit and counters end in ``_total``; labels take small fixed value sets (a platform,
+a kind, a watcher name, a poll outcome), never a notice id. :class:`Metrics` also implements the
+watchers' :class:`~spotguard_daemon.watchers.base.PollObserver`, so the runner reports every poll here.
+
+``spotguard_notice_deadline_seconds`` is computed at scrape time from the pending notices: seconds
+until the nearest deadline, negative once passed, NaN when nothing with a deadline is pending (so an
+alert such as ``spotguard_notice_deadline_seconds < 60`` stays quiet).
+
+Exceptions: none; the HTTP endpoint's bind error (``OSError``) reaches the caller of :meth:`serve`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from spotguard.protocol import Notice, utcnow
+
+__all__ = ["Metrics"]
+
+log = logging.getLogger(__name__)
+
+_POLL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    """Every metric of the daemon, registered in ``registry`` (a fresh one when not given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.notices = Counter("spotguard_notices_total", "Notices announced, by platform and kind.",
+                               ["platform", "kind"], registry=r)
+        self.polls = Counter("spotguard_poll_requests_total", "Watcher polls, by source and outcome.",
+                             ["source", "outcome"], registry=r)
+        self.poll_seconds = Histogram("spotguard_poll_duration_seconds", "Duration of one poll.",
+                                      ["source"], buckets=_POLL_BUCKETS, registry=r)
+        self.deadline = Gauge("spotguard_notice_deadline_seconds",
+                              "Seconds until the nearest pending deadline (NaN when none).", registry=r)
+        self.latency = Histogram("spotguard_notice_delivery_latency_seconds",
+                                 "Seconds from a notice's detection to its publication to clients.",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.clients = Gauge("spotguard_clients_connected", "Registered client processes.", registry=r)
+        self.info = Gauge("spotguard_daemon_info", "Constant 1, labelled with the daemon's version "
+                          "and platform.", ["version", "platform"], registry=r)
+        self.requests = Counter("spotguard_requests_total", "Requests served, by type and outcome.",
+                                ["type", "outcome"], registry=r)
+        self.deliveries = Counter("spotguard_deliveries_total", "Notice deliveries beside the sockets, "
+                                  "by channel (signal, hook, webhook) and outcome.",
+                                  ["channel", "outcome"], registry=r)
+        self.deadline.set(math.nan)
+        self._server = None
+
+    def set_info(self, version: str, platform: str) -> None:
+        self.info.clear()
+        self.info.labels(version=version, platform=platform).set(1)
+
+    def track_deadline(self, pending: Callable[[], Iterable[Notice]]) -> None:
+        """Compute the deadline gauge from ``pending()`` at every scrape."""
+        def nearest() -> float:
+            left = [n.seconds_left(utcnow()) for n in pending() if n.deadline is not None]
+            return min(left) if left else math.nan
+        self.deadline.set_function(nearest)
+
+    # ------------------------------------------------------------------ observers
+
+    def poll_done(self, watcher: object, outcome: str, seconds: float) -> None:
+        """The :class:`PollObserver` hook: count the poll and time it."""
+        source = getattr(watcher, "name", str(watcher))
+        self.polls.labels(source=source, outcome=outcome).inc()
+        self.poll_seconds.labels(source=source).observe(seconds)
+
+    def notice_published(self, notice: Notice, latency: bool = True) -> None:
+        """Count a notice and record its detection-to-publication latency (not for re-announced
+        notices restored from a previous run, whose detection lies before this process)."""
+        self.notices.labels(platform=notice.platform, kind=notice.kind.value).inc()
+        if latency:
+            self.latency.observe(max(0.0, (utcnow() - notice.received_at).total_seconds()))
+
+    def request_served(self, kind: str, ok: bool) -> None:
+        self.requests.labels(type=kind, outcome="ok" if ok else "error").inc()
+
+    def delivered(self, channel: str, ok: bool) -> None:
+        self.deliveries.labels(channel=channel, outcome="ok" if ok else "error").inc()
+
+    # ------------------------------------------------------------------ endpoint
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` in a thread; return the port bound (for port 0)."""
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._server.server_port
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,228 @@
+"""The notice store: the one place that decides what is new, what was cancelled, and who is safe.
+
+Sources come in two shapes. Polled watchers hand over *snapshots* (:meth:`NoticeStore.reconcile`):
+an id not seen before is announced, an id this source listed last time and no longer lists is
+cancelled, and an id seen again changes nothing (its first ``received_at`` is kept, so latency
+figures and deadlines do not drift with every poll). Push sources (a signal, a manual ``notify``)
+use :meth:`NoticeStore.add` and :meth:`NoticeStore.cancel`.
+
+Pending notices are persisted to ``<state_dir>/notices.json`` after every change, written atomically
+(temporary file, fsync, ``os.replace``, fsync of the directory, mode 0600), so a daemon that restarts
+while a notice is pending announces it again to the clients that reconnect. Notices whose deadline
+passed more than ``stale_after`` seconds ago are dropped on load and by :meth:`NoticeStore.expire`.
+
+Listeners are plain callables, called synchronously in the order they were added; one that raises
+is logged and does not stop the others (a broken webhook must not hide a notice from the clients).
+
+Exceptions: none of its own; a state file that cannot be read is logged and ignored, one that
+cannot be written is logged (the notice is still delivered, only not remembered across restarts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from pydantic import ValidationError
+from spotguard.protocol import Notice, utcnow
+
+__all__ = ["NoticeStore", "Entry", "write_private_atomic"]
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+AnnounceListener = Callable[[Notice], None]
+CancelListener = Callable[[Notice, str], None]
+
+
+@dataclass
+class Entry:
+    """A pending notice and the pids that reported being safe for it."""
+
+    notice: Notice
+    safe: set[int] = field(default_factory=set)
+    ephemeral: bool = False
+    """Not written to the state file (the daemon's own SIGTERM notice)."""
+
+
+def write_private_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves the old or the new file, never half.
+
+    The file is created 0600 (it may name jobs and paths), flushed to disk before the rename, and
+    the directory is fsynced after it so the rename itself survives a power cut.
+    """
+    path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class NoticeStore:
+    """Pending notices by id, with per-source snapshots, listeners, persistence and safe tracking."""
+
+    def __init__(self, path: Path | None = None, *, stale_after: float = 3600.0,
+                 clock: Callable[[], datetime] = utcnow) -> None:
+        self._path = path
+        self._stale_after = timedelta(seconds=stale_after)
+        self._clock = clock
+        self._entries: dict[str, Entry] = {}
+        self._snapshots: dict[str, set[str]] = {}
+        self._on_announce: list[AnnounceListener] = []
+        self._on_cancel: list[CancelListener] = []
+
+    # ------------------------------------------------------------------ listeners
+
+    def on_announce(self, listener: AnnounceListener) -> None:
+        self._on_announce.append(listener)
+
+    def on_cancel(self, listener: CancelListener) -> None:
+        self._on_cancel.append(listener)
+
+    def _emit(self, listeners: Iterable[Callable], *args: object) -> None:
+        for listener in listeners:
+            try:
+                listener(*args)
+            except Exception:
+                log.exception("notice listener %r failed", listener)
+
+    # ------------------------------------------------------------------ sources
+
+    def reconcile(self, source: str, notices: Sequence[Notice]) -> None:
+        """Apply one snapshot from a polled source: announce new ids, cancel vanished ones."""
+        current = {n.id: n for n in notices}
+        previous = self._snapshots.get(source, set())
+        self._snapshots[source] = set(current)
+        gone = [i for i in previous - set(current) if self._remove(i, f"{source}: no longer pending")]
+        new = [n for i, n in current.items() if i not in self._entries]
+        for notice in new:
+            self._entries[notice.id] = Entry(notice)
+        if gone or new:
+            self._persist()
+        for notice in new:
+            self._emit(self._on_announce, notice)
+
+    def add(self, notice: Notice, *, ephemeral: bool = False) -> bool:
+        """Announce a pushed notice; False (and nothing happens) when its id is already pending.
+
+        An ``ephemeral`` notice is not persisted, so a restarted daemon does not announce it again.
+        """
+        if notice.id in self._entries:
+            return False
+        self._entries[notice.id] = Entry(notice, ephemeral=ephemeral)
+        self._persist()
+        self._emit(self._on_announce, notice)
+        return True
+
+    def cancel(self, notice_id: str, reason: str = "") -> bool:
+        """Withdraw a pending notice; False when no such notice is pending."""
+        removed = self._remove(notice_id, reason)
+        if removed:
+            self._persist()
+        return removed
+
+    def _remove(self, notice_id: str, reason: str) -> bool:
+        entry = self._entries.pop(notice_id, None)
+        if entry is None:
+            return False
+        log.info("notice %s cancelled: %s", notice_id, reason)
+        self._emit(self._on_cancel, entry.notice, reason)
+        return True
+
+    def expire(self) -> list[str]:
+        """Cancel notices whose deadline passed more than ``stale_after`` ago; return their ids."""
+        stale = [i for i, e in self._entries.items() if self._is_stale(e.notice)]
+        for notice_id in stale:
+            self._remove(notice_id, "expired")
+        if stale:
+            self._persist()
+        return stale
+
+    def _is_stale(self, notice: Notice) -> bool:
+        return notice.deadline is not None and notice.deadline + self._stale_after < self._clock()
+
+    # ------------------------------------------------------------------ queries
+
+    def pending(self) -> list[Notice]:
+        """Pending notices, oldest first."""
+        return sorted((e.notice for e in self._entries.values()), key=lambda n: n.received_at)
+
+    def get(self, notice_id: str) -> Notice | None:
+        entry = self._entries.get(notice_id)
+        return entry.notice if entry else None
+
+    def mark_safe(self, notice_id: str, pid: int) -> bool:
+        """Record that ``pid`` is safe for the notice; False when the notice is not pending."""
+        entry = self._entries.get(notice_id)
+        if entry is None:
+            return False
+        if pid not in entry.safe:
+            entry.safe.add(pid)
+            self._persist()
+        return True
+
+    def safe_pids(self, notice_id: str) -> frozenset[int]:
+        entry = self._entries.get(notice_id)
+        return frozenset(entry.safe) if entry else frozenset()
+
+    # ------------------------------------------------------------------ persistence
+
+    def _persist(self) -> None:
+        if self._path is None:
+            return
+        doc = {"version": STATE_VERSION, "notices": [
+            {"notice": e.notice.model_dump(mode="json"), "safe": sorted(e.safe)}
+            for e in self._entries.values() if not e.ephemeral]}
+        try:
+            write_private_atomic(self._path, json.dumps(doc, indent=1).encode())
+        except OSError as exc:
+            log.error("cannot write %s: %s (pending notices will not survive a restart)", self._path, exc)
+
+    def restore(self) -> list[Notice]:
+        """Load the notices a previous daemon left pending and announce them again.
+
+        Call once, after the listeners are attached. Returns the notices announced. The sources'
+        snapshots are rebuilt too, so a watcher whose next poll no longer lists a notice cancels it.
+        """
+        restored = []
+        for entry in self._read():
+            if self._is_stale(entry.notice) or entry.notice.id in self._entries:
+                continue
+            self._entries[entry.notice.id] = entry
+            self._snapshots.setdefault(entry.notice.source, set()).add(entry.notice.id)
+            restored.append(entry.notice)
+        self._persist()
+        for notice in restored:
+            log.info("re-announcing notice %s left pending by the previous run", notice.id)
+            self._emit(self._on_announce, notice)
+        return restored
+
+    def _read(self) -> list[Entry]:
+        if self._path is None or not self._path.exists():
+            return []
+        try:
+            doc = json.loads(self._path.read_bytes())
+            return [Entry(Notice.model_validate(item["notice"]), {int(p) for p in item.get("safe", [])})
+                    for item in doc["notices"]]
+        except (OSError, ValueError, KeyError, TypeError, ValidationError) as exc:
+            log.warning("ignoring unreadable state file %s: %s", self._path, exc)
+            return []

@@ -1,0 +1,48 @@
+"""systemd's notify protocol, with the standard library only (no sd_notify dependency).
+
+With ``Type=notify`` systemd sets ``NOTIFY_SOCKET`` and waits for ``READY=1`` before it calls the
+service started; ``WatchdogSec=`` sets ``WATCHDOG_USEC`` and expects ``WATCHDOG=1`` at least that
+often (we send it every half period); ``STOPPING=1`` says a stop is under way. Without
+``NOTIFY_SOCKET`` every call does nothing, so the daemon runs the same outside systemd.
+
+Exceptions: none; a send that fails is logged at debug level and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+__all__ = ["notify", "watchdog_interval"]
+
+log = logging.getLogger(__name__)
+
+
+def notify(state: str) -> bool:
+    """Send ``state`` (e.g. ``READY=1``) to systemd; True when a notify socket took it."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+    except OSError as exc:
+        log.debug("sd_notify %s failed: %s", state, exc)
+        return False
+    return True
+
+
+def watchdog_interval() -> float | None:
+    """Seconds between ``WATCHDOG=1`` pings (half of ``WATCHDOG_USEC``), or None when not asked."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    try:
+        return max(int(usec) / 2e6, 0.01)
+    except ValueError:
+        return None

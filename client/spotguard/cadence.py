@@ -183,9 +183,14 @@ class Cadence:
         self._replan_steps()
 
     def observe_save(self, blocking_s: float, persist_s: float = 0.0) -> None:
-        """Record one save: ``blocking_s`` the loop waited, ``persist_s`` until it was durable."""
-        if not (blocking_s >= 0 and persist_s >= 0 and blocking_s + persist_s > 0):
-            raise ValueError(f"save seconds must be >= 0 and not both 0: {blocking_s}, {persist_s}")
+        """Record one save: ``blocking_s`` the loop waited, ``persist_s`` until it was durable.
+
+        A total of 0 (an unmeasured save) carries no information and is ignored.
+        """
+        if not (blocking_s >= 0 and persist_s >= 0):  # also rejects NaN
+            raise ValueError(f"save seconds must be >= 0, got {blocking_s!r}, {persist_s!r}")
+        if blocking_s + persist_s == 0:
+            return
         self._costs.append(blocking_s + persist_s)
         self.cost_s = statistics.median(self._costs)
         self._replan()

@@ -139,8 +139,15 @@ def test_cadence_rejects_bad_input():
     for bad in (-1, float("nan")):
         with pytest.raises(ValueError):
             cadence.observe_step(bad)
-    with pytest.raises(ValueError):
-        cadence.observe_save(0, 0)
+    for bad in ((-1, 0), (0, float("nan"))):
+        with pytest.raises(ValueError):
+            cadence.observe_save(*bad)
+
+
+def test_an_unmeasured_save_is_ignored():
+    cadence = Cadence(mtbf_s=HOUR, cost_s=30)
+    cadence.observe_save(0, 0)
+    assert cadence.cost_s == 30
 
 
 def test_zero_step_time_plans_a_huge_but_finite_count():

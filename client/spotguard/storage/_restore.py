@@ -1,0 +1,112 @@
+"""Verification and restore of durable checkpoints (the reading half of :mod:`.durable`).
+
+Restore downloads every file of a checkpoint in parallel into ``<dest_root>/.tmp-step-...-<pid>``,
+re-hashes each one against the manifest, and only then commits the directory the way the checkpoint
+engine does (rename, then ``latest``). A checkpoint whose manifest is corrupt or whose objects are
+missing or do not hash right is skipped, with a warning, for the previous one; an explicitly
+requested step is never substituted. Partial downloads are removed on every failure path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from spotguard.storage._local import MANIFEST, ManifestError, commit_dir, sha256_file, step_name, tmp_dir
+from spotguard.storage.base import IntegrityError, NotFound, StoreError, TransientError
+from spotguard.storage.file import make_private_dirs
+
+if TYPE_CHECKING:
+    from spotguard.storage.durable import Durable
+
+__all__ = ["restore", "verify"]
+
+log = logging.getLogger(__name__)
+
+
+def _fetch(durable: "Durable", manifest: dict[str, Any], dest: Path) -> list[str]:
+    """Download and hash every file of ``manifest`` under ``dest``; return the problems found."""
+    from spotguard.storage.durable import object_key
+
+    def one(item: tuple[str, dict[str, Any]]) -> str | None:
+        rel, meta = item
+        path = dest / rel
+        make_private_dirs(path.parent)
+        try:
+            durable.store.get_file(object_key(meta["sha256"]), path)
+        except NotFound:
+            return f"{rel}: object {meta['sha256'][:12]}... is missing"
+        except TransientError:
+            raise
+        except StoreError as exc:
+            return f"{rel}: {exc}"
+        if path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
+            return f"{rel}: object {meta['sha256'][:12]}... is corrupt (sha256 mismatch)"
+        return None
+
+    with ThreadPoolExecutor(durable.concurrency, thread_name_prefix="spotguard-restore") as pool:
+        return [p for p in pool.map(one, sorted(manifest["files"].items())) if p]
+
+
+def verify(durable: "Durable", job_id: str, step: int, *, deep: bool) -> list[str]:
+    try:
+        manifest = durable.manifest(job_id, step)
+    except ManifestError as exc:
+        return [str(exc)]
+    if not deep:
+        from spotguard.storage.durable import object_key
+
+        return [f"{rel}: object {meta['sha256'][:12]}... is missing" for rel, meta in manifest["files"].items()
+                if not durable.store.exists(object_key(meta["sha256"]))]
+    with tempfile.TemporaryDirectory(prefix="spotguard-verify-") as scratch:
+        return _fetch(durable, manifest, Path(scratch))
+
+
+def _restore_one(durable: "Durable", job_id: str, dest_root: Path, step: int) -> Path:
+    manifest = durable.manifest(job_id, step)
+    tmp = tmp_dir(dest_root, step)
+    try:
+        problems = _fetch(durable, manifest, tmp)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise IntegrityError(f"{job_id} {step_name(step)}: {problems[0]}{more}")
+        local = {k: v for k, v in manifest.items() if k != "durable"}
+        (tmp / MANIFEST).write_text(json.dumps(local, indent=1, sort_keys=True))
+        return commit_dir(tmp, dest_root, step_name(step))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _candidates(durable: "Durable", job_id: str) -> list[int]:
+    """Steps to try, newest first, starting at the one ``latest`` names."""
+    steps = durable.list(job_id)
+    pointer = durable.latest(job_id)
+    if pointer is None:
+        return []
+    return [s for s in reversed(steps) if s <= pointer] or [pointer]
+
+
+def restore(durable: "Durable", job_id: str, dest_root: Path, step: int | None) -> Path:
+    make_private_dirs(dest_root)
+    if step is not None:
+        return _restore_one(durable, job_id, dest_root, step)
+    candidates = _candidates(durable, job_id)
+    if not candidates:
+        raise NotFound(f"{durable.store.url}: job {job_id!r} has no durable checkpoint")
+    for number in candidates:
+        try:
+            path = _restore_one(durable, job_id, dest_root, number)
+        except (IntegrityError, ManifestError, NotFound) as exc:
+            log.warning("durable %s: skipping %s, falling back to the previous checkpoint: %s",
+                        job_id, step_name(number), exc)
+            continue
+        log.info("durable %s: restored %s into %s", job_id, step_name(number), path)
+        return path
+    raise IntegrityError(f"{durable.store.url}: no sound checkpoint of job {job_id!r} "
+                         f"(tried {len(candidates)})")

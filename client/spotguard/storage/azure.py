@@ -1,0 +1,135 @@
+"""Azure Blob Storage: ``az://container/prefix`` or ``https://<account>.blob.core.windows.net/<container>/prefix``.
+
+Block blobs are uploaded in ``options.part_size`` blocks with ``max_concurrency=options.concurrency``
+and committed in one ``Put Block List``, so a blob appears whole or not at all; every block carries
+a Content-MD5 the service checks (``validate_content``) and the file's sha256 is blob metadata.
+Downloads use ranged, parallel reads, also MD5-validated.
+
+Credentials: ``options.azure_connection_string`` (Azurite, or a key you chose to configure) else the
+account URL with ``DefaultAzureCredential`` (managed identity, workload identity, CLI login...).
+``azure.core`` exceptions are translated in :func:`_translate`: ``ResourceNotFoundError`` ->
+``NotFound``, ``ClientAuthenticationError``/credential failures -> ``CredentialsError``, 5xx and
+connection errors -> ``TransientError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from spotguard.storage.base import (
+    CredentialsError,
+    NotFound,
+    StoreError,
+    StoreOptions,
+    TransientError,
+    join_key,
+)
+
+__all__ = ["AzureStore"]
+
+
+@contextlib.contextmanager
+def _translate(what: str):
+    import azure.core.exceptions as aex
+
+    try:
+        yield
+    except aex.ResourceNotFoundError as exc:
+        raise NotFound(f"{what}: not found ({exc.error_code or 404})") from exc
+    except aex.ClientAuthenticationError as exc:
+        raise CredentialsError(f"{what}: credentials missing or refused ({exc.error_code or 'auth'})") from exc
+    except (aex.ServiceRequestError, aex.ServiceResponseError) as exc:
+        raise TransientError(f"{what}: {type(exc).__name__}") from exc
+    except aex.HttpResponseError as exc:
+        status = exc.status_code or 0
+        if status in (401, 403):
+            raise CredentialsError(f"{what}: {status} {exc.error_code}") from exc
+        if status >= 500 or status in (408, 429):
+            raise TransientError(f"{what}: {status} {exc.error_code}") from exc
+        raise StoreError(f"{what}: {status} {exc.error_code}") from exc
+    except Exception as exc:
+        if type(exc).__name__ == "CredentialUnavailableError":
+            raise CredentialsError(f"{what}: no Azure credential available") from exc
+        raise
+
+
+class AzureStore:
+    """Objects under one container and prefix; ``container_client`` may be injected."""
+
+    def __init__(self, container: str, prefix: str = "", *, options: StoreOptions | None = None,
+                 container_client: Any = None) -> None:
+        self.options = options or StoreOptions()
+        self.prefix = prefix.strip("/")
+        self.url = f"az://{container}/{self.prefix}".rstrip("/")
+        self._container = container_client or self._make_client(container)
+
+    def _make_client(self, container: str) -> Any:
+        from azure.storage.blob import BlobServiceClient
+
+        kwargs = {"max_block_size": self.options.part_size, "max_single_put_size": self.options.part_size,
+                  "retry_total": self.options.max_attempts}
+        if self.options.azure_connection_string:
+            service = BlobServiceClient.from_connection_string(self.options.azure_connection_string, **kwargs)
+        else:
+            account = self.options.azure_account
+            if not account and not self.options.endpoint_url:
+                raise ValueError(f"{self.url}: set storage.azure_account or azure_connection_string")
+            from azure.identity import DefaultAzureCredential
+
+            url = self.options.endpoint_url or f"https://{account}.blob.core.windows.net"
+            service = BlobServiceClient(url, credential=DefaultAzureCredential(), **kwargs)
+        return service.get_container_client(container)
+
+    def _name(self, key: str) -> str:
+        return join_key(self.prefix, key)
+
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        with open(path, "rb") as data, _translate(f"{self.url}: upload {key}"):
+            self._container.upload_blob(self._name(key), data, overwrite=True, validate_content=True,
+                                        max_concurrency=self.options.concurrency,
+                                        metadata={"sha256": sha256} if sha256 else None)
+        return size if size is not None else Path(path).stat().st_size
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with _translate(f"{self.url}: put {key}"):
+            self._container.upload_blob(self._name(key), data, overwrite=True, validate_content=True)
+
+    def get_file(self, key: str, path: Path) -> None:
+        with _translate(f"{self.url}: download {key}"):
+            stream = self._container.download_blob(self._name(key), validate_content=True,
+                                                   max_concurrency=self.options.concurrency)
+            with open(path, "wb") as out:
+                stream.readinto(out)
+
+    def get_bytes(self, key: str) -> bytes:
+        with _translate(f"{self.url}: get {key}"):
+            return self._container.download_blob(self._name(key), validate_content=True).readall()
+
+    def exists(self, key: str) -> bool:
+        with _translate(f"{self.url}: head {key}"):
+            return self._container.get_blob_client(self._name(key)).exists()
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        with _translate(f"{self.url}: list {prefix}"):
+            for name in self._container.list_blob_names(name_starts_with=base + prefix):
+                yield name[len(base):]
+
+    def delete(self, keys: Iterable[str]) -> None:
+        import azure.core.exceptions as aex
+
+        for key in keys:
+            with _translate(f"{self.url}: delete {key}"):
+                try:
+                    self._container.delete_blob(self._name(key))
+                except aex.ResourceNotFoundError:
+                    pass
+
+    def check(self) -> None:
+        try:
+            with _translate(f"storage {self.url}"):
+                self._container.get_container_properties()
+        except NotFound as exc:
+            raise NotFound(f"storage {self.url}: container does not exist") from exc

@@ -1,0 +1,178 @@
+"""The object-store contract every backend implements, its errors, and :func:`open_store`.
+
+A store holds opaque objects under ``str`` keys relative to the store's root (``objects/sha256/ab..``);
+keys never start with ``/`` and never contain ``..`` segments. ``Path`` is never used for keys: it
+mangles ``gs://`` and treats ``\\`` specially. Every put is atomic: a reader sees the whole object or
+no object, never a prefix of one (object stores give this for free; :mod:`.file` renames).
+
+Exceptions, translated once at each backend's boundary with ``raise ... from exc``::
+
+    StoreError                 anything the store could not do
+    ├── NotFound               the key (or the bucket / container) does not exist
+    ├── CredentialsError       no credentials, or they were refused (401/403)
+    ├── TransientError         timeouts, resets, 5xx, throttling: worth retrying later
+    └── IntegrityError         bytes read back do not match their checksum
+
+The SDKs are imported lazily, by the backend that needs them, so ``import spotguard`` stays light.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
+from urllib.parse import unquote, urlsplit
+
+__all__ = [
+    "CredentialsError",
+    "IntegrityError",
+    "NotFound",
+    "Store",
+    "StoreError",
+    "StoreOptions",
+    "TransientError",
+    "check_key",
+    "join_key",
+    "open_store",
+]
+
+
+class StoreError(Exception):
+    """The store could not do what was asked; the message is one line, without secrets."""
+
+
+class NotFound(StoreError):
+    """The key, bucket or container does not exist."""
+
+
+class CredentialsError(StoreError):
+    """Credentials are missing or were refused."""
+
+
+class TransientError(StoreError):
+    """A timeout, reset, throttle or server error: the same call may succeed later."""
+
+
+class IntegrityError(StoreError):
+    """Bytes read back do not match the checksum they were written with."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A flat key space of immutable-by-convention objects. Backends: file, s3, gcs, azure."""
+
+    url: str
+    """Where the store lives, e.g. ``s3://bucket/prefix``; never contains credentials."""
+
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        """Upload ``path`` atomically under ``key``; return the bytes sent.
+
+        ``sha256``/``size`` describe the file (stored as metadata where the backend allows it);
+        the SDK's own transfer checksum (CRC32/CRC32C/MD5) guards the bytes on the wire."""
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object atomically."""
+
+    def get_file(self, key: str, path: Path) -> None:
+        """Download ``key`` into ``path`` (created or truncated). :class:`NotFound` when absent."""
+
+    def get_bytes(self, key: str) -> bytes:
+        """Read a small object whole. :class:`NotFound` when absent."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Every key starting with ``prefix``, in no promised order."""
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys``; missing keys are not an error."""
+
+    def check(self) -> None:
+        """Prove at start-up that the bucket exists and the credentials work (one cheap request).
+
+        Raises :class:`StoreError` whose message is one line naming the store and the problem."""
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Backend knobs, read from the daemon's ``storage`` settings or given directly."""
+
+    endpoint_url: str | None = None
+    """S3-compatible endpoint, or an emulator for S3 / GCS / Azure."""
+    concurrency: int = 8
+    """Parallel parts per object (multipart / block uploads, ranged downloads)."""
+    part_size: int = 64 * 1024 * 1024
+    """Multipart part size in bytes; objects at most this large go in one request."""
+    azure_account: str | None = None
+    azure_connection_string: str | None = field(default=None, repr=False)
+    """May hold an account key: kept out of ``repr`` and logs."""
+    max_attempts: int = 8
+    """Attempts per request inside the SDK (standard retry modes with backoff)."""
+
+    @classmethod
+    def of(cls, settings: Any) -> "StoreOptions":
+        """Options from any settings-like object (e.g. ``Settings.storage``); absent fields keep defaults.
+
+        A pydantic ``SecretStr`` connection string is unwrapped here and nowhere else."""
+        if settings is None or isinstance(settings, StoreOptions):
+            return settings or cls()
+        found: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            value = getattr(settings, name, None)
+            if value is not None:
+                found[name] = value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        return cls(**found)
+
+
+_BAD_KEY = re.compile(r"(^|/)\.\.?(/|$)|^/|//|\x00")
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a clean relative key; raise :class:`ValueError` otherwise."""
+    if not isinstance(key, str) or not key or _BAD_KEY.search(key) or "\\" in key:
+        raise ValueError(f"invalid store key {key!r}")
+    return key
+
+
+def join_key(prefix: str, key: str) -> str:
+    """``prefix/key`` with exactly one slash; an empty prefix adds nothing."""
+    check_key(key)
+    return f"{prefix.strip('/')}/{key}" if prefix.strip("/") else key
+
+
+def _split_bucket(rest: str) -> tuple[str, str]:
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError("the URL names no bucket or container")
+    return bucket, prefix.strip("/")
+
+
+def open_store(url: str, options: Any = None) -> Store:
+    """The store for ``url``: ``file:///dir``, ``s3://bucket/prefix``, ``gs://bucket/prefix``,
+    ``az://container/prefix`` or ``https://<account>.blob.core.windows.net/<container>/prefix``.
+
+    ``options`` is a :class:`StoreOptions` or any settings-like object with the same field names.
+    Nothing is contacted here; call ``check()`` for that. Raises :class:`ValueError` for a bad URL."""
+    opts = StoreOptions.of(options)
+    parts = urlsplit(url)
+    if parts.scheme == "file" or (not parts.scheme and url.startswith("/")):
+        from spotguard.storage.file import FileStore
+
+        return FileStore(Path(unquote(parts.path or url)))
+    if parts.scheme == "s3":
+        from spotguard.storage.s3 import S3Store
+
+        return S3Store(*_split_bucket(parts.netloc + parts.path), options=opts)
+    if parts.scheme == "gs":
+        from spotguard.storage.gcs import GcsStore
+
+        return GcsStore(*_split_bucket(parts.netloc + parts.path), options=opts)
+    if parts.scheme == "az" or (parts.scheme == "https" and parts.netloc.endswith(".blob.core.windows.net")):
+        from spotguard.storage.azure import AzureStore
+
+        if parts.scheme == "https":
+            opts = StoreOptions(**{**opts.__dict__, "azure_account": parts.netloc.split(".")[0]})
+            return AzureStore(*_split_bucket(parts.path.lstrip("/")), options=opts)
+        return AzureStore(*_split_bucket(parts.netloc + parts.path), options=opts)
+    raise ValueError(f"unsupported store URL {url!r}: use file://, s3://, gs://, az:// or https://<account>.blob.core.windows.net/")

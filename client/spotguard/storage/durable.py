@@ -1,0 +1,261 @@
+"""Durable checkpoints in any :class:`~spotguard.storage.base.Store`: the commit protocol.
+
+Layout under the store's prefix (object stores have no rename, so order is the commit)::
+
+    objects/sha256/<hex>                         content-addressed file bodies, shared by all jobs
+    jobs/<job>/pending/<unix>-<rand>.json        an upload in progress: {"hashes": [...]}
+    jobs/<job>/manifests/step-0000000100.json    the local manifest + a "durable" section
+    jobs/<job>/latest                            "step-0000000100\\n"
+
+:meth:`Durable.upload` writes the pending note, then every object the store lacks (bytes uploaded
+follow bytes changed), then the manifest, then the pointer. A reader that starts from the pointer or
+a manifest therefore never sees a torn checkpoint: objects without a manifest are invisible, and the
+pending note keeps :meth:`Durable.prune` from collecting them while the upload runs. Integrity is end
+to end: the SDK checks each transfer (CRC32/CRC32C/MD5), new objects are hashed before they are
+uploaded, and :meth:`Durable.restore` re-hashes every file it downloads, falling back to the previous
+checkpoint, with a warning, when one is corrupt or incomplete.
+
+Errors are :mod:`.base`'s; a checkpoint that fails verification raises :class:`IntegrityError`.
+Concurrency note: uploads and :meth:`~Durable.prune` of one prefix should be serialised (the
+daemon's upload queue does this); a prune racing an upload from another node could, in a window of
+one request, delete an object the upload decided to reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from spotguard.storage import _restore
+from spotguard.storage._local import ManifestError, read_manifest, sha256_file, step_name, validate_manifest
+from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError, TransientError
+
+__all__ = ["Durable", "DurableInfo", "PruneReport", "object_key"]
+
+log = logging.getLogger(__name__)
+
+OBJECTS = "objects/sha256/"
+_JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_MANIFEST = re.compile(r"^jobs/([^/]+)/manifests/step-(\d{10})\.json$")
+
+Progress = Callable[[int, int], None]
+"""Called as ``progress(bytes_done, bytes_total)`` after each file is uploaded or skipped."""
+
+
+def object_key(sha256: str) -> str:
+    return OBJECTS + sha256
+
+
+def _job(job_id: str) -> str:
+    if not isinstance(job_id, str) or not _JOB.match(job_id) or ".." in job_id:
+        raise ValueError(f"invalid job id {job_id!r}: letters, digits, '.', '_' and '-' only")
+    return job_id
+
+
+def manifest_key(job_id: str, step: int) -> str:
+    return f"jobs/{_job(job_id)}/manifests/{step_name(step)}.json"
+
+
+@dataclass(frozen=True)
+class DurableInfo:
+    """What one :meth:`Durable.upload` did."""
+
+    job_id: str
+    step: int
+    manifest_key: str
+    files: int
+    objects_uploaded: int
+    objects_skipped: int
+    bytes_uploaded: int
+    bytes_total: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    manifests_deleted: list[int]
+    objects_deleted: int
+    pending_deleted: int
+    incomplete_cleaned: int
+
+
+def _retrying(call: Callable[[], Any], attempts: int, what: str) -> Any:
+    """Run ``call``, retrying :class:`TransientError` with exponential backoff (the SDKs retry each
+    request already; this covers a whole multipart transfer failing)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except TransientError as exc:
+            if attempt == attempts:
+                raise
+            log.info("retrying %s after %s (attempt %d/%d)", what, exc, attempt, attempts)
+            time.sleep(min(0.2 * 2 ** attempt, 5.0))
+
+
+class Durable:
+    """Checkpoints of many jobs in one store. Thread-safe for distinct jobs; see the module note."""
+
+    def __init__(self, store: Store, *, concurrency: int = 8, attempts: int = 4) -> None:
+        self.store, self.concurrency, self.attempts = store, concurrency, attempts
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def upload(self, local_ckpt_dir: Path, job_id: str, progress: Progress | None = None) -> DurableInfo:
+        """Make the committed local checkpoint ``local_ckpt_dir`` durable; return what was sent.
+
+        Raises :class:`ManifestError` for a bad local manifest, :class:`IntegrityError` when a
+        local file does not match its manifest, and the store's errors (retry later on
+        :class:`TransientError`: objects already sent are reused)."""
+        started, ckpt = time.monotonic(), Path(local_ckpt_dir)
+        manifest = read_manifest(ckpt)
+        by_hash = {meta["sha256"]: (rel, meta["size"]) for rel, meta in manifest["files"].items()}
+        pending = f"jobs/{_job(job_id)}/pending/{int(time.time())}-{uuid.uuid4().hex[:8]}.json"
+        self.store.put_bytes(pending, json.dumps({"hashes": sorted(by_hash)}).encode())
+        sent = self._send_objects(ckpt, by_hash, progress)
+        key = manifest_key(job_id, manifest["step"])
+        durable = {"version": 1, "name": ckpt.name, "objects": OBJECTS, "uploaded": time.time()}
+        body = json.dumps({**manifest, "durable": durable}, sort_keys=True).encode()
+        _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
+        self._advance_pointer(job_id, manifest["step"])
+        self.store.delete([pending])
+        total = sum(size for _, size in by_hash.values())
+        info = DurableInfo(job_id, manifest["step"], key, len(manifest["files"]), len(sent),
+                           len(by_hash) - len(sent), sum(sent), total, time.monotonic() - started)
+        log.info("durable %s step %d: %d/%d objects sent, %d bytes in %.2fs", job_id, info.step,
+                 info.objects_uploaded, len(by_hash), info.bytes_uploaded, info.seconds)
+        return info
+
+    def _send_objects(self, ckpt: Path, by_hash: dict[str, tuple[str, int]],
+                      progress: Progress | None) -> list[int]:
+        total, done, sent, lock = sum(s for _, s in by_hash.values()), [0], [], threading.Lock()
+
+        def one(sha: str) -> None:
+            rel, size = by_hash[sha]
+            if not self.store.exists(object_key(sha)):
+                sent.append(self._send_one(ckpt / rel, sha, size))
+            with lock:
+                done[0] += size
+                if progress:
+                    progress(done[0], total)
+
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="spotguard-upload") as pool:
+            list(pool.map(one, sorted(by_hash, key=lambda h: -by_hash[h][1])))
+        return sent
+
+    def _send_one(self, path: Path, sha: str, size: int) -> int:
+        if path.stat().st_size != size or sha256_file(path) != sha:
+            raise IntegrityError(f"{path}: does not match its manifest (changed after commit?)")
+        send = lambda: self.store.put_file(object_key(sha), path, sha256=sha, size=size)  # noqa: E731
+        return _retrying(send, self.attempts, object_key(sha))
+
+    def _advance_pointer(self, job_id: str, step: int) -> None:
+        """Point ``latest`` at ``step`` unless it already names a newer step (uploads may finish
+        out of order)."""
+        current = self.latest(job_id)
+        if current is None or current <= step:
+            key = f"jobs/{_job(job_id)}/latest"
+            body = (step_name(step) + "\n").encode()
+            _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def list(self, job_id: str) -> list[int]:
+        """Steps with a manifest, oldest first."""
+        steps = []
+        for key in self.store.list(f"jobs/{_job(job_id)}/manifests/"):
+            if found := _MANIFEST.match(key):
+                steps.append(int(found.group(2)))
+        return sorted(steps)
+
+    def latest(self, job_id: str) -> int | None:
+        """The step ``latest`` names; the newest manifest when the pointer is missing or unreadable."""
+        try:
+            text = self.store.get_bytes(f"jobs/{_job(job_id)}/latest").decode().strip()
+            return int(text.removeprefix("step-"))
+        except NotFound:
+            pass
+        except (ValueError, UnicodeDecodeError):
+            log.warning("durable %s: unreadable latest pointer, using the newest manifest", job_id)
+        steps = self.list(job_id)
+        return steps[-1] if steps else None
+
+    def manifest(self, job_id: str, step: int) -> dict[str, Any]:
+        """The durable manifest of ``step``. :class:`NotFound`, or :class:`ManifestError` if corrupt."""
+        key = manifest_key(job_id, step)
+        try:
+            return validate_manifest(json.loads(self.store.get_bytes(key)), f"{self.store.url}/{key}")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{self.store.url}/{key}: corrupt manifest") from exc
+
+    def verify(self, job_id: str, step: int, *, deep: bool = True) -> list[str]:
+        """Problems with durable ``step`` (empty when sound). ``deep`` downloads and re-hashes every
+        object; otherwise only their presence is checked."""
+        return _restore.verify(self, job_id, step, deep=deep)
+
+    def restore(self, job_id: str, dest_root: Path, step: int | None = None) -> Path:
+        """Download ``step`` (default: the newest sound checkpoint) into ``dest_root/step-...``, commit
+        it like a local checkpoint (``latest`` updated) and return its path. Raises
+        :class:`NotFound` when the job has no checkpoint, :class:`IntegrityError` when none is sound."""
+        return _restore.restore(self, _job(job_id), Path(dest_root), step)
+
+    # -- retention -------------------------------------------------------------------------------
+
+    def prune(self, job_id: str, keep: int, *, pending_ttl: float = 24 * 3600) -> PruneReport:
+        """Keep the newest ``keep`` manifests of ``job_id`` (and whatever ``latest`` names), then
+        delete every object that no manifest of any job under this prefix, and no pending upload
+        younger than ``pending_ttl`` seconds, references. Stale pending notes and crashed partial
+        uploads (``clean_incomplete``) are removed too."""
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        steps, pointer = self.list(job_id), self.latest(job_id)
+        doomed = [s for s in steps[:-keep] if s != pointer]
+        self.store.delete(manifest_key(job_id, s) for s in doomed)
+        objects, pending = self._collect_garbage(pending_ttl)
+        clean = getattr(self.store, "clean_incomplete", None)
+        return PruneReport(doomed, objects, pending, clean(pending_ttl) if clean else 0)
+
+    def _collect_garbage(self, pending_ttl: float) -> tuple[int, int]:
+        present = set(self.store.list(OBJECTS))  # listed first: later uploads are never collected
+        referenced, stale = self._references(pending_ttl)
+        if referenced is None:
+            return 0, 0
+        garbage = [key for key in present if key[len(OBJECTS):] not in referenced]
+        self.store.delete(garbage + stale)
+        if garbage:
+            log.info("durable %s: deleted %d unreferenced objects", self.store.url, len(garbage))
+        return len(garbage), len(stale)
+
+    def _references(self, pending_ttl: float) -> tuple[set[str] | None, list[str]]:
+        """Hashes named by any manifest or live pending note, and the stale pending keys. ``None``
+        when some manifest cannot be read: then nothing is collected (its objects are unknown)."""
+        referenced: set[str] = set()
+        stale: list[str] = []
+        for key in self.store.list("jobs/"):
+            try:
+                if _MANIFEST.match(key):
+                    data = validate_manifest(json.loads(self.store.get_bytes(key)), key)
+                    referenced.update(meta["sha256"] for meta in data["files"].values())
+                elif "/pending/" in key:
+                    if self._pending_is_stale(key, pending_ttl):
+                        stale.append(key)
+                    else:
+                        referenced.update(json.loads(self.store.get_bytes(key))["hashes"])
+            except NotFound:
+                continue
+            except (ValueError, KeyError, TypeError, StoreError) as exc:
+                log.warning("durable %s: not collecting garbage: cannot read %s (%s)", self.store.url, key, exc)
+                return None, []
+        return referenced, stale
+
+    @staticmethod
+    def _pending_is_stale(key: str, ttl: float) -> bool:
+        stamp = key.rsplit("/", 1)[-1].split("-", 1)[0]
+        return not stamp.isdigit() or int(stamp) < time.time() - ttl

@@ -1,0 +1,146 @@
+"""A store in a local (or network-mounted) directory: the embedded default, ``file:///dir``.
+
+Puts are atomic the POSIX way: write ``<dir>/.tmp-<name>-<random>``, ``fsync``, ``rename`` over the
+final name, ``fsync`` the directory. A crash leaves at most a ``.tmp-`` file, which :meth:`list`
+hides and :meth:`clean_incomplete` removes. Directories are created 0700 and files 0600: checkpoints
+are the owner's data. Errors: ``NotFound`` for missing keys; other ``OSError`` becomes ``StoreError``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from spotguard.storage.base import NotFound, StoreError, check_key
+
+__all__ = ["FileStore", "TMP_PREFIX", "fsync_dir", "make_private_dirs"]
+
+TMP_PREFIX = ".tmp-"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or unlink inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_private_dirs(path: Path) -> None:
+    """``mkdir -p`` with mode 0700 on every directory it creates (``os.makedirs`` applies the mode
+    only to the last one)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+
+
+class FileStore:
+    """Objects are files under ``root``; the key is the relative path."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).absolute()
+        self.url = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _atomic_write(self, key: str, write) -> None:
+        final = self._path(key)
+        make_private_dirs(final.parent)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + final.name + "-", dir=final.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                write(out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(final.parent)
+
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        try:
+            with open(path, "rb") as src:
+                self._atomic_write(key, lambda out: shutil.copyfileobj(src, out, 4 * 1024 * 1024))
+            return os.path.getsize(path)
+        except FileNotFoundError as exc:
+            raise StoreError(f"{path}: no such file") from exc
+        except OSError as exc:
+            raise StoreError(f"{self.url}: cannot write {key}: {exc.strerror}") from exc
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        try:
+            self._atomic_write(key, lambda out: out.write(data))
+        except OSError as exc:
+            raise StoreError(f"{self.url}: cannot write {key}: {exc.strerror}") from exc
+
+    def get_file(self, key: str, path: Path) -> None:
+        try:
+            with open(self._path(key), "rb") as src, open(path, "wb") as out:
+                shutil.copyfileobj(src, out, 4 * 1024 * 1024)
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.url}: no object {key}") from exc
+        except OSError as exc:
+            raise StoreError(f"{self.url}: cannot read {key}: {exc.strerror}") from exc
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise NotFound(f"{self.url}: no object {key}") from exc
+        except OSError as exc:
+            raise StoreError(f"{self.url}: cannot read {key}: {exc.strerror}") from exc
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> Iterator[str]:
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, self.root)
+            for name in sorted(filenames):
+                key = name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
+                if not name.startswith(TMP_PREFIX) and key.startswith(prefix):
+                    yield key
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            try:
+                self._path(key).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise StoreError(f"{self.url}: cannot delete {key}: {exc.strerror}") from exc
+
+    def clean_incomplete(self, older_than: float) -> int:
+        """Remove ``.tmp-`` files older than ``older_than`` seconds (crashed puts); return the count."""
+        cutoff, removed = time.time() - older_than, 0
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                path = Path(dirpath) / name
+                if name.startswith(TMP_PREFIX) and path.stat().st_mtime < cutoff:
+                    path.unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+    def check(self) -> None:
+        try:
+            make_private_dirs(self.root)
+            probe = tempfile.NamedTemporaryFile(prefix=TMP_PREFIX + "check-", dir=self.root)
+            probe.close()
+        except OSError as exc:
+            reason = "not writable" if exc.errno in (errno.EACCES, errno.EROFS) else exc.strerror
+            raise StoreError(f"storage {self.url}: {reason}") from exc

@@ -1,0 +1,136 @@
+"""Google Cloud Storage: ``gs://bucket/prefix``.
+
+Objects up to ``options.part_size`` go in one multipart request; larger ones in a resumable upload of
+``part_size`` chunks (a reset costs one chunk, not the file). Uploads and downloads carry CRC32C
+checks (``checksum="crc32c"``); the file's sha256 is stored as object metadata. Every call passes
+the library's ``DEFAULT_RETRY`` (exponential backoff on 429/5xx/resets), uploads included: our keys
+are content-addressed or small pointers, so repeating a put is harmless.
+
+Credentials come from Application Default Credentials. An emulator (fake-gcs-server) is used when
+``options.endpoint_url`` or ``STORAGE_EMULATOR_HOST`` is set, with anonymous credentials.
+
+``google.api_core`` exceptions are translated in :func:`_translate`: ``NotFound`` -> ``NotFound``,
+``Forbidden``/``Unauthorized``/``DefaultCredentialsError`` -> ``CredentialsError``, 5xx/429/
+connection errors -> ``TransientError``, a checksum mismatch -> ``IntegrityError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from spotguard.storage.base import (
+    CredentialsError,
+    IntegrityError,
+    NotFound,
+    StoreError,
+    StoreOptions,
+    TransientError,
+    join_key,
+)
+
+__all__ = ["GcsStore"]
+
+
+@contextlib.contextmanager
+def _translate(what: str):
+    import google.api_core.exceptions as gex
+    import google.auth.exceptions as aex
+    import requests
+
+    try:
+        yield
+    except gex.NotFound as exc:
+        raise NotFound(f"{what}: not found") from exc
+    except (gex.Forbidden, gex.Unauthorized, aex.DefaultCredentialsError, aex.RefreshError) as exc:
+        raise CredentialsError(f"{what}: credentials missing or refused ({type(exc).__name__})") from exc
+    except (gex.ServerError, gex.TooManyRequests, gex.RetryError, requests.ConnectionError,
+            requests.Timeout, ConnectionError) as exc:
+        raise TransientError(f"{what}: {type(exc).__name__}") from exc
+    except gex.GoogleAPICallError as exc:
+        raise StoreError(f"{what}: {exc.code} {exc.message}") from exc
+    except Exception as exc:
+        if type(exc).__name__ == "DataCorruption":  # google.resumable_media.common.DataCorruption
+            raise IntegrityError(f"{what}: crc32c mismatch") from exc
+        raise
+
+
+class GcsStore:
+    """Objects under ``gs://bucket/prefix``; ``client`` may be injected."""
+
+    def __init__(self, bucket: str, prefix: str = "", *, options: StoreOptions | None = None,
+                 client: Any = None) -> None:
+        self.options = options or StoreOptions()
+        self.prefix = prefix.strip("/")
+        self.url = f"gs://{bucket}/{self.prefix}".rstrip("/")
+        self._client = client or self._make_client()
+        self._bucket = self._client.bucket(bucket)
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        self._retry = DEFAULT_RETRY.with_deadline(300.0)
+
+    def _make_client(self) -> Any:
+        from google.cloud import storage
+
+        endpoint = self.options.endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST")
+        if endpoint:
+            from google.auth.credentials import AnonymousCredentials
+
+            return storage.Client(project="spotguard-emulator", credentials=AnonymousCredentials(),
+                                  client_options={"api_endpoint": endpoint})
+        with _translate(f"storage {self.url}"):
+            return storage.Client()
+
+    def _blob(self, key: str, *, large: bool = False) -> Any:
+        chunk = self.options.part_size // (256 * 1024) * (256 * 1024) if large else None
+        return self._bucket.blob(join_key(self.prefix, key), chunk_size=chunk or None)
+
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        size = size if size is not None else Path(path).stat().st_size
+        blob = self._blob(key, large=size > self.options.part_size)
+        if sha256:
+            blob.metadata = {"sha256": sha256}
+        with _translate(f"{self.url}: upload {key}"):
+            blob.upload_from_filename(str(path), checksum="crc32c", retry=self._retry)
+        return size
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with _translate(f"{self.url}: put {key}"):
+            self._blob(key).upload_from_string(data, checksum="crc32c", retry=self._retry)
+
+    def get_file(self, key: str, path: Path) -> None:
+        with _translate(f"{self.url}: download {key}"):
+            self._blob(key).download_to_filename(str(path), checksum="crc32c", retry=self._retry)
+
+    def get_bytes(self, key: str) -> bytes:
+        with _translate(f"{self.url}: get {key}"):
+            return self._blob(key).download_as_bytes(checksum="crc32c", retry=self._retry)
+
+    def exists(self, key: str) -> bool:
+        with _translate(f"{self.url}: head {key}"):
+            return self._blob(key).exists(retry=self._retry)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        with _translate(f"{self.url}: list {prefix}"):
+            for blob in self._client.list_blobs(self._bucket, prefix=base + prefix, retry=self._retry):
+                yield blob.name[len(base):]
+
+    def delete(self, keys: Iterable[str]) -> None:
+        import google.api_core.exceptions as gex
+
+        for key in keys:
+            with _translate(f"{self.url}: delete {key}"):
+                try:
+                    self._blob(key).delete(retry=self._retry)
+                except gex.NotFound:
+                    pass
+
+    def check(self) -> None:
+        try:
+            with _translate(f"storage {self.url}"):
+                self._bucket.reload(retry=None, timeout=30)
+        except NotFound as exc:
+            raise NotFound(f"storage {self.url}: bucket {self._bucket.name!r} does not exist") from exc

@@ -1,0 +1,175 @@
+"""Amazon S3 and S3-compatible stores (MinIO, R2, moto): ``s3://bucket/prefix``.
+
+Uploads go through s3transfer (``upload_file``) with a tuned :class:`TransferConfig`: parts of
+``options.part_size`` bytes, ``options.concurrency`` in flight, so one large tensor file saturates the
+link. Every request carries a CRC32 checksum that S3 verifies (``ChecksumAlgorithm``), and the file's
+sha256 travels as ``x-amz-meta-sha256``. Retries are botocore's ``standard`` mode. Credentials come
+from boto3's default chain only and are never logged.
+
+botocore exceptions are translated in :func:`_translate`: 404/NoSuchKey/NoSuchBucket -> ``NotFound``,
+401/403/no credentials -> ``CredentialsError``, 5xx/throttling/connection errors -> ``TransientError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from spotguard.storage.base import (
+    CredentialsError,
+    NotFound,
+    StoreError,
+    StoreOptions,
+    TransientError,
+    join_key,
+)
+
+__all__ = ["S3Store"]
+
+log = logging.getLogger(__name__)
+
+_NOT_FOUND = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
+_DENIED = {"401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+           "InvalidToken", "AllAccessDisabled"}
+
+
+@contextlib.contextmanager
+def _translate(what: str):
+    """Turn botocore/s3transfer exceptions into :mod:`.base` errors, once, here."""
+    import botocore.exceptions as bex
+
+    try:
+        yield
+    except bex.ClientError as exc:
+        err = exc.response.get("Error", {})
+        code, status = str(err.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        msg = f"{what}: {code or status} {err.get('Message', '')}".strip()
+        if code in _NOT_FOUND or status == 404:
+            raise NotFound(msg) from exc
+        if code in _DENIED or status in (401, 403):
+            raise CredentialsError(msg) from exc
+        if status >= 500 or status == 429 or "Throttl" in code or "SlowDown" in code:
+            raise TransientError(msg) from exc
+        raise StoreError(msg) from exc
+    except (bex.NoCredentialsError, bex.PartialCredentialsError) as exc:
+        raise CredentialsError(f"{what}: no AWS credentials found") from exc
+    except (bex.ConnectionError, bex.HTTPClientError, bex.ReadTimeoutError) as exc:
+        raise TransientError(f"{what}: {type(exc).__name__}") from exc
+    except Exception as exc:  # s3transfer wraps failures of parts in its own types
+        if type(exc).__module__.startswith(("s3transfer", "boto3.exceptions")):
+            cause = exc.__cause__ or exc.__context__
+            if cause is not None and cause is not exc:
+                with _translate(what):
+                    raise cause
+            raise TransientError(f"{what}: {exc}") from exc
+        raise
+
+
+class S3Store:
+    """Objects under ``s3://bucket/prefix``; ``client`` may be injected (tests, custom sessions)."""
+
+    def __init__(self, bucket: str, prefix: str = "", *, options: StoreOptions | None = None,
+                 client: Any = None) -> None:
+        self.options = options or StoreOptions()
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self._client = client or self._make_client()
+        self._transfer = self._make_transfer_config()
+
+    def _make_client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        config = Config(
+            retries={"mode": "standard", "max_attempts": self.options.max_attempts},
+            max_pool_connections=max(10, self.options.concurrency * 2),
+            request_checksum_calculation="when_supported",
+            response_checksum_validation="when_supported",
+        )
+        return boto3.session.Session().client("s3", endpoint_url=self.options.endpoint_url, config=config)
+
+    def _make_transfer_config(self) -> Any:
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(
+            multipart_threshold=self.options.part_size,
+            multipart_chunksize=self.options.part_size,
+            max_concurrency=self.options.concurrency,
+            use_threads=True,
+        )
+
+    def _key(self, key: str) -> str:
+        return join_key(self.prefix, key)
+
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32"}
+        if sha256:
+            extra["Metadata"] = {"sha256": sha256}
+        with _translate(f"{self.url}: upload {key}"):
+            self._client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=extra,
+                                     Config=self._transfer)
+        return size if size is not None else Path(path).stat().st_size
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with _translate(f"{self.url}: put {key}"):
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                                    ChecksumAlgorithm="CRC32")
+
+    def get_file(self, key: str, path: Path) -> None:
+        with _translate(f"{self.url}: download {key}"):
+            self._client.download_file(self.bucket, self._key(key), str(path), Config=self._transfer)
+
+    def get_bytes(self, key: str) -> bytes:
+        with _translate(f"{self.url}: get {key}"):
+            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def exists(self, key: str) -> bool:
+        try:
+            with _translate(f"{self.url}: head {key}"):
+                self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except NotFound:
+            return False
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
+        with _translate(f"{self.url}: list {prefix}"):
+            for page in pages:
+                for item in page.get("Contents", ()):
+                    yield item["Key"][len(base):]
+
+    def delete(self, keys: Iterable[str]) -> None:
+        batch = [{"Key": self._key(k)} for k in keys]
+        for start in range(0, len(batch), 1000):
+            with _translate(f"{self.url}: delete"):
+                reply = self._client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch[start:start + 1000], "Quiet": True})
+            if reply.get("Errors"):
+                first = reply["Errors"][0]
+                raise StoreError(f"{self.url}: delete {first.get('Key')}: {first.get('Code')}")
+
+    def clean_incomplete(self, older_than: float) -> int:
+        """Abort multipart uploads under the prefix started more than ``older_than`` seconds ago."""
+        cutoff = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=older_than)
+        aborted = 0
+        with _translate(f"{self.url}: list multipart uploads"):
+            reply = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix)
+            for upload in reply.get("Uploads", ()):
+                if upload["Initiated"] < cutoff:
+                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
+                                                        UploadId=upload["UploadId"])
+                    aborted += 1
+        return aborted
+
+    def check(self) -> None:
+        try:
+            with _translate(f"storage {self.url}"):
+                self._client.head_bucket(Bucket=self.bucket)
+        except NotFound as exc:
+            raise NotFound(f"storage {self.url}: bucket {self.bucket!r} does not exist") from exc
+        except CredentialsError as exc:
+            raise CredentialsError(f"storage {self.url}: credentials missing or refused ({exc})") from exc

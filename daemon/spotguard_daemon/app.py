@@ -135,8 +135,10 @@ class Daemon:
         except ImportError as exc:  # the watchers package is optional for --platform none
             detect = None
             log.debug("no platform detection available: %s", exc)
-        if self.platform == "auto":
-            self.platform = detect.detect_platform(self.settings) if detect else "none"
+        if detect is not None:
+            self.platform = detect.detect_platform(self.settings)
+        elif self.platform == "auto":
+            self.platform = "none"
         self.handler.platform = self.platform
         watchers = self._watchers
         if watchers is None:
@@ -162,7 +164,10 @@ class Daemon:
     def _runner(self, watcher) -> Awaitable[None]:
         from spotguard_daemon.watchers.runner import Runner
 
-        return Runner(watcher, self.store, self.settings.runner, self.metrics).run()
+        def sink(source, notices) -> None:
+            self.store.reconcile(source.name, notices)
+
+        return Runner(watcher, sink, self.settings.runner, self.metrics).run()
 
     def _spawn(self, coro: Awaitable) -> None:
         task = asyncio.ensure_future(coro)

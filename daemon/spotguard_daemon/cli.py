@@ -199,3 +199,6 @@ def version() -> None:
 # ---------------------------------------------------------------- commands of other parts
 # Each part adds its command here, one line each, importing lazily inside the command, e.g.:
 # from spotguard_daemon.cadence import cadence_command; main.add_command(cadence_command, "cadence")
+from spotguard_daemon.cli_cadence import cadence  # noqa: E402
+
+main.add_command(cadence)

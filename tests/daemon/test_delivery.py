@@ -1,0 +1,176 @@
+"""Delivery: signals to real processes, the hook as a real subprocess, the webhook to a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from spotguard.protocol import Kind, Notice
+from spotguard_daemon.delivery import Delivery, listed_pids, signal_pids
+from spotguard_daemon.settings import DeliverySettings
+
+RECORDER = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGUSR1, lambda *a: out.write_text("usr1"))
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+NOTICE = Notice(id="n1", platform="aws", kind=Kind.TERMINATE)
+
+
+@pytest.fixture
+def recorder(tmp_path):
+    """A real child process that writes ``usr1`` into a file when it gets SIGUSR1."""
+    procs = []
+
+    def start(name: str = "got"):
+        out = tmp_path / name
+        proc = subprocess.Popen([sys.executable, "-c", RECORDER, str(out)], stdout=subprocess.PIPE)
+        assert proc.stdout.readline() == b"ready\n"
+        procs.append(proc)
+        return proc, out
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def wait_for_file(path, timeout=5.0):
+    for _ in range(int(timeout / 0.02)):
+        if path.exists():
+            return path.read_text()
+        threading.Event().wait(0.02)
+    return None
+
+
+def test_terminating_notice_signals_registered_and_listed_processes(recorder, tmp_path):
+    (a, got_a), (b, got_b), (c, got_c) = recorder("a"), recorder("b"), recorder("c")
+    pid_file = tmp_path / "train.pid"
+    pid_file.write_text(f"{b.pid}\n")
+    cgroup = tmp_path / "cg"
+    cgroup.mkdir()
+    (cgroup / "cgroup.procs").write_text(f"{c.pid}\n")
+    settings = DeliverySettings(pid_files=[pid_file], cgroup=cgroup)
+
+    async def main():
+        Delivery(settings, registered=lambda: [a.pid]).deliver(NOTICE)
+
+    asyncio.run(main())
+    assert [wait_for_file(p) for p in (got_a, got_b, got_c)] == ["usr1"] * 3
+
+
+def test_advisory_notices_and_signal_none_send_nothing(recorder):
+    proc, got = recorder()
+    advisory = Notice(id="r", platform="aws", kind=Kind.REBALANCE, terminating=False)
+
+    async def main():
+        Delivery(DeliverySettings(), registered=lambda: [proc.pid]).deliver(advisory)
+        Delivery(DeliverySettings(signal="none"), registered=lambda: [proc.pid]).deliver(NOTICE)
+
+    asyncio.run(main())
+    assert wait_for_file(got, timeout=0.5) is None
+
+
+def test_never_signals_init_itself_or_dead_pids(caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with caplog.at_level(logging.INFO):
+        sent = signal_pids([0, 1, os.getpid(), dead.pid], signal.SIGUSR1)
+    assert sent == []
+    assert f"pid {dead.pid} is gone" in caplog.text and "refusing to signal pid 1" in caplog.text
+
+
+def test_listed_pids_skips_unreadable_and_malformed_files(tmp_path):
+    good, bad = tmp_path / "good.pid", tmp_path / "bad.pid"
+    good.write_text("123\n")
+    bad.write_text("not-a-pid")
+    assert listed_pids([good, bad, tmp_path / "missing.pid"], None) == {123}
+
+
+def test_hook_gets_the_notice_json_on_stdin_and_is_retried(tmp_path):
+    out, count = tmp_path / "hook.json", tmp_path / "count"
+    script = ("import pathlib, sys\n"
+              f"c = pathlib.Path({str(count)!r}); n = int(c.read_text()) + 1 if c.exists() else 1\n"
+              "c.write_text(str(n))\n"
+              f"pathlib.Path({str(out)!r}).write_bytes(sys.stdin.buffer.read())\n"
+              "sys.exit(0 if n >= 2 else 3)\n")
+    settings = DeliverySettings(hook=[sys.executable, "-c", script], attempts=3, signal="none")
+    outcomes = []
+
+    async def main():
+        delivery = Delivery(settings, registered=list, backoff=0.01,
+                            outcome=lambda ch, ok: outcomes.append((ch, ok)))
+        delivery.deliver(NOTICE)
+        await delivery.drain(timeout=20)
+
+    asyncio.run(main())
+    assert json.loads(out.read_text())["id"] == "n1"
+    assert count.read_text() == "2" and outcomes == [("hook", True)]
+
+
+def test_hook_that_hangs_is_killed_at_the_timeout_and_reported():
+    settings = DeliverySettings(hook=[sys.executable, "-c", "import time; time.sleep(30)"],
+                                attempts=2, timeout=0.3, signal="none")
+    outcomes = []
+
+    async def main():
+        delivery = Delivery(settings, registered=list, backoff=0.01,
+                            outcome=lambda ch, ok: outcomes.append((ch, ok)))
+        delivery.deliver(NOTICE)
+        await delivery.drain(timeout=10)
+
+    asyncio.run(main())
+    assert outcomes == [("hook", False)]
+
+
+class _Webhook(BaseHTTPRequestHandler):
+    failures = 0
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).seen.append((self.headers.get("Authorization"), json.loads(body)))
+        status = 500 if len(type(self).seen) <= type(self).failures else 204
+        self.send_response(status)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_webhook_posts_with_bearer_secret_retries_and_never_logs_the_secret(caplog):
+    _Webhook.failures, _Webhook.seen = 1, []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Webhook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/hook"
+    settings = DeliverySettings(webhook=url, webhook_secret="s3cret-token", signal="none", attempts=3)
+    outcomes = []
+
+    async def main():
+        async with httpx.AsyncClient() as http:
+            delivery = Delivery(settings, registered=list, http=http, backoff=0.01,
+                                outcome=lambda ch, ok: outcomes.append((ch, ok)))
+            delivery.deliver(NOTICE)
+            await delivery.drain(timeout=10)
+
+    try:
+        with caplog.at_level(logging.DEBUG):
+            asyncio.run(main())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [auth for auth, _ in _Webhook.seen] == ["Bearer s3cret-token"] * 2
+    assert _Webhook.seen[-1][1]["id"] == "n1" and outcomes == [("webhook", True)]
+    assert "s3cret-token" not in caplog.text

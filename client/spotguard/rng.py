@@ -155,7 +155,8 @@ def _restore_torch(cpu: Any, cuda: list[Any]) -> None:
     import torch
 
     if cpu is not None:
-        torch.set_rng_state(cpu)
+        # clone: a view into a larger buffer (as checkpoint loaders return) crashes set_rng_state
+        torch.set_rng_state(cpu.clone())
     if cuda:
         _restore_cuda(torch, cuda)
 
@@ -163,7 +164,7 @@ def _restore_torch(cpu: Any, cuda: list[Any]) -> None:
 def _restore_cuda(torch: Any, states: list[Any]) -> None:
     here = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for device, device_state in enumerate(states[:here]):
-        torch.cuda.set_rng_state(device_state, device)
+        torch.cuda.set_rng_state(device_state.clone(), device)
     if here < len(states):
         warnings.warn(
             f"checkpoint has CUDA RNG states for {len(states)} devices, this machine has {here}: "

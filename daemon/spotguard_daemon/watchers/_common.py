@@ -14,6 +14,7 @@ Exceptions::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import datetime, timezone
@@ -85,11 +86,14 @@ class MetadataToken:
         self._expires = 0.0
         self._tokenless_until = 0.0
         self._hinted = False
+        self._lock = asyncio.Lock()
         self.fetches = 0
         """Token PUTs sent so far (tests and debugging)."""
 
-    def invalidate(self) -> None:
-        self._token = None
+    def invalidate(self, refused: str | None = None) -> None:
+        """Drop the token (only if it is still ``refused``: another watcher may have renewed it)."""
+        if refused is None or refused == self._token:
+            self._token = None
 
     async def get(self, url: str, absent: tuple[int, ...] = (404,)) -> httpx.Response | None:
         """GET ``url`` with the token; see :func:`checked` for the result and the errors."""
@@ -100,10 +104,14 @@ class MetadataToken:
             if response.status_code not in self._refresh_on or not token or attempt == 2:
                 return checked(response, absent)
             log.info("metadata token refused (HTTP %d); fetching a new one", response.status_code)
-            self.invalidate()
+            self.invalidate(token)
         raise AssertionError("unreachable")
 
     async def _current(self) -> str | None:
+        async with self._lock:  # watchers sharing this token wait for one PUT, not one each
+            return await self._renewed()
+
+    async def _renewed(self) -> str | None:
         now = self._clock()
         if self._token is not None and now < self._expires:
             return self._token

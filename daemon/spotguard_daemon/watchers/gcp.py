@@ -183,6 +183,7 @@ class GcpPreemptibleWatcher:
         self.interval = settings.gcp.interval
         self.poll_timeout = self._timeout + 1.0
         self._pending: Notice | None = None
+        self._boot: float | None = None
 
     async def aclose(self) -> None:
         """The HTTP client belongs to the daemon; nothing to release here."""
@@ -193,7 +194,9 @@ class GcpPreemptibleWatcher:
             log.info("legacy Preemptible VM: %s", "yes, watching the 24 h cap" if self._enabled else "no")
         if not self._enabled:
             return []
-        deadline = datetime.fromtimestamp(self._boot_time() + self._gcp.preemptible_max_runtime, timezone.utc)
+        if self._boot is None:
+            self._boot = self._boot_time()  # fixed until the next boot; read once
+        deadline = datetime.fromtimestamp(self._boot + self._gcp.preemptible_max_runtime, timezone.utc)
         if utcnow() < deadline - timedelta(seconds=self._gcp.preemptible_lead):
             return []
         if self._pending is None or self._pending.deadline != deadline:

@@ -1,0 +1,96 @@
+"""The ``spotguard`` entry point, run as a real subprocess from the venv."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SPOTGUARD = str(Path(sys.executable).parent / "spotguard")
+
+
+def run(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    return subprocess.run([SPOTGUARD, *args], env={**full_env, **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+BAD_TOML = "[aws\ninterval = 1"
+
+
+@pytest.mark.parametrize("args, env, config, where", [
+    (["--platform", "mars"], {}, None, "platform"),
+    (["--metrics-port", "70000"], {}, None, "metrics.port"),
+    (["--metrics-port", "abc"], {}, None, "metrics.port"),
+    (["--log-level", "LOUD"], {}, None, "log_level"),
+    (["--bogus"], {}, None, "--bogus"),
+    ([], {"SPOTGUARD_AWS__INTERVAL": "0"}, None, "aws.interval"),
+    ([], {"SPOTGUARD_DELIVERY__SIGNAL": "SIGBOGUS"}, None, "delivery.signal"),
+    ([], {"SPOTGUARD_ZMQ__PUB_ENDPOINT": "tcp://10.0.0.1:5555"}, None, "zmq.pub_endpoint"),
+    ([], {"SPOTGUARD_SIGNAL__GRACE": "-1"}, None, "signal.grace"),
+    ([], {}, "missing", "--config"),
+    ([], {}, BAD_TOML, "not valid TOML"),
+    ([], {}, "[runner]\nbackoff_initial = 5\nbackoff_max = 1\n", "backoff_max"),
+    ([], {}, "nope = 1\n", "nope"),
+    ([], {}, '[delivery]\nwebhook = "not a url"\n', "delivery.webhook"),
+])
+def test_every_invalid_setting_exits_2_with_one_line(tmp_path, args, env, config, where):
+    if config is not None:
+        path = tmp_path / "spotguard.toml"
+        if config != "missing":
+            path.write_text(config)
+        args = ["--config", str(path), *args]
+    result = run("daemon", *args, "--runtime-dir", str(tmp_path / "run"), env=env)
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and where in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists(), "nothing may start on invalid settings"
+
+
+def test_print_config_shows_effective_settings_with_secrets_redacted(tmp_path):
+    config = tmp_path / "spotguard.toml"
+    config.write_text("[aws]\ninterval = 3.0\n")
+    result = run("daemon", "--config", str(config), "--platform", "aws", "--metrics-port", "0",
+                 "--print-config", env={"SPOTGUARD_DELIVERY__WEBHOOK_SECRET": "hunter2"})
+    assert result.returncode == 0, result.stderr
+    settings = json.loads(result.stdout)
+    assert settings["platform"] == "aws" and settings["aws"]["interval"] == 3.0
+    assert settings["metrics"]["port"] == 0
+    assert settings["delivery"]["webhook_secret"] == "**********" and "hunter2" not in result.stdout
+
+
+def test_status_exits_1_when_no_daemon_answers(sock_dir):
+    result = run("status", "--timeout", "0.3", env={"SPOTGUARD_RUNTIME_DIR": str(sock_dir)})
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0 and "no daemon answered" in result.stderr
+
+
+def test_notify_and_status_against_a_running_daemon(daemon_factory):
+    daemon = daemon_factory()
+    env = {"SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)}
+    notified = run("notify", "--kind", "preempt", "--deadline", "90", "--detail", "drill", env=env)
+    assert notified.returncode == 0, notified.stderr
+    notice_id = notified.stdout.strip()
+    assert notice_id.startswith("manual:preempt:")
+    human = run("status", env=env)
+    assert human.returncode == 0 and notice_id in human.stdout and "preempt" in human.stdout
+    data = json.loads(run("status", "--json", env=env).stdout)
+    assert [n["id"] for n in data["notices"]] == [notice_id]
+    assert data["platform"] == "none" and data["metrics"].startswith("http://127.0.0.1:")
+
+
+def test_version_and_help():
+    assert run("version").stdout.startswith("spotguard ")
+    assert "daemon" in run("--help").stdout
+
+
+def test_the_group_imports_without_the_daemons_heavy_parts():
+    code = ("import sys, spotguard_daemon.cli; "
+            "print(sorted(m for m in ('httpx', 'prometheus_client', 'tenacity', 'spotguard_daemon.app')"
+            " if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert result.stdout.strip() == "[]", result

@@ -1,0 +1,103 @@
+"""Small file-system helpers with the durability the commit protocol needs.
+
+Every file is created ``O_EXCL`` with mode 0600 and every directory with 0700: checkpoints hold model
+weights and must stay private to their owner. Writes go straight from the caller's memory in large
+chunks (``os.write`` releases the GIL), and directories are fsynced after entries change, because a
+rename is only durable once its parent directory is.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+__all__ = [
+    "CHUNK_BYTES",
+    "fsync_dir",
+    "mkdir_private",
+    "open_new",
+    "write_all",
+    "write_file",
+    "sha256_of",
+    "read_into",
+    "remove_tree",
+    "free_bytes",
+    "is_enospc",
+]
+
+CHUNK_BYTES = 64 << 20
+"""Largest single ``os.write``/``readinto``: big enough to stream, small enough to stay interruptible."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of ``path`` (creations, renames, removals) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def mkdir_private(path: Path) -> None:
+    """Create ``path`` with mode 0700 (the umask cannot widen it)."""
+    os.mkdir(path, 0o700)
+
+
+def open_new(path: Path) -> int:
+    """A write-only fd of a file that did not exist before, mode 0600."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """Write every byte of ``data``; ``os.write`` may write less than asked."""
+    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    offset, total = 0, len(view)
+    while offset < total:
+        offset += os.write(fd, view[offset : offset + CHUNK_BYTES])
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Create ``path`` holding ``data``, fsynced before returning."""
+    fd = open_new(path)
+    try:
+        write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(data: memoryview | bytes) -> str:
+    """Hex sha256; hashlib releases the GIL for large buffers, so this runs beside writes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_into(path: Path, out: memoryview) -> None:
+    """Fill ``out`` from the start of ``path``; a short file is an error, never silent zeros."""
+    view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+    with open(path, "rb", buffering=0) as f:
+        offset, total = 0, len(view)
+        while offset < total:
+            n = f.readinto(view[offset : offset + CHUNK_BYTES])
+            if not n:
+                raise EOFError(f"{path}: file shorter than {total} bytes")
+            offset += n
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory tree, ignoring entries that are already gone."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def is_enospc(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)

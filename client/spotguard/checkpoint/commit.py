@@ -1,0 +1,205 @@
+"""Write a snapshot into a directory and commit it atomically (the crash-safe half of a save).
+
+Protocol (a SIGKILL at any instant leaves the previous checkpoint loadable)::
+
+    mkdir .tmp-step-N-<pid>/ -> write + fsync every data file -> write + fsync manifest.json (last)
+    -> fsync the tmp dir -> rename to step-N/ -> fsync root -> latest.tmp + fsync -> replace latest
+    -> fsync root -> only then delete checkpoints beyond ``keep``
+
+Large tensors (``>= large_bytes``) get a file each, written straight from the staging buffer, so an
+unchanged tensor produces a byte-identical file (same sha256: the uploader skips it). Small tensors
+are packed, 64-byte aligned, into ``small.bin``; the structure goes to ``tree.json``. sha256 runs in
+a thread pool beside the writes and fsyncs run in their own thread, overlapping write-back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spotguard.checkpoint import _fs
+from spotguard.checkpoint.errors import CheckpointDiskFullError, CheckpointError
+from spotguard.checkpoint.format import dtype_name
+from spotguard.checkpoint.layout import CommitInfo, MANIFEST, committed_dirs, remove_checkpoint, step_name
+from spotguard.checkpoint.layout import tmp_name, write_latest
+from spotguard.checkpoint.staging import Snapshot
+
+__all__ = ["FORMAT", "VERSION", "TREE", "write_part", "write_manifest", "publish", "apply_retention",
+           "persist_local", "lower_priority"]
+
+FORMAT = "spotguard-checkpoint"
+VERSION = 1
+TREE = "tree.json"
+SMALL = "small.bin"
+_ALIGN = 64
+
+
+def lower_priority(nice: int | None) -> None:
+    """Renice the calling thread (Linux: per thread) so a background save yields to training."""
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _layout(snap: Snapshot, large_bytes: int) -> tuple[list[dict[str, Any]], int]:
+    index, small_end = [], 0
+    for i, t in enumerate(snap.tensors):
+        nbytes = t.numel() * t.element_size()
+        entry = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "nbytes": nbytes}
+        if nbytes >= large_bytes:
+            entry.update(file=f"tensors/{i:06d}.bin", offset=0)
+        else:
+            small_end = -(-small_end // _ALIGN) * _ALIGN
+            entry.update(file=SMALL, offset=small_end)
+            small_end += nbytes
+        index.append(entry)
+    return index, small_end
+
+
+class _Writer:
+    """Writes files in the caller's thread; hashes in a pool, fsyncs in one more thread."""
+
+    def __init__(self, nice: int | None) -> None:
+        init = (lambda: lower_priority(nice)) if nice else None
+        self.hashers = ThreadPoolExecutor(2, "spotguard-ckpt-hash", initializer=init)
+        self.syncer = ThreadPoolExecutor(1, "spotguard-ckpt-fsync", initializer=init)
+        self.pending: list[tuple[str, int, Future[str], Future[None]]] = []
+
+    def write(self, directory: Path, relpath: str, data: memoryview) -> None:
+        fd = _fs.open_new(directory / relpath)
+        digest = self.hashers.submit(_fs.sha256_of, data)
+        try:
+            _fs.write_all(fd, data)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.pending.append((relpath, len(data), digest, self.syncer.submit(_fsync_close, fd)))
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Wait for every hash and fsync; the first failure (e.g. ENOSPC on fsync) is raised."""
+        try:
+            files = {}
+            for relpath, size, digest, synced in self.pending:
+                synced.result()
+                files[relpath] = {"size": size, "sha256": digest.result()}
+            return files
+        finally:
+            self.hashers.shutdown()
+            self.syncer.shutdown()
+
+    def abort(self) -> None:
+        try:
+            self.finish()
+        except Exception:  # the write error that led here is the one worth raising
+            pass
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None) -> dict[str, dict]:
+    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}``."""
+    index, small_size = _layout(snap, large_bytes)
+    _fs.mkdir_private(dest)
+    writer = _Writer(nice)
+    try:
+        if any(e["file"] != SMALL for e in index):
+            _fs.mkdir_private(dest / "tensors")
+        for entry, t in zip(index, snap.tensors):
+            if entry["file"] != SMALL:
+                writer.write(dest, entry["file"], _bytes_view(t))
+        if small_size or any(e["file"] == SMALL for e in index):
+            writer.write(dest, SMALL, memoryview(_pack_small(index, snap.tensors, small_size)))
+        tree = json.dumps({"entries": snap.entries, "tensors": index}, separators=(",", ":"))
+        writer.write(dest, TREE, memoryview(tree.encode()))
+    except BaseException:
+        writer.abort()
+        raise
+    files = writer.finish()
+    for sub in (dest / "tensors", dest):
+        if sub.is_dir():
+            _fs.fsync_dir(sub)
+    return files
+
+
+def _pack_small(index: list[dict[str, Any]], tensors: list[torch.Tensor], size: int) -> bytearray:
+    buf = bytearray(size)
+    for entry, t in zip(index, tensors):
+        if entry["file"] == SMALL and entry["nbytes"]:
+            buf[entry["offset"] : entry["offset"] + entry["nbytes"]] = _bytes_view(t)
+    return buf
+
+
+def write_manifest(tmp: Path, meta: dict[str, Any], files: dict[str, dict]) -> None:
+    """Write manifest.json, the last file of a checkpoint, and fsync the directory."""
+    manifest = {"format": FORMAT, "version": VERSION, **meta, "files": dict(sorted(files.items()))}
+    _fs.write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _fs.fsync_dir(tmp)
+
+
+def publish(root: Path, tmp: Path, step: int) -> Path:
+    """Rename ``tmp`` to ``step-N`` (replacing an older directory of the same step) and point latest."""
+    final = root / step_name(step)
+    if final.exists():
+        remove_checkpoint(root, final)
+    os.rename(tmp, final)
+    _fs.fsync_dir(root)
+    write_latest(root, final.name)
+    return final
+
+
+def apply_retention(root: Path, keep: int, newest: Path) -> list[Path]:
+    """Delete committed checkpoints beyond the newest ``keep``; never ``newest`` itself."""
+    doomed = [p for _, p in committed_dirs(root)[max(keep, 1) :] if p != newest]
+    for path in doomed:
+        remove_checkpoint(root, path)
+    return doomed
+
+
+def persist_local(root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
+                  nice: int | None) -> CommitInfo:
+    """The whole single-process save: write to a tmp dir, commit, apply retention."""
+    tmp = root / tmp_name(meta["step"], os.getpid())
+    try:
+        _fs.mkdir_private(tmp)
+        files = write_part(tmp / "rank-0", snap, large_bytes=large_bytes, nice=nice)
+        files = {f"rank-0/{k}": v for k, v in files.items()}
+        write_manifest(tmp, meta, files)
+        final = publish(root, tmp, meta["step"])
+    except BaseException as exc:
+        _fs.remove_tree(tmp)
+        translated = translate_error(exc, root, snap.nbytes)
+        if translated is exc:
+            raise
+        raise translated from exc
+    apply_retention(root, keep, final)
+    return commit_info(final, meta, files)
+
+
+def translate_error(exc: BaseException, root: Path, nbytes: int) -> BaseException:
+    if _fs.is_enospc(exc):
+        return CheckpointDiskFullError(root, nbytes, _fs.free_bytes(root))
+    if isinstance(exc, OSError):
+        return CheckpointError(f"saving a checkpoint under {root} failed: {exc}")
+    return exc
+
+
+def commit_info(final: Path, meta: dict[str, Any], files: dict[str, dict]) -> CommitInfo:
+    size = sum(f["size"] for f in files.values()) + (final / MANIFEST).stat().st_size
+    return CommitInfo(meta["step"], meta.get("epoch"), final, size, len(files) + 1, meta["created"])

@@ -1,0 +1,116 @@
+"""Multi-rank saves over ``torch.distributed`` without ever unpickling from a socket.
+
+Every rank writes its own ``rank-<r>/`` part into one tmp directory that rank 0 creates; the ranks
+agree on its name and on progress with ``all_reduce`` of small int64 tensors only (never
+``gather_object``/``broadcast_object_list``, which unpickle what arrives). Steps of one save::
+
+    rank 0 mkdir tmp ─ all_reduce(pid, fail)  -> everyone knows .tmp-step-N-<pid0>
+    each rank: rank-<r>/ data + part.json ─ all_reduce(fail)   (barrier 1: all parts durable)
+    rank 0: merge parts into manifest.json, rename, latest ─ all_reduce(ok) (barrier 2, timeout)
+
+Collectives run on a private gloo group created at construction, so the background thread never
+interleaves with the training loop's own collectives on the user's group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spotguard.checkpoint import _fs, commit
+from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.layout import CommitInfo, step_name, tmp_name
+from spotguard.checkpoint.load import check
+from spotguard.checkpoint.staging import Snapshot
+
+__all__ = ["Coordinator"]
+
+PART = "part.json"
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Coordinator:
+    """The ranks' side of a save; created collectively (every rank of the world calls it)."""
+
+    def __init__(self, process_group: Any, timeout: float) -> None:
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.timeout = timedelta(seconds=timeout)
+        ranks = dist.get_process_group_ranks(process_group)
+        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=self.timeout)
+
+    def all_reduce(self, values: list[int], op: str = "sum") -> list[int]:
+        """Reduce a few ints across ranks, waiting at most the timeout."""
+        t = torch.tensor(values, dtype=torch.int64)
+        try:
+            work = dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
+            done = work.wait(self.timeout)
+        except RuntimeError as exc:  # gloo raises on timeout or a vanished peer
+            raise CheckpointError(f"checkpoint ranks did not agree within {self.timeout}: {exc}") from exc
+        if done is False:
+            raise CheckpointError(f"checkpoint ranks did not agree within {self.timeout}")
+        return t.tolist()
+
+    def agree(self, value: int, op: str) -> int:
+        return self.all_reduce([value], op)[0]
+
+    def persist(self, root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
+                nice: int | None) -> CommitInfo:
+        """Write this rank's part and (rank 0) commit; every rank returns the same CommitInfo."""
+        tmp = self._make_tmp(root, meta["step"])
+        failure = self._guard(lambda: self._write_part(tmp, snap, large_bytes, nice))
+        if self.agree(int(failure is not None), "sum"):
+            return self._abort(root, tmp, snap, failure, "writing its part")
+        committed = self._guard(lambda: self._commit(root, tmp, meta)) if self.rank == 0 else None
+        if not self.agree(int(self.rank == 0 and committed is None), "sum"):
+            return self._abort(root, tmp, snap, committed, "committing")
+        final = root / step_name(meta["step"])
+        if self.rank == 0:
+            commit.apply_retention(root, keep, final)
+        return check(final)
+
+    def _make_tmp(self, root: Path, step: int) -> Path:
+        failed = 0
+        if self.rank == 0:
+            failed = int(self._guard(lambda: _fs.mkdir_private(root / tmp_name(step, os.getpid()))) is not None)
+        pid0, failures = self.all_reduce([os.getpid() if self.rank == 0 else 0, failed])
+        if failures:
+            raise CheckpointError(f"rank 0 could not create a checkpoint directory under {root}")
+        return root / tmp_name(step, pid0)
+
+    @staticmethod
+    def _guard(fn: Any) -> BaseException | None:
+        try:
+            fn()
+        except Exception as exc:  # reported to the other ranks, then raised here
+            return exc
+        return None
+
+    def _write_part(self, tmp: Path, snap: Snapshot, large_bytes: int, nice: int | None) -> None:
+        part = tmp / f"rank-{self.rank}"
+        files = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice)
+        _fs.write_file(part / PART, json.dumps({"rank": self.rank, "files": files}).encode())
+        _fs.fsync_dir(part)
+
+    def _commit(self, root: Path, tmp: Path, meta: dict[str, Any]) -> None:
+        files: dict[str, dict] = {}
+        for r in range(self.world_size):
+            raw = (tmp / f"rank-{r}" / PART).read_bytes()
+            part = json.loads(raw)
+            files.update({f"rank-{r}/{k}": v for k, v in part["files"].items()})
+            files[f"rank-{r}/{PART}"] = {"size": len(raw), "sha256": _fs.sha256_of(raw)}
+        commit.write_manifest(tmp, meta, files)
+        commit.publish(root, tmp, meta["step"])
+
+    def _abort(self, root: Path, tmp: Path, snap: Snapshot, exc: BaseException | None, what: str) -> Any:
+        if self.rank == 0:
+            _fs.remove_tree(tmp)
+        if exc is None:
+            raise CheckpointError(f"another rank failed {what} the checkpoint; nothing was committed")
+        raise commit.translate_error(exc, root, snap.nbytes) from exc

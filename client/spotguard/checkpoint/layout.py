@@ -1,0 +1,131 @@
+"""Names and places under a checkpoint root (a contract with the durable-storage uploader).
+
+::
+
+    <root>/latest                       name of the newest committed checkpoint + "\\n" (a hint only)
+    <root>/step-0000000100/             one committed checkpoint; manifest.json is its last file
+    <root>/.tmp-step-0000000200-<pid>/  a save in progress; readers ignore it
+    <root>/.trash-step-...-<pid>/       a checkpoint being deleted; readers ignore it
+
+Readers trust only what a directory's manifest proves, so ``latest`` is a hint: a missing or stale
+pointer falls back to scanning ``step-*`` directories, newest step first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from spotguard.checkpoint import _fs
+
+__all__ = [
+    "CommitInfo",
+    "LATEST",
+    "MANIFEST",
+    "step_name",
+    "tmp_name",
+    "committed_dirs",
+    "read_latest",
+    "write_latest",
+    "remove_checkpoint",
+    "remove_stale",
+]
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step-(\d{10})$")
+_TMP_RE = re.compile(r"^\.(?:tmp|trash)-step-\d{10}-(\d+)$")
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """One committed checkpoint: what the guard layer reports to the daemon and the uploader."""
+
+    step: int
+    epoch: int | None
+    path: Path
+    size_bytes: int
+    files: int
+    created: float
+
+
+def step_name(step: int) -> str:
+    if not 0 <= step < 10**10:
+        raise ValueError(f"step must be in [0, 1e10), got {step}")
+    return f"step-{step:010d}"
+
+
+def tmp_name(step: int, pid: int, kind: str = "tmp") -> str:
+    return f".{kind}-{step_name(step)}-{pid}"
+
+
+def committed_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-*`` directory, newest first (valid or not)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), root / n) for n in names if (m := _STEP_RE.match(n))]
+    return sorted((s, p) for s, p in found if p.is_dir() and not p.is_symlink())[::-1]
+
+
+def read_latest(root: Path) -> str | None:
+    """The name in ``latest`` when it is a well-formed step name, else None."""
+    try:
+        name = (root / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if _STEP_RE.match(name) else None
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Atomically point ``latest`` at ``name``: write + fsync a temp file, rename, fsync root."""
+    tmp = root / f"{LATEST}.tmp"
+    tmp.unlink(missing_ok=True)
+    _fs.write_file(tmp, f"{name}\n".encode())
+    os.replace(tmp, root / LATEST)
+    _fs.fsync_dir(root)
+
+
+def remove_checkpoint(root: Path, path: Path) -> None:
+    """Delete a committed checkpoint: first renamed out of readers' sight, then removed."""
+    m = _STEP_RE.match(path.name)
+    trash = root / tmp_name(int(m.group(1)) if m else 0, os.getpid(), "trash")
+    _fs.remove_tree(trash)
+    os.rename(path, trash)
+    _fs.fsync_dir(root)
+    _fs.remove_tree(trash)
+
+
+def remove_stale(root: Path) -> list[str]:
+    """Remove ``.tmp-*``/``.trash-*`` directories whose process (on this host) is gone.
+
+    Called before this process starts saving, so a directory carrying our own pid is stale too: a
+    restarted container often reuses the pid of the process that died.
+    """
+    removed = []
+    for name in os.listdir(root):
+        m = _TMP_RE.match(name)
+        if m and not _alive(int(m.group(1))):
+            _fs.remove_tree(root / name)
+            removed.append(name)
+    if removed:
+        logger.info("removed %d stale partial checkpoint(s) under %s", len(removed), root)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

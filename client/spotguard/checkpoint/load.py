@@ -1,0 +1,167 @@
+"""Verify and read a committed checkpoint, then restore it into a live state in place.
+
+Verification before anything is restored: the manifest parses and names this format; every listed
+file is a regular file (no symlink) inside the checkpoint, has an allowed suffix (``.bin``/``.json``:
+nothing is ever unpickled) and the listed size; with ``verify`` its sha256 matches, computed in a
+thread pool while the next file is read. Only then are values decoded and handed to
+``load_state_dict`` / ``copy_``, so a corrupt checkpoint never half-overwrites a live state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+
+from spotguard.checkpoint import _fs
+from spotguard.checkpoint.commit import FORMAT, TREE, VERSION
+from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from spotguard.checkpoint.format import decode, dtype_from_name
+from spotguard.checkpoint.layout import MANIFEST, CommitInfo
+
+__all__ = ["read_manifest", "check", "read_entries", "restore"]
+
+logger = logging.getLogger(__name__)
+_SUFFIXES = (".bin", ".json")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of ``path`` after structural checks (files present, sizes right, safe names)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{path}: unreadable manifest: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{path}: not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION or not isinstance(manifest.get("files"), dict):
+        raise CheckpointCorruptError(f"{path}: unsupported manifest version {manifest.get('version')!r}")
+    for relpath, meta in manifest["files"].items():
+        _check_file(path, relpath, meta)
+    return manifest
+
+
+def _check_file(path: Path, relpath: str, meta: Any) -> None:
+    rel = PurePosixPath(relpath)
+    if rel.is_absolute() or ".." in rel.parts or rel.suffix not in _SUFFIXES or rel.name == MANIFEST:
+        raise CheckpointCorruptError(f"{path}: refusing file {relpath!r} (only .bin/.json inside)")
+    try:
+        st = os.lstat(path / rel)
+    except OSError:
+        raise CheckpointCorruptError(f"{path}: missing file {relpath}") from None
+    if not os.path.isfile(path / rel) or os.path.islink(path / rel):
+        raise CheckpointCorruptError(f"{path}: {relpath} is not a regular file")
+    if not isinstance(meta, dict) or st.st_size != meta.get("size"):
+        raise CheckpointCorruptError(f"{path}: {relpath} has {st.st_size} bytes, manifest says {meta}")
+
+
+def check(path: Path) -> CommitInfo:
+    """Cheap validity check (manifest, names, sizes; no hashing) and the checkpoint's CommitInfo."""
+    m = read_manifest(path)
+    size = sum(f["size"] for f in m["files"].values()) + (path / MANIFEST).stat().st_size
+    return CommitInfo(int(m["step"]), m.get("epoch"), path, size, len(m["files"]) + 1, float(m["created"]))
+
+
+def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: bool) -> dict[str, Any]:
+    """``{name: (kind, value)}`` of one part (``rank-<r>``), every byte read checked first."""
+    try:
+        with ThreadPoolExecutor(2, "spotguard-ckpt-verify") as pool:
+            reader = _PartReader(path, manifest["files"], part, pool, verify)
+            tree = json.loads(reader.read_file(TREE).numpy().tobytes())
+            tensors = reader.tensors(tree["tensors"])
+            reader.check_hashes()
+        return {name: (kind, decode(value, tensors.__getitem__)) for name, kind, value in tree["entries"]}
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointCorruptError(f"{path}: malformed tree: {exc!r}") from exc
+
+
+class _PartReader:
+    def __init__(self, path: Path, files: dict, part: str, pool: ThreadPoolExecutor, verify: bool) -> None:
+        self.path, self.files, self.part, self.pool, self.verify = path, files, part, pool, verify
+        self.hashes: list[tuple[str, Future[str]]] = []
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def read_file(self, name: str) -> torch.Tensor:
+        rel = f"{self.part}/{name}"
+        if rel not in self.files:
+            raise CheckpointCorruptError(f"{self.path}: {rel} is not listed in the manifest")
+        if rel not in self.cache:
+            buf = torch.empty(self.files[rel]["size"], dtype=torch.uint8)
+            try:
+                _fs.read_into(self.path / rel, memoryview(buf.numpy()))
+            except (OSError, EOFError) as exc:
+                raise CheckpointCorruptError(f"{self.path}: cannot read {rel}: {exc}") from exc
+            if self.verify:
+                self.hashes.append((rel, self.pool.submit(_fs.sha256_of, memoryview(buf.numpy()))))
+            self.cache[rel] = buf
+        return self.cache[rel]
+
+    def tensors(self, index: list[dict[str, Any]]) -> list[torch.Tensor]:
+        return [self._tensor(e) for e in index]
+
+    def _tensor(self, e: dict[str, Any]) -> torch.Tensor:
+        dtype, shape, offset, nbytes = dtype_from_name(e["dtype"]), e["shape"], e["offset"], e["nbytes"]
+        raw = self.read_file(e["file"])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(shape) * itemsize != nbytes or offset < 0 or offset + nbytes > raw.numel():
+            raise CheckpointCorruptError(f"{self.path}: tensor entry {e} does not fit its file")
+        t = raw[offset : offset + nbytes].view(dtype).reshape(shape)
+        # A packed tensor gets storage of its own: some consumers (Generator.set_state) ignore offsets.
+        return t if nbytes == raw.numel() else t.clone()
+
+    def check_hashes(self) -> None:
+        for rel, digest in self.hashes:
+            if digest.result() != self.files[rel].get("sha256"):
+                raise CheckpointCorruptError(f"{self.path}: sha256 mismatch in {rel}")
+
+
+def restore(state: Mapping[str, Any], entries: dict[str, tuple[str, Any]]) -> None:
+    """Put saved values into ``state`` in place: load_state_dict, tensor copy_, mapping update."""
+    for name in state.keys() - entries.keys():
+        logger.warning("checkpoint has no entry %r; it keeps its current value", name)
+    for name in entries.keys() - state.keys():
+        logger.warning("checkpoint entry %r has no place in the state; ignored", name)
+    try:
+        for name in state.keys() & entries.keys():
+            _restore_entry(state, name, entries[name][1])
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"restoring checkpoint entry failed: {exc}") from exc
+
+
+def _restore_entry(state: Mapping[str, Any], name: str, value: Any) -> None:
+    target = state[name]
+    if hasattr(target, "load_state_dict"):
+        target.load_state_dict(value)
+    elif isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(value)
+    elif isinstance(target, MutableMapping) and isinstance(value, Mapping):
+        _update_mapping(target, value)
+    elif isinstance(state, MutableMapping):
+        state[name] = value
+    else:
+        raise CheckpointError(f"cannot restore entry {name!r} in place: the state is read-only")
+
+
+def _update_mapping(target: MutableMapping, value: Mapping) -> None:
+    for key, new in value.items():
+        old = target.get(key)
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and _same_kind(old, new):
+            with torch.no_grad():
+                old.copy_(new)
+        elif isinstance(old, MutableMapping) and isinstance(new, Mapping):
+            _update_mapping(old, new)
+        else:
+            target[key] = new
+
+
+def _same_kind(old: torch.Tensor, new: torch.Tensor) -> bool:
+    return old.shape == new.shape and old.dtype == new.dtype

@@ -1,0 +1,211 @@
+"""The checkpoint engine's front door: :class:`Checkpointer` (async save, verified load, retention).
+
+Async mode with named wait points (after torchtitan's ``AsyncMode``): :meth:`Checkpointer.save`
+waits for the previous save, snapshots the state into reusable CPU buffers (the only part the
+training loop waits for, see :attr:`SaveStats.blocking_seconds`), then serialises, hashes, fsyncs
+and commits in one background thread at lowered CPU priority, so training keeps its cores. Failures
+of a background save surface at the next named wait point (:meth:`wait`, :meth:`save`,
+:meth:`close`) as :class:`CheckpointError`; the previous checkpoint stays loadable throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spotguard.checkpoint import commit, layout
+from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from spotguard.checkpoint.layout import CommitInfo
+from spotguard.checkpoint.load import check, read_entries, read_manifest, restore
+from spotguard.checkpoint.staging import Stager
+
+__all__ = ["Checkpointer", "SaveStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Timings of the last completed save: the cost ``C`` of Young/Daly and the emergency budget."""
+
+    step: int | None = None
+    blocking_seconds: float = 0.0
+    """Time ``save()`` held the training loop (wait for buffers excluded: snapshot only)."""
+    persist_seconds: float = 0.0
+    """Write + hash + fsync + commit time of the background part."""
+    bytes: int = 0
+    """Bytes of tensor data written."""
+
+
+class Checkpointer:
+    """Saves and restores full training state under ``root`` (see :mod:`.layout` for the layout).
+
+    ``state`` maps names to objects with ``state_dict``/``load_state_dict``, tensors, or mappings
+    of plain values and tensors; all are restored in place. With ``process_group`` every rank must
+    construct the Checkpointer and call ``save``/``load_latest`` in the same order (collectives run
+    on a private gloo group). Entries named in ``per_rank`` are saved by every rank, the rest by
+    rank 0 only (data-parallel replicas are identical).
+    """
+
+    def __init__(self, root: str | Path, *, keep: int = 3, job_id: str = "", pin_memory: bool | None = None,
+                 process_group: Any = None, on_commit: Callable[[CommitInfo], None] | None = None,
+                 verify: bool = True, background_nice: int | None = 10, large_tensor_bytes: int = 1 << 20,
+                 per_rank: Iterable[str] = ("rng",), timeout: float = 600.0) -> None:
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self.root = Path(root).absolute()
+        self.keep, self.job_id, self.verify, self.on_commit = keep, job_id, verify, on_commit
+        self._nice, self._large, self._per_rank = background_nice, large_tensor_bytes, frozenset(per_rank)
+        self._coord = _coordinator(process_group, timeout)
+        self.rank = self._coord.rank if self._coord else 0
+        self.world_size = self._coord.world_size if self._coord else 1
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            layout.remove_stale(self.root)
+        self._stager = Stager(pin_memory)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last: CommitInfo | None = None
+        self._stats = SaveStats()
+        self._closed = False
+
+    @property
+    def stats(self) -> SaveStats:
+        return self._stats
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, step: int, state: Mapping[str, Any], *, epoch: int | None = None,
+             blocking: bool = False) -> None:
+        """Checkpoint ``state`` as ``step``. Returns once the snapshot is taken (or, with
+        ``blocking``, once committed). Raises a pending background failure first."""
+        if self._closed:
+            raise CheckpointError("Checkpointer is closed")
+        self.wait()
+        started = time.perf_counter()
+        names = None if self.rank == 0 else [n for n in state if n in self._per_rank]
+        snap = self._stager.snapshot(state, names)
+        stalled = time.perf_counter() - started
+        meta = {"step": int(step), "epoch": epoch, "created": time.time(), "job_id": self.job_id,
+                "world_size": self.world_size, "torch_version": torch.__version__,
+                "entries": [e[0] for e in snap.entries]}
+        job = lambda: self._persist(snap, meta, stalled)  # noqa: E731
+        if blocking:
+            self._run(job, nice=None)
+            self.wait()
+        else:
+            self._thread = threading.Thread(target=self._run, args=(job, self._nice),
+                                            name="spotguard-ckpt-persist")
+            self._thread.start()
+
+    def _persist(self, snap: Any, meta: dict[str, Any], stalled: float) -> CommitInfo:
+        started = time.perf_counter()
+        kwargs = {"keep": self.keep, "large_bytes": self._large, "nice": self._nice}
+        if self._coord:
+            info = self._coord.persist(self.root, snap, meta, **kwargs)
+        else:
+            info = commit.persist_local(self.root, snap, meta, **kwargs)
+        self._stats = SaveStats(meta["step"], stalled, time.perf_counter() - started, snap.nbytes)
+        return info
+
+    def _run(self, job: Callable[[], CommitInfo], nice: int | None) -> None:
+        commit.lower_priority(nice)
+        try:
+            self._last = job()
+        except BaseException as exc:  # handed to the next wait point
+            self._error = exc
+            return
+        logger.info("checkpoint step %d committed at %s (%d bytes)", self._last.step, self._last.path,
+                    self._last.size_bytes)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(self._last)
+            except Exception:
+                logger.exception("on_commit callback failed for step %d", self._last.step)
+
+    def wait(self, timeout: float | None = None) -> CommitInfo | None:
+        """Wait for the save in flight; the last commit, or None when none yet (or still running
+        after ``timeout``). A background failure is raised here once, as CheckpointError."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return None
+            self._thread = None
+        error, self._error = self._error, None
+        if isinstance(error, CheckpointError):
+            raise error
+        if error is not None:
+            raise CheckpointError(f"checkpoint save failed: {error!r}") from error
+        return self._last
+
+    def _candidates(self) -> list[Path]:
+        return [p for _, p in layout.committed_dirs(self.root)]
+
+    def latest(self) -> CommitInfo | None:
+        """The newest structurally valid checkpoint (manifest, names, sizes; not hashed)."""
+        for path in self._candidates():
+            try:
+                return check(path)
+            except CheckpointCorruptError as exc:
+                logger.warning("skipping checkpoint %s: %s", path, exc)
+        return None
+
+    def load_latest(self, state: Mapping[str, Any]) -> CommitInfo | None:
+        """Restore the newest valid checkpoint into ``state`` in place; None means a fresh start.
+        Corrupt or incomplete checkpoints are skipped with a warning, older ones tried next."""
+        self.wait()
+        candidates = self._candidates()
+        count = self._coord.agree(len(candidates), "max") if self._coord else len(candidates)
+        for i in range(count):
+            entries = self._try_read(candidates[i]) if i < len(candidates) else None
+            ok = entries is not None
+            if self._coord:
+                ok = bool(self._coord.agree(int(ok), "min"))
+            if ok:
+                restore(state, entries)
+                return check(candidates[i])
+        return None
+
+    def _try_read(self, path: Path) -> dict[str, Any] | None:
+        try:
+            manifest = read_manifest(path)
+            entries = read_entries(path, manifest, "rank-0", verify=self.verify)
+            if self.rank != 0:
+                entries = {k: v for k, v in entries.items() if k not in self._per_rank}
+                if f"rank-{self.rank}/{commit.TREE}" in manifest["files"]:
+                    entries.update(read_entries(path, manifest, f"rank-{self.rank}", verify=self.verify))
+            return entries
+        except CheckpointCorruptError as exc:
+            logger.warning("skipping checkpoint %s: %s", path, exc)
+            return None
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its failure) and release the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._stager.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _coordinator(process_group: Any, timeout: float) -> Any:
+    if process_group is None:
+        return None
+    from spotguard.checkpoint.distributed import Coordinator
+
+    return Coordinator(process_group, timeout)

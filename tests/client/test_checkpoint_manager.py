@@ -1,0 +1,199 @@
+"""Checkpointer end to end on a real file system: round trip, async, layout contract, retention."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import threading
+
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from spotguard.checkpoint import Checkpointer, CheckpointError, CommitInfo
+
+
+def make_training(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(1234)  # the same data set whatever the model's seed
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    loader = StatefulDataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+    return {"model": model, "optim": opt, "sched": sched, "scaler": scaler, "loader": loader}
+
+
+def train(state, batches, it=None):
+    it = it if it is not None else iter(state["loader"])
+    losses = []
+    for _ in range(batches):
+        x, y = next(it)
+        loss = torch.nn.functional.mse_loss(state["model"](x), y)
+        state["optim"].zero_grad()
+        state["scaler"].scale(loss).backward()
+        state["scaler"].step(state["optim"])
+        state["scaler"].update()
+        state["sched"].step()
+        losses.append(loss.item())
+    return losses, it
+
+
+def assert_state_dicts_equal(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_state_dicts_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_state_dicts_equal(x, y)
+    else:
+        assert a == b
+
+
+def test_real_training_state_roundtrips_bit_exact(tmp_path):
+    state = make_training()
+    extras = {"tokens": 123, "best": torch.tensor([0.5])}
+    _, it = train(state, 3)
+    with Checkpointer(tmp_path, job_id="job-1") as ck:
+        ck.save(3, {**state, "extras": extras}, epoch=0)
+        info = ck.wait()
+    expected_after, _ = train(state, 4, it)
+
+    fresh = make_training(seed=99)
+    fresh_extras = {"tokens": 0, "best": torch.zeros(1)}
+    with Checkpointer(tmp_path) as ck:
+        loaded = ck.load_latest({**fresh, "extras": fresh_extras})
+    assert loaded == info and loaded.step == 3 and loaded.epoch == 0
+    assert fresh_extras["tokens"] == 123 and fresh_extras["best"].item() == 0.5
+    got_after, _ = train(fresh, 4)
+    assert got_after == expected_after  # same batches, same updates, bit for bit
+    for name in ("model", "optim", "sched", "scaler"):
+        assert_state_dicts_equal(state[name].state_dict(), fresh[name].state_dict())
+
+
+def test_snapshot_is_isolated_from_later_updates(tmp_path):
+    model = torch.nn.Linear(600, 600)  # > 1 MiB: its own file
+    before = model.weight.detach().clone()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model})
+        with torch.no_grad():
+            model.weight.add_(1.0)  # the loop goes on while the background thread writes
+        ck.wait()
+        ck.load_latest({"model": model})
+    assert torch.equal(model.weight, before)
+
+
+def test_async_save_reports_commit_and_stats(tmp_path):
+    seen: list[tuple[CommitInfo, str]] = []
+    ck = Checkpointer(tmp_path, on_commit=lambda info: seen.append((info, threading.current_thread().name)))
+    tensor = torch.randn(1 << 20)
+    ck.save(7, {"t": tensor}, epoch=2)
+    info = ck.wait(timeout=30)
+    ck.close()
+    assert info.step == 7 and info.epoch == 2 and info.path == tmp_path / "step-0000000007"
+    assert seen == [(info, "spotguard-ckpt-persist")]
+    assert ck.stats.step == 7 and ck.stats.bytes == tensor.numel() * 4
+    assert 0 < ck.stats.blocking_seconds and 0 < ck.stats.persist_seconds
+    assert info.size_bytes == sum(p.stat().st_size for p in info.path.rglob("*") if p.is_file())
+    assert info.files == sum(1 for p in info.path.rglob("*") if p.is_file())
+
+
+def test_on_disk_layout_is_the_contract(tmp_path):
+    with Checkpointer(tmp_path, job_id="j") as ck:
+        ck.save(100, {"big": torch.ones(1 << 19), "small": torch.ones(3), "extras": {"a": 1}}, epoch=3,
+                blocking=True)
+    assert (tmp_path / "latest").read_text() == "step-0000000100\n"
+    ckpt = tmp_path / "step-0000000100"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["format"] == "spotguard-checkpoint" and manifest["version"] == 1
+    assert (manifest["step"], manifest["epoch"], manifest["job_id"], manifest["world_size"]) == (100, 3, "j", 1)
+    on_disk = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == on_disk
+    for rel, meta in manifest["files"].items():
+        data = (ckpt / rel).read_bytes()
+        assert meta == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert any(rel.startswith("rank-0/tensors/") for rel in manifest["files"])
+    assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
+    assert all(stat.S_IMODE(os.stat(ckpt / rel).st_mode) == 0o600 for rel in manifest["files"])
+
+
+def test_retention_keeps_the_newest(tmp_path):
+    with Checkpointer(tmp_path, keep=2) as ck:
+        for step in (10, 20, 30, 40):
+            ck.save(step, {"t": torch.full((4,), float(step))})
+        ck.wait()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000000030", "step-0000000040"]
+        target = {"t": torch.zeros(4)}
+        assert ck.load_latest(target).step == 40 and target["t"][0] == 40
+
+
+def test_unchanged_large_tensor_keeps_its_hash(tmp_path):
+    frozen, moving = torch.randn(1 << 19), torch.randn(1 << 19)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"frozen": frozen, "moving": moving})
+        ck.wait()
+        moving.add_(1)
+        ck.save(2, {"frozen": frozen, "moving": moving})
+        ck.wait()
+    files = [json.loads((tmp_path / f"step-000000000{s}/manifest.json").read_text())["files"] for s in (1, 2)]
+    big = sorted(rel for rel in files[0] if "/tensors/" in rel)
+    assert len(big) == 2
+    assert files[0][big[0]]["sha256"] == files[1][big[0]]["sha256"]
+    assert files[0][big[1]]["sha256"] != files[1][big[1]]["sha256"]
+
+
+def test_stale_tmp_dirs_are_removed_on_start(tmp_path):
+    dead = tmp_path / ".tmp-step-0000000005-999999999"
+    mine = tmp_path / f".tmp-step-0000000006-{os.getpid()}"  # a restarted container reuses pids
+    alive = tmp_path / ".tmp-step-0000000007-1"
+    for d in (dead, mine, alive):
+        (d / "rank-0").mkdir(parents=True)
+    Checkpointer(tmp_path).close()
+    assert not dead.exists() and not mine.exists() and alive.exists()
+
+
+def test_missing_or_stale_latest_falls_back_to_scan(tmp_path):
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"t": torch.ones(2)})
+        ck.save(2, {"t": torch.full((2,), 2.0)}, blocking=True)
+    (tmp_path / "latest").write_text("step-0000000001\n")
+    target = {"t": torch.zeros(2)}
+    assert Checkpointer(tmp_path).load_latest(target).step == 2
+    (tmp_path / "latest").unlink()
+    assert Checkpointer(tmp_path).latest().step == 2
+
+
+def test_fresh_start_returns_none(tmp_path):
+    with Checkpointer(tmp_path / "new") as ck:
+        assert ck.latest() is None and ck.load_latest({"t": torch.zeros(1)}) is None
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o700
+
+
+def test_background_failure_surfaces_at_wait_and_previous_still_loads(tmp_path):
+    ck = Checkpointer(tmp_path)
+    ck.save(1, {"t": torch.ones(2)}, blocking=True)
+    (tmp_path / f".tmp-step-0000000002-{os.getpid()}").write_text("in the way")
+    ck.save(2, {"t": torch.full((2,), 2.0)})
+    with pytest.raises(CheckpointError):
+        ck.wait()
+    assert ck.wait().step == 1  # raised once; the last commit is unchanged
+    target = {"t": torch.zeros(2)}
+    assert ck.load_latest(target).step == 1 and target["t"][0] == 1
+    ck.close()
+
+
+def test_plain_values_and_resave_of_a_step(tmp_path):
+    with Checkpointer(tmp_path) as ck:
+        ck.save(5, {"count": 1, "shape_changes": torch.zeros(2)}, blocking=True)
+        ck.save(5, {"count": 2, "shape_changes": torch.zeros(3)}, blocking=True)
+        state = {"count": 0, "shape_changes": torch.ones(3)}
+        assert ck.load_latest(state).step == 5
+    assert state["count"] == 2 and torch.equal(state["shape_changes"], torch.zeros(3))

@@ -76,7 +76,7 @@ def _restore_one(durable: "Durable", job_id: str, dest_root: Path, step: int) ->
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise IntegrityError(f"{job_id} {step_name(step)}: {problems[0]}{more}")
         local = {k: v for k, v in manifest.items() if k != "durable"}
-        (tmp / MANIFEST).write_text(json.dumps(local, indent=1, sort_keys=True))
+        (tmp / MANIFEST).write_text(json.dumps(local, indent=1))  # same content, key order kept
         return commit_dir(tmp, dest_root, step_name(step))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -122,7 +122,7 @@ class Durable:
         sent = self._send_objects(ckpt, by_hash, progress)
         key = manifest_key(job_id, manifest["step"])
         durable = {"version": 1, "name": ckpt.name, "objects": OBJECTS, "uploaded": time.time()}
-        body = json.dumps({**manifest, "durable": durable}, sort_keys=True).encode()
+        body = json.dumps({**manifest, "durable": durable}, indent=1).encode()
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
         self._advance_pointer(job_id, manifest["step"])
         self.store.delete([pending])

@@ -15,6 +15,6 @@ from __future__ import annotations
 from ._events import ControlError
 from ._serve import parse_option, serve
 from ._simulator import PLATFORMS, Simulator
-from . import aws, gcp  # noqa: F401  (register the platforms)
+from . import alibaba, aws, azure, gcp  # noqa: F401  (register the platforms)
 
 __all__ = ["Simulator", "serve", "parse_option", "ControlError", "PLATFORMS"]

@@ -48,6 +48,10 @@ class SimServer(ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         super().__init__(address, _Handler)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-answer (or a stop) is routine here: log, do not print."""
+        logger.debug("simulator: connection from %s ended with an error", client_address, exc_info=True)
+
     def track(self, conn: socket.socket, add: bool) -> None:
         with self._conn_lock:
             (self._connections.add if add else self._connections.discard)(conn)

@@ -20,13 +20,14 @@ import logging
 import secrets
 import threading
 import time
+from http import HTTPStatus
 from dataclasses import dataclass, field
 from email.message import Message
 from typing import Any, Callable, ClassVar
 
 from ._events import ControlError, SimEvent, Timers
 
-__all__ = ["Request", "Response", "PlatformSim", "MAX_LEAD_SECONDS", "coerce"]
+__all__ = ["Request", "Response", "PlatformSim", "MAX_LEAD_SECONDS", "coerce", "html_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,13 @@ class Response:
         return cls(status, json.dumps(obj).encode(), content_type, dict(headers))
 
 
+def html_error(status: int, prolog: str = "") -> Response:
+    """The small HTML error page metadata services answer errors with."""
+    title = f"{status} - {HTTPStatus(status).phrase}"
+    return Response.text(status, f"{prolog}<html><head><title>{title}</title></head>"
+                                 f"<body><h1>{title}</h1></body></html>\n", "text/html")
+
+
 class PlatformSim:
     """Base of one simulated platform. Subclasses set the class attributes and :meth:`handle`."""
 
@@ -104,6 +112,9 @@ class PlatformSim:
     def new_event_id(self, kind: str) -> str:
         return "evt-" + secrets.token_hex(6)
 
+    def validate(self, kind: str, event_type: str | None, extra: dict[str, Any]) -> None:
+        """Refuse a schedule request this platform cannot show (raise :class:`ControlError`)."""
+
     def changed(self, event: SimEvent) -> None:
         """Called with the lock held after an event became visible, changed state, or went away."""
 
@@ -125,6 +136,7 @@ class PlatformSim:
                  duration: float | None = None, **extra: Any) -> SimEvent:
         """Schedule an event to become visible ``in_seconds`` from now (0: before this returns)."""
         self._check_schedule(kind, in_seconds, deadline_seconds, resources, extra)
+        self.validate(kind, event_type, extra)
         lead = self.default_deadline(kind) if deadline_seconds is None else float(deadline_seconds)
         flip_at = time.time() + float(in_seconds)
         event = SimEvent(self.new_event_id(kind), kind, flip_at, flip_at + lead,

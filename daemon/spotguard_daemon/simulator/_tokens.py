@@ -10,11 +10,16 @@ refused with 401 whatever the mode; a *missing* token is refused only when token
 from __future__ import annotations
 
 import secrets
+import threading
 import time
+from typing import Any, ClassVar
 
-from ._platform import Request
+from ._events import Timers
+from ._platform import PlatformSim, Request, Response
 
-__all__ = ["TokenStore", "MAX_TTL_SECONDS"]
+__all__ = ["TokenStore", "TokenGuardedSim", "MAX_TTL_SECONDS", "TOKEN_PATH"]
+
+TOKEN_PATH = "/latest/api/token"
 
 MAX_TTL_SECONDS = 21600
 _MAX_TOKENS = 10_000
@@ -66,3 +71,53 @@ class TokenStore:
             del self._expiry[token]
         while len(self._expiry) >= _MAX_TOKENS:  # bounded memory against a client that loops on PUT
             del self._expiry[next(iter(self._expiry))]
+
+
+class TokenGuardedSim(PlatformSim):
+    """A platform whose metadata GETs are guarded by :class:`TokenStore` tokens (AWS, Alibaba).
+
+    Subclasses set the two header names, say whether a token is required now
+    (:meth:`tokens_required`), render errors (:meth:`error`) and answer authorised GETs
+    (:meth:`route`, called with the lock held).
+    """
+
+    ttl_header: ClassVar[str] = ""
+    token_header: ClassVar[str] = ""
+    missing_token_status: ClassVar[int] = 401
+
+    def __init__(self, cond: threading.Condition, timers: Timers) -> None:
+        super().__init__(cond, timers)
+        self.tokens = TokenStore(self.ttl_header, self.token_header)
+
+    def tokens_required(self) -> bool:
+        return True
+
+    def error(self, status: int) -> Response:
+        raise NotImplementedError
+
+    def route(self, req: Request) -> Response:
+        raise NotImplementedError
+
+    def expire_tokens(self) -> int:
+        return self.tokens.expire_all()
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"tokens": {"issued": self.tokens.issued, "live": self.tokens.live()}}
+
+    def handle(self, req: Request) -> Response:
+        with self.cond:
+            if req.path == TOKEN_PATH:
+                return self._put_token(req)
+            if req.method not in ("GET", "HEAD"):
+                return self.error(405)
+            refused = self.tokens.check(req, self.tokens_required(), self.missing_token_status)
+            return self.error(refused) if refused is not None else self.route(req)
+
+    def _put_token(self, req: Request) -> Response:
+        if req.method != "PUT":
+            return self.error(405)
+        issued = self.tokens.issue(req)
+        if issued is None:
+            return self.error(400)
+        token, ttl = issued
+        return Response.text(200, token, **{self.ttl_header: str(ttl)})

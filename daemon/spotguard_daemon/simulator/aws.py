@@ -25,14 +25,13 @@ import threading
 from typing import Any, Callable
 
 from ._events import ControlError, SimEvent, Timers
-from ._platform import PlatformSim, Request, Response
+from ._platform import Request, Response, html_error
 from ._simulator import register_platform
 from ._timefmt import aws_event_time, rfc3339
-from ._tokens import TokenStore
+from ._tokens import TokenGuardedSim
 
 __all__ = ["AwsSim"]
 
-_TOKEN_PATH = "/latest/api/token"
 _MD = "/latest/meta-data/"
 _SPOT_ACTIONS = ("terminate", "stop", "hibernate")
 _CODES = {
@@ -45,27 +44,25 @@ _CODES = {
 _STATES = ("active", "completed", "canceled")
 
 
-def _html(status: int, reason: str) -> Response:
-    """The small XHTML page IMDS answers errors with."""
-    page = (f'<?xml version="1.0" encoding="iso-8859-1"?>\n<html><head><title>{status} - {reason}'
-            f"</title></head><body><h1>{status} - {reason}</h1></body></html>\n")
-    return Response.text(status, page, "text/html")
+def _html(status: int) -> Response:
+    return html_error(status, '<?xml version="1.0" encoding="iso-8859-1"?>\n')
 
 
 @register_platform
-class AwsSim(PlatformSim):
+class AwsSim(TokenGuardedSim):
     name = "aws"
     kinds = ("terminate", "stop", "hibernate", "rebalance", "scheduled")
     extra_fields = frozenset({"state"})
     settable = frozenset({"imdsv1"})
     server_header = "EC2ws"
+    ttl_header = "X-aws-ec2-metadata-token-ttl-seconds"
+    token_header = "X-aws-ec2-metadata-token"
 
     def __init__(self, cond: threading.Condition, timers: Timers, *, imdsv1: bool = False,
                  instance_id: str = "i-0123456789abcdef0") -> None:
         super().__init__(cond, timers)
         self.imdsv1 = bool(imdsv1)
         self.instance_id = instance_id
-        self.tokens = TokenStore("X-aws-ec2-metadata-token-ttl-seconds", "X-aws-ec2-metadata-token")
         self._routes: dict[str, Callable[[], Response]] = {
             _MD + "spot/instance-action": self._instance_action,
             _MD + "spot/termination-time": self._termination_time,
@@ -83,56 +80,41 @@ class AwsSim(PlatformSim):
             return "instance-event-" + secrets.token_hex(9)[:17]
         return f"aws-{kind}-" + secrets.token_hex(6)
 
-    def schedule(self, kind: str, *args: Any, **kwargs: Any) -> SimEvent:
-        if kind == "scheduled":
-            self._check_scheduled(kwargs.get("event_type"), kwargs.get("state"))
-        return super().schedule(kind, *args, **kwargs)
+    def validate(self, kind: str, event_type: str | None, extra: dict[str, Any]) -> None:
+        if event_type is not None and event_type not in _CODES:
+            raise ControlError(f"aws: event_type (the scheduled event's Code) must be one of {sorted(_CODES)}")
+        if extra.get("state", "active") not in _STATES:
+            raise ControlError(f"aws: state must be one of {list(_STATES)}")
 
-    def expire_tokens(self) -> int:
-        return self.tokens.expire_all()
+    def tokens_required(self) -> bool:
+        return not self.imdsv1
 
-    def extra_state(self) -> dict[str, Any]:
-        return {"tokens": {"issued": self.tokens.issued, "live": self.tokens.live()}}
+    def error(self, status: int) -> Response:
+        return _html(status)
 
-    def handle(self, req: Request) -> Response:
-        with self.cond:
-            if req.path == _TOKEN_PATH:
-                return self._token(req)
-            if req.method not in ("GET", "HEAD"):
-                return _html(405, "Method Not Allowed")
-            if self.tokens.check(req, required=not self.imdsv1) is not None:
-                return _html(401, "Unauthorized")
-            route = self._routes.get(req.path)
-            return route() if route else _html(404, "Not Found")
+    def route(self, req: Request) -> Response:
+        route = self._routes.get(req.path)
+        return route() if route else _html(404)
 
     # ------------------------------------------------------------ endpoints (lock held)
-
-    def _token(self, req: Request) -> Response:
-        if req.method != "PUT":
-            return _html(405, "Method Not Allowed")
-        issued = self.tokens.issue(req)
-        if issued is None:
-            return _html(400, "Bad Request")
-        token, ttl = issued
-        return Response.text(200, token, **{"X-aws-ec2-metadata-token-ttl-seconds": str(ttl)})
 
     def _instance_action(self) -> Response:
         actions = self.active(*_SPOT_ACTIONS)
         if not actions:
-            return _html(404, "Not Found")
+            return _html(404)
         latest = actions[-1]
         return Response.json(200, {"action": latest.kind, "time": rfc3339(latest.deadline)}, "text/plain")
 
     def _termination_time(self) -> Response:
         terminations = self.active("terminate")
         if not terminations:
-            return _html(404, "Not Found")
+            return _html(404)
         return Response.text(200, rfc3339(terminations[-1].deadline))
 
     def _rebalance(self) -> Response:
         notices = self.active("rebalance")
         if not notices:
-            return _html(404, "Not Found")
+            return _html(404)
         return Response.json(200, {"noticeTime": rfc3339(notices[0].flipped_at or 0.0)}, "text/plain")
 
     def _maintenance(self, history: bool) -> Response:
@@ -148,10 +130,3 @@ class AwsSim(PlatformSim):
         return {"NotBefore": aws_event_time(ev.deadline), "Code": code, "Description": _CODES[code],
                 "EventId": ev.id, "NotAfter": aws_event_time(ev.deadline + (ev.duration or 1000.0)),
                 "State": state}
-
-    @staticmethod
-    def _check_scheduled(code: str | None, state: str | None) -> None:
-        if code is not None and code not in _CODES:
-            raise ControlError(f"aws scheduled: event_type must be one of {sorted(_CODES)}")
-        if state is not None and state not in _STATES:
-            raise ControlError(f"aws scheduled: state must be one of {list(_STATES)}")

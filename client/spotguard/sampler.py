@@ -1,0 +1,192 @@
+"""Resume the data order mid-epoch: a sampler whose state is (epoch, samples consumed).
+
+:class:`ResumableSampler` draws the same permutations and shards as ``DistributedSampler`` (seeded by
+``seed + epoch``, padded or trimmed to a multiple of the world size, rank ``r`` takes every
+``world_size``-th index from ``r``), so it can replace one without changing the data order. A
+resumed run, given the saved :meth:`~ResumableSampler.state_dict`, yields exactly the indices the
+interrupted run had not yet trained on, in the same order.
+
+Why the loop calls :meth:`~ResumableSampler.advance`: a DataLoader pulls indices ahead of the loop
+(a whole batch at once, and ``prefetch_factor * num_workers`` batches with workers), so the number of
+indices the sampler has *yielded* overstates what was trained on; a checkpoint that recorded it would
+skip the prefetched samples on resume. The sampler therefore records the position *handed to the
+loop*: after each step, the loop calls ``sampler.advance(n)`` with the number of samples that step
+consumed on this rank (its local batch size). A checkpoint taken after that call resumes with the
+next unconsumed sample, whatever the loader had prefetched. The sampler warns if a state is saved
+after iteration began but ``advance`` was never called.
+
+Epochs follow the ``DistributedSampler`` discipline: call :meth:`~ResumableSampler.set_epoch` before
+each epoch's ``iter(loader)``. ``set_epoch`` with a new epoch starts it at position 0; with the epoch
+just restored it keeps the restored position, so the usual loop resumes unchanged::
+
+    sampler.load_state_dict(saved)                       # epoch 3, position 1200
+    for epoch in range(sampler.epoch, epochs):
+        sampler.set_epoch(epoch)                         # 3: keeps 1200; 4, 5...: start at 0
+        for batch in loader:
+            train(batch); sampler.advance(len(batch))
+
+The first ``__iter__`` after :meth:`load_state_dict` starts at the restored position; any other
+starts the epoch from its beginning (iterating an epoch twice repeats it, as DistributedSampler does).
+A state saved in a world of another size, dataset length, seed, shuffle or drop_last is refused:
+it would silently name other samples. The position is per rank, and equal on every rank when each
+rank consumes the same number of samples per step, so rank 0's state may be loaded everywhere.
+
+For a torchdata ``StatefulDataLoader`` (which snapshots its own sampler and workers with each batch)
+:class:`LoaderState` makes the loader a checkpoint state entry.
+
+Exceptions::
+
+    SamplerStateError (ValueError)   a state that does not fit this sampler, or a bad advance()
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Iterator, Sized
+from typing import Any
+
+__all__ = ["ResumableSampler", "LoaderState", "SamplerStateError"]
+
+_FORMAT = 1
+_MUST_MATCH = ("num_items", "world_size", "seed", "shuffle", "drop_last")
+
+
+class SamplerStateError(ValueError):
+    """The saved state does not belong to this sampler, or the loop advanced past the epoch."""
+
+
+def _topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Fill what was not given from torch.distributed when it is initialised, else a world of one."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    live = dist is not None and dist.is_available() and dist.is_initialized()
+    world_size = world_size if world_size is not None else (dist.get_world_size() if live else 1)
+    rank = rank if rank is not None else (dist.get_rank() if live else 0)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return rank, world_size
+
+
+class ResumableSampler:
+    """A ``DistributedSampler``-compatible sampler whose position survives a restart.
+
+    A duck-typed ``torch.utils.data.Sampler`` (``__iter__`` and ``__len__``; the DataLoader accepts
+    any iterable of indices) so that ``import spotguard`` does not import torch.
+    """
+
+    def __init__(self, data_source_or_len: Sized | int, *, shuffle: bool = True, seed: int = 0,
+                 rank: int | None = None, world_size: int | None = None,
+                 drop_last: bool = False) -> None:
+        n = data_source_or_len if isinstance(data_source_or_len, int) else len(data_source_or_len)
+        if n < 0:
+            raise ValueError(f"dataset length must be >= 0, got {n}")
+        self.num_items, self.seed, self.shuffle, self.drop_last = n, int(seed), shuffle, drop_last
+        self.rank, self.world_size = _topology(rank, world_size)
+        if drop_last and n % self.world_size:
+            self.num_samples = math.ceil((n - self.world_size) / self.world_size)
+        else:
+            self.num_samples = math.ceil(n / self.world_size)
+        self.total_size = self.num_samples * self.world_size
+        self.epoch = 0
+        self.position = 0
+        """Samples of this epoch handed to the loop on this rank (see :meth:`advance`)."""
+        self._resume_pending = False
+        self._iterated = self._advanced = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next ``__iter__`` draws; a new epoch starts at position 0."""
+        if epoch == self.epoch:
+            return
+        if self._resume_pending:
+            warnings.warn(f"set_epoch({epoch}) discards the restored position (epoch {self.epoch}, "
+                          f"position {self.position}); resume with range(sampler.epoch, ...)",
+                          stacklevel=2)
+        self.epoch, self.position, self._resume_pending = int(epoch), 0, False
+
+    def advance(self, n_samples: int) -> None:
+        """Record that the loop consumed ``n_samples`` more samples on this rank (e.g. one batch)."""
+        if n_samples < 0 or self.position + n_samples > self.num_samples:
+            raise SamplerStateError(
+                f"advance({n_samples}) at position {self.position} passes the end of the epoch "
+                f"({self.num_samples} samples on this rank)")
+        self.position += int(n_samples)
+        self._advanced = True
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.position if self._resume_pending else 0
+        self.position, self._resume_pending = start, False
+        self._iterated = True
+        return iter(self._indices()[start:])
+
+    def __len__(self) -> int:
+        """Indices the next ``__iter__`` yields: the rest of a restored epoch, else a whole one."""
+        return self.num_samples - (self.position if self._resume_pending else 0)
+
+    def _indices(self) -> list[int]:
+        """This rank's indices for ``self.epoch``, exactly as DistributedSampler computes them."""
+        import torch
+
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(self.num_items, generator=generator).tolist()
+        else:
+            indices = list(range(self.num_items))
+        if not self.drop_last and indices:
+            padding = self.total_size - len(indices)
+            indices += (indices * math.ceil(padding / len(indices)))[:padding]
+        else:
+            indices = indices[: self.total_size]
+        return indices[self.rank : self.total_size : self.world_size]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints and bools: the position plus what must match for it to mean the same samples."""
+        if self._iterated and not self._advanced:
+            warnings.warn("ResumableSampler.advance() was never called: the saved position is the "
+                          "start of the epoch, so a resumed run repeats it", stacklevel=2)
+        return {"format": _FORMAT, "epoch": self.epoch, "position": self.position,
+                "rank": self.rank, **{key: getattr(self, key) for key in _MUST_MATCH}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore (epoch, position); the next ``__iter__`` yields the rest of that epoch."""
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise SamplerStateError(f"not a ResumableSampler state of format {_FORMAT}")
+        for key in _MUST_MATCH:
+            if state.get(key) != getattr(self, key):
+                raise SamplerStateError(f"sampler state was saved with {key}={state.get(key)!r}, "
+                                        f"this sampler has {key}={getattr(self, key)!r}")
+        epoch, position = state.get("epoch"), state.get("position")
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int)
+                and 0 <= position <= self.num_samples):
+            raise SamplerStateError(f"bad epoch/position in sampler state: {epoch!r}, {position!r}")
+        self.epoch, self.position, self._resume_pending = epoch, position, True
+
+
+class LoaderState:
+    """A checkpoint state entry for a loader that tracks its own position.
+
+    torchdata's ``StatefulDataLoader`` already snapshots, with each batch it returns, the state of
+    its sampler, its workers and their datasets, so its ``state_dict()`` describes exactly the
+    batches handed to the loop (prefetch included). This adapter only checks the loader has that
+    protocol, so a plain ``DataLoader`` fails at setup with a clear error instead of at the first
+    save. Call ``load_state_dict`` before ``iter(loader)``: the loader applies it then.
+
+    Observed with torchdata 0.11: a loader built with ``generator=`` and ``num_workers=0`` resumes
+    the interrupted epoch exactly but draws the *next* epoch's order differently; leave
+    ``generator`` unset (the sampler then seeds, and saves, a private generator).
+    """
+
+    def __init__(self, loader: Any) -> None:
+        if not (callable(getattr(loader, "state_dict", None))
+                and callable(getattr(loader, "load_state_dict", None))):
+            raise TypeError(f"{type(loader).__name__} has no state_dict/load_state_dict: use "
+                            "torchdata's StatefulDataLoader, or a DataLoader with a ResumableSampler")
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)

@@ -1,0 +1,207 @@
+"""The daemon as a real subprocess (``--platform none``) with real ZeroMQ clients and real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+from spotguard.protocol import (
+    CommitRequest, Kind, NotifyRequest, RegisterRequest, SafeRequest, StatusRequest,
+    UnregisterRequest, decode_event,
+)
+
+pytestmark = pytest.mark.slow
+
+RECORDER = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGUSR1, lambda *a: out.write_text("usr1"))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def zctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def child(tmp_path):
+    """A real process that records SIGUSR1 into a file; it registers with the daemon by pid."""
+    out = tmp_path / "child-got"
+    proc = subprocess.Popen([sys.executable, "-c", RECORDER, str(out)], stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"ready\n"
+    yield proc, out
+    proc.kill()
+    proc.wait()
+
+
+def subscribe(ctx, daemon):
+    """A SUB socket that has seen a heartbeat, so the next published event reaches it."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(daemon.pub_endpoint)
+    next_event(sub, "heartbeat")
+    return sub
+
+
+def next_event(sub, topic: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if sub.poll(int(left * 1000)):
+            got_topic, data = sub.recv_multipart()
+            if got_topic == topic.encode():
+                return decode_event(data)
+    raise AssertionError(f"no {topic} event within {timeout}s")
+
+
+def notify(daemon, seconds: float = 300, kind: Kind = Kind.DRILL) -> str:
+    reply = daemon.request(NotifyRequest(kind=kind, deadline_seconds=seconds, detail="e2e"))
+    assert reply.ok, reply
+    return reply.data["notice"]["id"]
+
+
+def test_manual_notice_reaches_a_subscriber(daemon_factory, zctx):
+    daemon = daemon_factory()
+    sub = subscribe(zctx, daemon)
+    notice_id = notify(daemon, 120, Kind.PREEMPT)
+    event = next_event(sub, "notice")
+    assert event.notice.id == notice_id and event.notice.kind is Kind.PREEMPT
+    assert 110 < event.notice.seconds_left() <= 120
+
+
+def test_late_subscriber_learns_the_pending_notice(daemon_factory, zctx):
+    daemon = daemon_factory()
+    notice_id = notify(daemon)
+    sub = zctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(daemon.pub_endpoint)
+    assert notice_id in next_event(sub, "heartbeat").pending
+    assert [n["id"] for n in daemon.request(StatusRequest()).data["notices"]] == [notice_id]
+
+
+def test_restart_re_announces_pending_notices_but_not_its_own_signal(daemon_factory, zctx):
+    first = daemon_factory()
+    notice_id = notify(first)
+    assert first.stop() == 0
+    second = daemon_factory()
+    pending = [n["id"] for n in second.request(StatusRequest()).data["notices"]]
+    assert pending == [notice_id]
+    assert "re-announcing notice" in second.output()
+
+
+def test_terminating_notice_signals_a_registered_process(daemon_factory, child):
+    proc, out = child
+    daemon = daemon_factory()
+    assert daemon.request(RegisterRequest(pid=proc.pid, rank=0, job_id="j")).ok
+    notify(daemon, 60, Kind.TERMINATE)
+    for _ in range(250):
+        if out.exists():
+            break
+        time.sleep(0.02)
+    assert out.read_text() == "usr1"
+
+
+def test_sigterm_publishes_a_signal_notice_and_exits_after_the_client_is_safe(daemon_factory, child, zctx):
+    proc, _out = child
+    daemon = daemon_factory(env={"SPOTGUARD_SIGNAL__GRACE": "30"})
+    assert daemon.request(RegisterRequest(pid=proc.pid)).ok
+    sub = subscribe(zctx, daemon)
+    daemon.proc.send_signal(signal.SIGTERM)
+    event = next_event(sub, "notice")
+    assert event.notice.kind is Kind.SIGNAL and 25 < event.notice.seconds_left() <= 30
+    time.sleep(0.5)
+    assert daemon.proc.poll() is None, "must keep serving until the client is safe"
+    status = daemon.request(StatusRequest()).data
+    assert status["draining"] and [c["pid"] for c in status["clients"]] == [proc.pid]
+    started = time.monotonic()
+    assert daemon.request(SafeRequest(pid=proc.pid, notice_ids=[event.notice.id])).ok
+    assert daemon.proc.wait(10) == 0 and time.monotonic() - started < 5
+
+
+def test_sigterm_exits_after_the_grace_when_no_client_reports_safe(daemon_factory, child):
+    proc, _out = child
+    daemon = daemon_factory(env={"SPOTGUARD_SIGNAL__GRACE": "1.5"})
+    assert daemon.request(RegisterRequest(pid=proc.pid)).ok
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(15) == 0
+    assert 1.2 < time.monotonic() - started < 8
+    assert "grace of 1.5s passed" in daemon.output()
+
+
+def test_second_sigterm_exits_at_once_and_unregister_releases(daemon_factory, child):
+    proc, _out = child
+    daemon = daemon_factory(env={"SPOTGUARD_SIGNAL__GRACE": "60"})
+    assert daemon.request(RegisterRequest(pid=proc.pid)).ok
+    daemon.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert daemon.proc.poll() is None
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(10) == 0 and time.monotonic() - started < 5
+
+    again = daemon_factory(env={"SPOTGUARD_SIGNAL__GRACE": "60"})
+    assert again.request(RegisterRequest(pid=proc.pid)).ok
+    again.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert again.request(UnregisterRequest(pid=proc.pid)).data == {"known": True}
+    assert again.proc.wait(10) == 0
+
+
+def test_a_registered_client_that_died_is_dropped(daemon_factory, child):
+    proc, _out = child
+    daemon = daemon_factory(env={"SPOTGUARD_SIGNAL__GRACE": "60"})
+    assert daemon.request(RegisterRequest(pid=proc.pid)).ok
+    proc.kill()
+    proc.wait()
+    assert daemon.request(StatusRequest()).data["clients"] == []
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(10) == 0
+
+
+def test_commit_paths_are_confined_to_the_checkpoint_root(daemon_factory, tmp_path):
+    daemon = daemon_factory()
+    root = daemon.checkpoint_root
+    (root / "job" / "step-10").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / "escape").symlink_to(outside)
+
+    def commit(path: str):
+        return daemon.request(CommitRequest(pid=os.getpid(), path=path, step=10))
+
+    ok = commit(str(root / "job" / "step-10"))
+    assert ok.ok and ok.data["path"] == str((root / "job" / "step-10").resolve())
+    assert commit("job/step-10").ok  # relative to the root
+    for bad in (str(root / ".." / "outside"), "../outside", str(root / "escape"), str(outside), "/etc"):
+        reply = commit(bad)
+        assert not reply.ok and "outside the checkpoint root" in reply.error, (bad, reply)
+    missing = commit(str(root / "job" / "nope"))
+    assert not missing.ok and "does not exist" in missing.error
+
+
+def test_systemd_readiness_watchdog_and_stopping(daemon_factory, sock_dir):
+    address = str(sock_dir / "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(address)
+    listener.settimeout(10)
+    try:
+        daemon = daemon_factory(env={"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "400000"})
+        states = [listener.recv(256).decode() for _ in range(3)]
+        assert states[0] == "READY=1" and "WATCHDOG=1" in states[1:]
+        daemon.stop()
+        rest = []
+        while "STOPPING=1" not in rest:
+            rest.append(listener.recv(256).decode())
+    finally:
+        listener.close()

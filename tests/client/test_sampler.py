@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -48,7 +50,9 @@ def _train(sampler, workers, stop_after=None, batch_size=4):
 
 
 def _resumed(n, workers, stop_after, *, rank=0, world_size=1, seed=7, batch_size=4):
-    make = lambda: ResumableSampler(n, seed=seed, rank=rank, world_size=world_size)  # noqa: E731
+    def make() -> ResumableSampler:
+        return ResumableSampler(n, seed=seed, rank=rank, world_size=world_size)
+
     first, state = _train(make(), workers, stop_after, batch_size)
     assert state is not None
     sampler = make()
@@ -207,3 +211,10 @@ def test_stateful_dataloader_entry_resumes_the_same_batch_sequence(workers):
 def test_loader_state_refuses_a_loader_without_state():
     with pytest.raises(TypeError, match="StatefulDataLoader"):
         LoaderState(DataLoader(Indices(4)))
+
+
+def test_module_imports_and_constructs_without_torch():
+    code = ("import sys; from spotguard.sampler import ResumableSampler; "
+            "s = ResumableSampler(10, world_size=2, rank=1); s.advance(2); s.state_dict(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

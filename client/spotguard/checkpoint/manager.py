@@ -160,8 +160,9 @@ class Checkpointer:
         return None
 
     def load_latest(self, state: Mapping[str, Any]) -> CommitInfo | None:
-        """Restore the newest valid checkpoint into ``state`` in place; None means a fresh start.
-        Corrupt or incomplete checkpoints are skipped with a warning, older ones tried next."""
+        """Restore the newest valid checkpoint into ``state`` in place; None means a fresh start
+        (no checkpoint at all). Corrupt or incomplete checkpoints are skipped with a warning and
+        older ones tried next; when every one is corrupt, CheckpointCorruptError is raised."""
         self.wait()
         candidates = self._candidates()
         count = self._coord.agree(len(candidates), "max") if self._coord else len(candidates)
@@ -173,6 +174,9 @@ class Checkpointer:
             if ok:
                 restore(state, entries)
                 return check(candidates[i])
+        if count:  # silently starting over would let retention delete the evidence
+            raise CheckpointCorruptError(f"none of the {count} checkpoints under {self.root} is valid "
+                                         "(see the warnings); move them away to start fresh")
         return None
 
     def _try_read(self, path: Path) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from spotguard.protocol import Notice
 
 from .base import BadPayload, WatcherError
 
-__all__ = ["MetadataToken", "Sticky", "checked", "json_body", "iso", "MAX_BODY_BYTES"]
+__all__ = ["MetadataToken", "Sticky", "checked", "describe", "json_body", "iso", "MAX_BODY_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,12 @@ TOKENLESS_RETRY_SECONDS = 60.0
 def iso(moment: datetime) -> str:
     """``2017-09-18T08:22:00Z``: the form used inside notice ids."""
     return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` in one short line (httpx timeouts have an empty message)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
 
 
 def checked(response: httpx.Response, absent: tuple[int, ...] = (404,)) -> httpx.Response | None:
@@ -139,7 +145,7 @@ class MetadataToken:
             self._hinted = True
             log.warning("metadata token PUT to %s timed out: %s", self._url, self._hint)
         if not self._tokenless:
-            raise WatcherError(f"metadata token PUT failed ({type(exc).__name__}: {exc})") from exc
+            raise WatcherError(f"metadata token PUT failed ({describe(exc)})") from exc
         log.warning("metadata token PUT failed (%s); using token-less requests for %.0f s",
                     type(exc).__name__, TOKENLESS_RETRY_SECONDS)
         self._tokenless_until = self._clock() + TOKENLESS_RETRY_SECONDS

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from datetime import datetime
 from typing import Any, Sequence
 
@@ -29,7 +30,7 @@ import httpx
 from spotguard.protocol import TERMINATING_KINDS, Kind, Notice, utcnow
 
 from ..settings import Settings
-from ._common import Sticky, checked, json_body
+from ._common import Sticky, checked, describe, json_body
 from .base import BadPayload, WatcherError, parse_time
 
 __all__ = ["AzureScheduledWatcher", "EVENTS_PATH", "NAME_PATH"]
@@ -40,6 +41,8 @@ EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
 NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 HEADERS = {"Metadata": "true"}
 ACK_ATTEMPTS = 3
+_VM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,79}")
+"""Azure VM names: letters, digits, ``_ . -``, at most 64 (Linux) or 15 (Windows) characters."""
 _TYPES = {"Preempt": Kind.PREEMPT, "Terminate": Kind.TERMINATE, "Reboot": Kind.REBOOT,
           "Redeploy": Kind.REDEPLOY, "Freeze": Kind.FREEZE}
 
@@ -102,7 +105,7 @@ class AzureScheduledWatcher:
                 if attempt < ACK_ATTEMPTS:
                     await asyncio.sleep(self._ack_backoff * 2 ** (attempt - 1))
         raise WatcherError(f"StartRequests for {len(event_ids)} event(s) failed "
-                           f"{ACK_ATTEMPTS} times: {type(error).__name__}: {error}")
+                           f"{ACK_ATTEMPTS} times: {describe(error)}")
 
     async def _vm(self) -> str:
         if self._vm_name is None:
@@ -110,10 +113,10 @@ class AzureScheduledWatcher:
                 response = checked(await self._http.get(self._base + NAME_PATH, headers=HEADERS,
                                                         timeout=self._timeout), absent=())
             except httpx.HTTPError as exc:
-                raise WatcherError(f"cannot read this VM's name from IMDS: {type(exc).__name__}") from exc
+                raise WatcherError(f"cannot read this VM's name from IMDS: {describe(exc)}") from exc
             name = response.text.strip()
-            if not name or len(name) > 256:
-                raise BadPayload(f"compute/name: {name[:64]!r}")
+            if not _VM_NAME.fullmatch(name):
+                raise BadPayload(f"compute/name: not a VM name: {name[:64]!r}")
             self._vm_name = name
             log.info("this VM is %r in Scheduled Events", name)
         return self._vm_name

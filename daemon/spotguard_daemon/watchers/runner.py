@@ -29,7 +29,8 @@ import httpx
 from spotguard.protocol import Notice
 
 from ..settings import RunnerSettings
-from .base import BadPayload, PollObserver, Watcher
+from ._common import describe
+from .base import BadPayload, PollObserver, Watcher, WatcherError
 
 __all__ = ["Runner", "backoff_delay", "classify"]
 
@@ -47,22 +48,23 @@ def backoff_delay(failures: int, settings: RunnerSettings,
 
 def classify(exc: BaseException) -> str:
     """The outcome label for a failed poll (a small fixed set, safe as a metrics label)."""
+    if isinstance(exc, BadPayload):
+        return "bad_payload"
     if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
         return "timeout"
     if isinstance(exc, (httpx.ConnectError, httpx.NetworkError)):
         return "connect_error"
     if isinstance(exc, (httpx.HTTPStatusError, httpx.ProtocolError, httpx.DecodingError)):
         return "http_error"
-    if isinstance(exc, BadPayload):
-        return "bad_payload"
+    if isinstance(exc, WatcherError) and exc.__cause__ is not None:
+        return classify(exc.__cause__)  # e.g. a token PUT that failed: say how it failed
     return "error"
 
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, httpx.HTTPStatusError):
         return f"HTTP {exc.response.status_code} from {exc.request.url.path}"
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:300]
+    return describe(exc)
 
 
 class Runner:

@@ -205,8 +205,8 @@ def test_gcp_long_poll_wakes_at_the_flip(start):
     answered = time.time()
     flipped = sim.state()["events"][0]["flipped_at"]
     assert resp.text == "TRUE" and resp.headers["ETag"] != etag
-    assert abs(flipped - event["flip_at"]) < 0.05  # the timer flipped it on time, no request needed
-    assert 0 <= answered - flipped < 0.05
+    assert abs(flipped - event["flip_at"]) < 0.1  # the timer flipped it on time, no request needed
+    assert 0 <= answered - flipped < 0.1  # typically ~1 ms; loose for loaded CI machines
 
 
 def test_gcp_long_poll_times_out_with_the_current_value(start):
@@ -268,7 +268,7 @@ def test_azure_document_and_incarnation(start):
 
 
 def test_azure_acknowledgement_starts_then_removes_the_event(start):
-    sim, client = start("azure", started_linger=0.3)
+    sim, client = start("azure", started_linger=0.6)
     event = sim.schedule("Terminate")
     before = client.get(AZ_EVENTS, headers=AZ).json()["DocumentIncarnation"]
     ack = client.post(AZ_EVENTS, headers=AZ, json={"StartRequests": [{"EventId": event["id"]}]})
@@ -277,7 +277,7 @@ def test_azure_acknowledgement_starts_then_removes_the_event(start):
     assert (acked["event_id"], acked["known"]) == (event["id"], True)
     doc = client.get(AZ_EVENTS, headers=AZ).json()
     assert doc["Events"][0]["EventStatus"] == "Started" and doc["DocumentIncarnation"] == before + 1
-    time.sleep(0.5)
+    time.sleep(0.8)
     gone = client.get(AZ_EVENTS, headers=AZ).json()
     assert gone["Events"] == [] and gone["DocumentIncarnation"] == before + 2
     bad = client.post(AZ_EVENTS, headers=AZ, content=b"{\"Start\": 1}")
@@ -286,14 +286,14 @@ def test_azure_acknowledgement_starts_then_removes_the_event(start):
 
 def test_azure_event_starts_at_not_before(start):
     sim, client = start("azure", started_linger=30)
-    sim.schedule("Reboot", deadline_seconds=0.2)
+    sim.schedule("Reboot", deadline_seconds=0.5)
     assert client.get(AZ_EVENTS, headers=AZ).json()["Events"][0]["EventStatus"] == "Scheduled"
-    time.sleep(0.4)
+    time.sleep(0.7)
     assert client.get(AZ_EVENTS, headers=AZ).json()["Events"][0]["EventStatus"] == "Started"
 
 
 def test_azure_vm_name_and_slow_first_call(start):
-    _, client = start("azure", vm_name="trainer-3", first_call_delay=0.4)
+    _, client = start("azure", vm_name="trainer-3", first_call_delay=0.5)
     name = client.get("/metadata/instance/compute/name?api-version=2021-02-01&format=text", headers=AZ)
     assert (name.status_code, name.text) == (200, "trainer-3")
     began = time.monotonic()
@@ -301,7 +301,7 @@ def test_azure_vm_name_and_slow_first_call(start):
     first = time.monotonic() - began
     began = time.monotonic()
     client.get(AZ_EVENTS, headers=AZ)
-    assert first >= 0.4 and time.monotonic() - began < 0.2
+    assert first >= 0.5 and time.monotonic() - began < 0.35
 
 
 # ------------------------------------------------------------------------ Alibaba
@@ -336,13 +336,13 @@ def test_alibaba_normal_mode_serves_without_token(start):
 
 def test_control_schedule_flips_on_a_timer(start):
     sim, client = start("alibaba", hardened=False)
-    resp = client.post("/_sim/schedule", json={"kind": "terminate", "in_seconds": 0.3, "deadline_seconds": 60})
+    resp = client.post("/_sim/schedule", json={"kind": "terminate", "in_seconds": 0.5, "deadline_seconds": 60})
     event = resp.json()
     assert resp.status_code == 200 and event["state"] == "pending" and event["flipped_at"] is None
     assert client.get(ALI_TERM).status_code == 404
-    time.sleep(0.45)  # no request in between: the flip must not wait for one
+    time.sleep(0.65)  # no request in between: the flip must not wait for one
     [flipped] = client.get("/_sim/state").json()["events"]
-    assert flipped["state"] == "active" and abs(flipped["flipped_at"] - event["flip_at"]) < 0.05
+    assert flipped["state"] == "active" and abs(flipped["flipped_at"] - event["flip_at"]) < 0.1
     assert flipped["deadline"] == pytest.approx(event["flip_at"] + 60)
 
 
@@ -396,9 +396,9 @@ def test_fault_status_for_the_next_n_requests(start, mode):
 
 def test_fault_for_some_seconds(start):
     sim, client = start("gcp")
-    sim.fault("503", seconds=0.3)
+    sim.fault("503", seconds=0.5)
     assert client.get("/computeMetadata/v1/instance/preempted", headers=GCP).status_code == 503
-    time.sleep(0.35)
+    time.sleep(0.55)
     assert client.get("/computeMetadata/v1/instance/preempted", headers=GCP).status_code == 200
 
 

@@ -79,7 +79,12 @@ class Coordinator:
         failed = 0
         if self.rank == 0:
             failed = int(self._guard(lambda: _fs.mkdir_private(root / tmp_name(step, os.getpid()))) is not None)
-        pid0, failures = self.all_reduce([os.getpid() if self.rank == 0 else 0, failed])
+        try:
+            pid0, failures = self.all_reduce([os.getpid() if self.rank == 0 else 0, failed])
+        except CheckpointError:
+            if self.rank == 0:
+                _fs.remove_tree(root / tmp_name(step, os.getpid()))
+            raise
         if failures:
             raise CheckpointError(f"rank 0 could not create a checkpoint directory under {root}")
         return root / tmp_name(step, pid0)

@@ -1,11 +1,12 @@
 """How often to checkpoint: the Young/Daly optimum interval, and a per-step planner.
 
-Saving costs ``C`` seconds; a failure loses, on average, half the interval ``T`` since the last save.
-With failures arriving at mean interval ``M`` (the MTBF) the wasted fraction is about
-``C/T + T/(2M)``, minimised by Young's first-order optimum ``T = sqrt(2*M*C)`` (J. W. Young, "A first
-order approximation to the optimum checkpoint interval", CACM 17(9), 1974). J. T. Daly's higher-order
-estimate ("A higher order estimate of the optimum checkpoint interval for restart dumps", Future
-Generation Computer Systems 22(3), 2006) also accounts for failures during saves and restarts::
+Saving costs ``C`` seconds; a failure loses, on average, half the interval ``T`` since the last
+save. With failures arriving at mean interval ``M`` (the MTBF) the wasted fraction is about
+``C/T + T/(2M)``, minimised by Young's first-order optimum ``T = sqrt(2*M*C)`` (J. W. Young, "A
+first order approximation to the optimum checkpoint interval", CACM 17(9), 1974). J. T. Daly's
+higher-order estimate ("A higher order estimate of the optimum checkpoint interval for restart
+dumps", Future Generation Computer Systems 22(3), 2006) also accounts for failures during saves and
+restarts::
 
     T = sqrt(2*C*M) * (1 + sqrt(C/(2M))/3 + (C/(2M))/9) - C    for C < 2M,   else T = M
 
@@ -86,7 +87,7 @@ def _sqrt_2mc(m: float, c: float) -> float:
 
 
 def job_mtbf(node_mtbf_s: float, nodes: int) -> float:
-    """MTBF of a job that dies when any of ``nodes`` independent nodes fails: ``node_mtbf / nodes``."""
+    """MTBF of a job that dies when any of ``nodes`` independent nodes fails: node_mtbf / nodes."""
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"nodes must be an integer >= 1, got {nodes!r}")
     return _positive("node_mtbf_s", node_mtbf_s) / nodes
@@ -102,7 +103,7 @@ def node_mtbf(platform: str) -> float:
 
 
 def steps_between(interval_s: float, step_time_s: float) -> int:
-    """Whole steps that fit in ``interval_s``, rounded down (saving early, never late), at least 1."""
+    """Whole steps that fit in ``interval_s``, rounded down (save early, never late); at least 1."""
     ratio = _positive("interval_s", interval_s) / _positive("step_time_s", step_time_s)
     return max(1, int(ratio)) if math.isfinite(ratio) else 2**62
 
@@ -127,14 +128,15 @@ class Cadence:
     again at once) and then every step for which it answered True. :meth:`mark_saved` re-anchors
     after a save made for another reason (a preemption notice, the end of an epoch).
 
-    The plan: a fixed ``every_steps``, or an interval (fixed ``every_seconds``, else Young or Daly from
-    the checkpoint cost C and the job MTBF) turned into steps by the measured step time. C is the
-    median of the last five saves' ``blocking + persist`` seconds (a save protects nothing until it is
-    durable; the median ignores a slow first save), ``cost_s`` until one is observed. Step time is an
-    EWMA of observed steps; until one is observed an interval-based plan answers False.
+    The plan: a fixed ``every_steps``, or an interval (fixed ``every_seconds``, else Young or Daly
+    from the checkpoint cost C and the job MTBF) turned into steps by the measured step time. C is
+    the median of the last five saves' ``blocking + persist`` seconds (a save protects nothing until
+    it is durable; the median ignores a slow first save), ``cost_s`` until one is observed. Step
+    time is an EWMA of observed steps; until one is observed an interval-based plan answers False.
 
-    Distributed jobs: every rank must decide alike or collective saves deadlock. Use ``every_steps``,
-    or feed every rank the same numbers (e.g. the all-reduced max). The Cadence never communicates.
+    Distributed jobs: every rank must decide alike or collective saves deadlock. The Cadence never
+    communicates: agree its answer across ranks (``spotguard.Run`` all-reduces it and calls
+    :meth:`mark_saved` on every rank), or use ``every_steps``.
     """
 
     _EWMA = 0.1

@@ -8,9 +8,9 @@ draw the same numbers, so a checkpoint must carry the state of each global gener
 * torch's CPU generator;
 * torch's CUDA generator on every visible device.
 
-The captured dict holds only plain values (``int``, ``float``, ``str``, ``bool``, ``None``, lists and
-dicts of those) and torch ``uint8`` tensors, so it survives ``torch.load(..., weights_only=True)``
-and, minus the tensors, JSON. Nothing here pickles.
+The captured dict holds only plain values (``int``, ``float``, ``str``, ``bool``, ``None``, lists
+and dicts of those) and torch ``uint8`` tensors, so it survives
+``torch.load(..., weights_only=True)`` and, minus the tensors, JSON. Nothing here pickles.
 
 A library is captured only if the process has already imported it: one that was never imported has
 drawn nothing, and importing torch just to read its untouched seed would cost a second of start-up

@@ -1,23 +1,23 @@
 """Resume the data order mid-epoch: a sampler whose state is (epoch, samples consumed).
 
-:class:`ResumableSampler` draws the same permutations and shards as ``DistributedSampler`` (seeded by
-``seed + epoch``, padded or trimmed to a multiple of the world size, rank ``r`` takes every
+:class:`ResumableSampler` draws the same permutations and shards as ``DistributedSampler`` (seeded
+by ``seed + epoch``, padded or trimmed to a multiple of the world size, rank ``r`` takes every
 ``world_size``-th index from ``r``), so it can replace one without changing the data order. A
 resumed run, given the saved :meth:`~ResumableSampler.state_dict`, yields exactly the indices the
 interrupted run had not yet trained on, in the same order.
 
 Why the loop calls :meth:`~ResumableSampler.advance`: a DataLoader pulls indices ahead of the loop
-(a whole batch at once, and ``prefetch_factor * num_workers`` batches with workers), so the number of
-indices the sampler has *yielded* overstates what was trained on; a checkpoint that recorded it would
-skip the prefetched samples on resume. The sampler therefore records the position *handed to the
-loop*: after each step, the loop calls ``sampler.advance(n)`` with the number of samples that step
-consumed on this rank (its local batch size). A checkpoint taken after that call resumes with the
-next unconsumed sample, whatever the loader had prefetched. The sampler warns if a state is saved
-after iteration began but ``advance`` was never called.
+(a whole batch at once, and ``prefetch_factor * num_workers`` batches with workers), so the number
+of indices the sampler has *yielded* overstates what was trained on; a checkpoint that recorded it
+would skip the prefetched samples on resume. The sampler therefore records the position *handed to
+the loop*: after each step, the loop calls ``sampler.advance(n)`` with the number of samples that
+step consumed on this rank (its local batch size). A checkpoint taken after that call resumes with
+the next unconsumed sample, whatever the loader had prefetched. The sampler warns if a state is
+saved after iteration began but ``advance`` was never called.
 
 Epochs follow the ``DistributedSampler`` discipline: call :meth:`~ResumableSampler.set_epoch` before
-each epoch's ``iter(loader)``. ``set_epoch`` with a new epoch starts it at position 0; with the epoch
-just restored it keeps the restored position, so the usual loop resumes unchanged::
+each epoch's ``iter(loader)``. ``set_epoch`` with a new epoch starts it at position 0; with the
+epoch just restored it keeps the restored position, so the usual loop resumes unchanged::
 
     sampler.load_state_dict(saved)                       # epoch 3, position 1200
     for epoch in range(sampler.epoch, epochs):
@@ -26,10 +26,11 @@ just restored it keeps the restored position, so the usual loop resumes unchange
             train(batch); sampler.advance(len(batch))
 
 The first ``__iter__`` after :meth:`load_state_dict` starts at the restored position; any other
-starts the epoch from its beginning (iterating an epoch twice repeats it, as DistributedSampler does).
-A state saved in a world of another size, dataset length, seed, shuffle or drop_last is refused:
-it would silently name other samples. The position is per rank, and equal on every rank when each
-rank consumes the same number of samples per step, so rank 0's state may be loaded everywhere.
+starts the epoch from its beginning (iterating an epoch twice repeats it, as DistributedSampler
+does). A state saved in a world of another size, dataset length, seed, shuffle or drop_last is
+refused: it would silently name other samples. The position is per rank, and equal on every rank
+when each rank consumes the same number of samples per step, so rank 0's state may be loaded
+everywhere.
 
 For a torchdata ``StatefulDataLoader`` (which snapshots its own sampler and workers with each batch)
 :class:`LoaderState` makes the loader a checkpoint state entry.
@@ -58,7 +59,7 @@ class SamplerStateError(ValueError):
 
 
 def _topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Fill what was not given from torch.distributed when it is initialised, else a world of one."""
+    """Fill what was not given from torch.distributed if it is initialised, else a world of one."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None) if torch is not None else None
     live = dist is not None and dist.is_available() and dist.is_initialized()
@@ -106,7 +107,7 @@ class ResumableSampler:
         self.epoch, self.position, self._resume_pending = int(epoch), 0, False
 
     def advance(self, n_samples: int) -> None:
-        """Record that the loop consumed ``n_samples`` more samples on this rank (e.g. one batch)."""
+        """Record that the loop consumed ``n_samples`` more samples on this rank (one batch)."""
         if n_samples < 0 or self.position + n_samples > self.num_samples:
             raise SamplerStateError(
                 f"advance({n_samples}) at position {self.position} passes the end of the epoch "
@@ -142,7 +143,7 @@ class ResumableSampler:
         return indices[self.rank : self.total_size : self.world_size]
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain ints and bools: the position plus what must match for it to mean the same samples."""
+        """Plain ints and bools: the position, and what must match for it to name the same data."""
         if self._iterated and not self._advanced:
             warnings.warn("ResumableSampler.advance() was never called: the saved position is the "
                           "start of the epoch, so a resumed run repeats it", stacklevel=2)
@@ -182,7 +183,8 @@ class LoaderState:
         if not (callable(getattr(loader, "state_dict", None))
                 and callable(getattr(loader, "load_state_dict", None))):
             raise TypeError(f"{type(loader).__name__} has no state_dict/load_state_dict: use "
-                            "torchdata's StatefulDataLoader, or a DataLoader with a ResumableSampler")
+                            "torchdata's StatefulDataLoader, or a DataLoader with a "
+                            "ResumableSampler")
         self.loader = loader
 
     def state_dict(self) -> dict[str, Any]:

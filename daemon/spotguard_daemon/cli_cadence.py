@@ -1,4 +1,4 @@
-"""``spotguard cadence``: how often should this job checkpoint? The Young/Daly sum, shown step by step.
+"""``spotguard cadence``: how often should this job checkpoint? Young/Daly, shown step by step.
 
 A planning aid, not a daemon function: it reads no settings and touches no network. The formulas and
 the per-platform MTBF defaults live in :mod:`spotguard.cadence`; this module only parses, checks and
@@ -91,7 +91,8 @@ def _explain(c: float, node_s: float, source: str, n: int, m: float, young: floa
         f"Daly (2006)      x = C/(2M) = {x:.6f}",
     ]
     if x < 1:
-        lines.append(f"                 T = sqrt(2*M*C) * (1 + sqrt(x)/3 + x/9) - C = {_duration(daly)}")
+        lines.append("                 T = sqrt(2*M*C) * (1 + sqrt(x)/3 + x/9) - C = "
+                     + _duration(daly))
     else:
         lines.append(f"                 C >= 2M, so T = M = {_duration(daly)}")
         lines.append("warning: a checkpoint costs more than twice the MTBF; the job will rarely "
@@ -101,6 +102,8 @@ def _explain(c: float, node_s: float, source: str, n: int, m: float, young: floa
         lines.append(f"expected waste     ~ C/T + T/(2M) = {100 * waste:.1f} % of run time "
                      "(Daly's T, first order)")
     if step_s is not None:
-        steps_d, steps_y = _cadence.steps_between(daly, step_s), _cadence.steps_between(young, step_s)
-        lines.append(f"steps between saves = floor(T / {step_s:g} s): Daly {steps_d}, Young {steps_y}")
+        steps_d = _cadence.steps_between(daly, step_s)
+        steps_y = _cadence.steps_between(young, step_s)
+        lines.append(f"steps between saves = floor(T / {step_s:g} s): "
+                     f"Daly {steps_d}, Young {steps_y}")
     return lines

@@ -168,7 +168,8 @@ def test_per_step_cost_is_small():
 
 
 def test_cadence_module_imports_without_torch():
-    code = "import sys, spotguard.cadence; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    code = ("import sys, spotguard.cadence; "
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -100,7 +100,8 @@ def test_epochs_are_different_permutations_of_everything():
 def test_world_size_two_each_rank_resumes_its_own_shard(workers):
     shards = []
     for rank in (0, 1):
-        whole, _ = _train(ResumableSampler(20, seed=5, rank=rank, world_size=2), workers, batch_size=3)
+        sampler = ResumableSampler(20, seed=5, rank=rank, world_size=2)
+        whole, _ = _train(sampler, workers, batch_size=3)
         assert _resumed(20, workers, 5, rank=rank, world_size=2, seed=5, batch_size=3) == whole
         shards.append(sum(whole[:4], []))  # epoch 0: 10 samples per rank, batches of 3,3,3,1
     assert sorted(shards[0] + shards[1]) == list(range(20))
@@ -133,8 +134,8 @@ def test_state_is_plain_and_survives_torch_weights_only(tmp_path):
 
 @pytest.mark.parametrize(
     ("change", "key"),
-    [({"data_source_or_len": 11}, "num_items"), ({"world_size": 2}, "world_size"), ({"seed": 1}, "seed"),
-     ({"shuffle": False}, "shuffle"), ({"drop_last": True}, "drop_last")],
+    [({"data_source_or_len": 11}, "num_items"), ({"world_size": 2}, "world_size"),
+     ({"seed": 1}, "seed"), ({"shuffle": False}, "shuffle"), ({"drop_last": True}, "drop_last")],
 )
 def test_state_from_a_different_sampler_is_refused(change, key):
     saved = ResumableSampler(10).state_dict()

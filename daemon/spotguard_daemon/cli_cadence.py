@@ -30,9 +30,14 @@ def _number(name: str, raw: str | None, *, integer: bool = False) -> float | int
     return value
 
 
+class _InvalidInput(click.ClickException):
+    """One line on stderr, exit status 2, both standalone and under the ``spotguard`` group."""
+
+    exit_code = 2
+
+
 def _fail(message: str) -> None:
-    click.echo(f"spotguard cadence: error: {message}", err=True)
-    raise click.exceptions.Exit(2)
+    raise _InvalidInput(message)
 
 
 def _duration(seconds: float) -> str:

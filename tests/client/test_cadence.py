@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -218,3 +219,17 @@ def test_cli_invalid_input_exits_2_with_one_line(args, message):
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.output
+
+
+def test_installed_spotguard_command_exits_2_with_one_line():
+    exe = Path(sys.executable).with_name("spotguard")
+    if not exe.exists():
+        pytest.skip("the spotguard console script is not installed beside this interpreter")
+    bad = subprocess.run([exe, "cadence", "--checkpoint-seconds", "-5"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        "spotguard: --checkpoint-seconds must be a finite number > 0, got '-5'"]
+    good = subprocess.run([exe, "cadence", "--checkpoint-seconds", "30", "--mtbf-hours", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert good.returncode == 0 and "= 805 s" in good.stdout

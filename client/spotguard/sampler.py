@@ -145,6 +145,7 @@ class ResumableSampler:
     def state_dict(self) -> dict[str, Any]:
         """Plain ints and bools: the position, and what must match for it to name the same data."""
         if self._iterated and not self._advanced:
+            self._iterated = False  # warn once per pass, not at every save
             warnings.warn("ResumableSampler.advance() was never called: the saved position is the "
                           "start of the epoch, so a resumed run repeats it", stacklevel=2)
         return {"format": _FORMAT, "epoch": self.epoch, "position": self.position,

@@ -178,6 +178,9 @@ def test_saving_without_ever_calling_advance_warns():
     list(sampler)
     with pytest.warns(UserWarning, match="advance"):
         sampler.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampler.state_dict()  # once per pass, not at every save
 
 
 def test_bad_topology_is_rejected():

@@ -244,6 +244,8 @@ def _decode(adapter: TypeAdapter, data: bytes, limit: int) -> Any:
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"not UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply") from None
     if isinstance(obj, dict) and obj.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {obj.get('v')!r}; this side speaks {PROTOCOL_VERSION}")
     try:

@@ -192,6 +192,10 @@ class Server:
         except ProtocolError as exc:
             self._observe("invalid", False)
             return Reply(ok=False, error=str(exc))
+        except Exception as exc:  # a parser bug must not end the request loop
+            log.warning("undecodable request: %s: %s", type(exc).__name__, exc)
+            self._observe("invalid", False)
+            return Reply(ok=False, error="invalid message")
         try:
             reply = await self._handler(request)
         except Exception:

@@ -66,6 +66,7 @@ def test_every_kind_of_bad_request_gets_an_error_reply_and_serving_goes_on(sock_
         b'{"v": 2, "type": "status"}': "unsupported protocol version",
         b'{"type": "status", "extra": 1}': "extra",
         b" " * (LIMIT + 1): "exceeds the limit",
+        b"[" * (LIMIT - 1): "nested too deeply",
     }
 
     async def body(ctx):

@@ -1,0 +1,71 @@
+"""Runtime files are private: directories 0700, sockets and state 0600, one daemon per directory."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+from spotguard.protocol import NotifyRequest
+from spotguard_daemon.server import ServerError, lock_runtime_dir, secure_dir
+
+pytestmark = pytest.mark.slow
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_runtime_dir_sockets_and_state_file_are_private(daemon_factory):
+    old_umask = os.umask(0o022)  # the daemon must not rely on the caller's umask
+    try:
+        daemon = daemon_factory()
+    finally:
+        os.umask(old_umask)
+    assert mode(daemon.runtime_dir) == 0o700
+    for name in ("events.sock", "requests.sock"):
+        path = daemon.runtime_dir / name
+        assert stat.S_ISSOCK(os.stat(path).st_mode) and mode(path) == 0o600, name
+    assert daemon.request(NotifyRequest(deadline_seconds=60)).ok
+    assert mode(daemon.state_dir / "notices.json") == 0o600
+    assert mode(daemon.state_dir) == 0o700
+
+
+def test_a_loose_existing_runtime_dir_is_tightened(sock_dir, daemon_factory):
+    run = sock_dir / "run"
+    run.mkdir()
+    os.chmod(run, 0o777)
+    daemon_factory()
+    assert mode(run) == 0o700
+
+
+def test_a_second_daemon_on_the_same_runtime_dir_is_refused(daemon_factory):
+    first = daemon_factory()
+    second = daemon_factory(start=False)
+    result = subprocess.run([sys.executable, "-m", "spotguard_daemon", "daemon", *second.args],
+                            env=second.env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "another spotguard daemon is running" in result.stderr
+    assert first.request(NotifyRequest()).ok, "the first daemon keeps its sockets"
+
+
+def test_someone_elses_directory_is_refused(sock_dir):
+    foreign = sock_dir / "foreign"
+    foreign.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the directory away")
+    os.chown(foreign, 65534, 65534)
+    with pytest.raises(ServerError, match="belongs to uid 65534"):
+        secure_dir(foreign)
+
+
+def test_lock_is_exclusive_within_one_process_too(sock_dir):
+    fd = lock_runtime_dir(sock_dir / "run")
+    try:
+        with pytest.raises(ServerError, match="another spotguard daemon"):
+            lock_runtime_dir(sock_dir / "run")
+    finally:
+        os.close(fd)
+    os.close(lock_runtime_dir(sock_dir / "run"))  # free again once released

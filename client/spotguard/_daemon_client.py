@@ -89,7 +89,13 @@ class DaemonLink:
         return self._alive
 
     def connect(self) -> bool:
-        """Register this process and learn pending notices; False when no daemon answered."""
+        """Register this process and learn pending notices; False when no daemon answered.
+
+        An ``ipc://`` endpoint whose socket file does not exist has no daemon: no request is sent,
+        so a job without a daemon does not wait ``request_timeout`` at start-up.
+        """
+        if _absent(self._request_endpoint):
+            return False
         reply = self.request(RegisterRequest(pid=os.getpid(), rank=self._rank, job_id=self._job_id))
         if reply is None or not reply.ok:
             return False
@@ -192,3 +198,7 @@ def _pending_notices(status: Reply | None) -> list[Notice]:
         except ValueError as exc:
             log.warning("ignored an invalid pending notice in status: %s", exc)
     return notices
+
+
+def _absent(endpoint: str) -> bool:
+    return endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):])

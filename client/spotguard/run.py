@@ -1,0 +1,288 @@
+"""The easy path: a plain PyTorch loop that checkpoints, resumes and stops cleanly in a few lines.
+
+::
+
+    run = spotguard.Run("checkpoints", model=model, optimizer=opt, scheduler=sched)
+    for step in run.steps(total_steps):     # loads the latest checkpoint, resumes after its step
+        loss = train_step(step)
+    run.finish()                            # or: with spotguard.Run(...) as run: ...
+
+:class:`Run` composes the :class:`~spotguard.checkpoint.Checkpointer`, a :class:`~spotguard.guard.Guard`,
+a :class:`~spotguard.cadence.Cadence` (or a fixed ``save_every``), the RNG state and the
+:class:`~spotguard.distributed.Agreement`. Step numbers count completed steps: the checkpoint taken
+after step ``s`` ran is saved as step ``s + 1``, and a resumed run's first step is that number, so
+the identical command starts fresh or resumes.
+
+At each step boundary (after the loop body, before the next step):
+
+1. the local flags (stop requested, checkpoint due or requested) are agreed across ranks;
+2. a due checkpoint is saved asynchronously (training continues while it persists);
+3. on a stop: an emergency save is taken only when its expected duration plus ``save_margin``
+   fits before the deadline (:func:`save_fits`), else the last committed checkpoint stands; the
+   pending save is awaited, the daemon is told the process is safe, and the loop raises
+   ``SystemExit(EXIT_PREEMPTED)`` (75) so the caller's ``finally`` blocks and context managers
+   run. ``exit_on_stop=False`` ends the iteration instead and sets :attr:`Run.stopped`.
+
+Every commit is reported to the daemon (``CommitRequest``). Nothing needs a daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+from spotguard import rng
+from spotguard.checkpoint import Checkpointer, CheckpointError
+from spotguard.distributed import Agreement, Decision
+from spotguard.exit_codes import EXIT_PREEMPTED
+from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
+
+__all__ = ["Run", "save_fits"]
+
+log = logging.getLogger(__name__)
+
+ASSUMED_THROUGHPUT = 100e6
+"""Bytes per second assumed for a save never measured yet: a conservative local-disk figure."""
+
+
+def save_fits(save_seconds: float | None, seconds_left: float | None, margin: float) -> bool:
+    """Whether an emergency save of ``save_seconds`` fits before a deadline ``seconds_left`` away.
+
+    No deadline: it fits (the forced-exit watchdog still bounds it). Unknown duration: it does not,
+    because a save cut off by the kill costs the time and leaves nothing newer than the last commit.
+    """
+    if seconds_left is None:
+        return True
+    if save_seconds is None:
+        return False
+    return save_seconds + margin < seconds_left
+
+
+class _RngState:
+    """Adapts :mod:`spotguard.rng` to the state_dict protocol the checkpointer saves."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng.capture()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rng.restore(state)
+
+
+class Run:
+    """A resumable training run over ``root``; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        sampler: Any = None,
+        state: Mapping[str, Any] | None = None,
+        job_id: str = "",
+        keep: int = 3,
+        save_every: int | None = None,
+        cadence: Any = None,
+        save_margin: float = 2.0,
+        exit_on_stop: bool = True,
+        daemon: bool = True,
+        signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
+        process_group: Any = None,
+        on_commit: Callable[[Any], None] | None = None,
+        guard: Guard | None = None,
+    ) -> None:
+        self.state = _build_state(model, optimizer, scheduler, sampler, state)
+        self.save_margin, self.exit_on_stop = save_margin, exit_on_stop
+        process_group = _default_group(process_group)
+        self.agreement = Agreement(process_group)
+        self.guard = guard or Guard(job_id=job_id, rank=_rank(), daemon=daemon,
+                                    signal_deadlines=signal_deadlines)
+        self._user_on_commit = on_commit
+        self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,
+                                         on_commit=self._on_commit)
+        self.cadence = _make_cadence(save_every, cadence)
+        self.step = self.start_step = 0
+        self.stopped = False
+        self.resumed_from: Any = None
+        self._saved_step: int | None = None
+        self._last_boundary: float | None = None
+        self._pending_observation = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ the loop
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the step numbers still to run, resuming after the latest committed checkpoint."""
+        self.resumed_from = self.checkpointer.load_latest(self.state)
+        self.step = self._saved_step = self.resumed_from.step if self.resumed_from else 0
+        self.start_step = self.step
+        if self.resumed_from is not None:
+            log.info("resumed from step %d (%s)", self.step, self.resumed_from.path)
+        if self._boundary(self.step):
+            return
+        while self.step < total:
+            yield self.step
+            self.step += 1
+            if self._boundary(self.step):
+                return
+
+    def finish(self) -> None:
+        """Save the final state (if not saved yet), wait until it is committed, and close."""
+        if self._closed:
+            return
+        if not self.stopped and self._saved_step != self.step:
+            self._save(self.step)
+        self.checkpointer.wait(None)
+        self.close()
+
+    def close(self, *, disarm: bool = True) -> None:
+        """Close the checkpointer and the guard without saving."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.checkpointer.close()
+        finally:
+            self.guard.close(disarm=disarm)
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close(disarm=not isinstance(exc, SystemExit))
+
+    # ------------------------------------------------------------------ boundaries
+
+    def _boundary(self, done: int) -> bool:
+        """Act on the agreed decision after ``done`` steps; True when the loop must end."""
+        self._observe()
+        if self.agreement.enabled and not self.agreement.due(done):
+            return False  # flags wait for the next exchange: every rank acts at the same step
+        decision = self.agreement.agree(done, self._local_decision(done))
+        if decision.stop:
+            return self._stop(done, decision)
+        if decision.checkpoint and self._saved_step != done:
+            self._save(done)
+            self.guard.clear_checkpoint_request()
+        return False
+
+    def _local_decision(self, done: int) -> Decision:
+        stop = self.guard.stop_requested
+        return Decision(
+            stop=stop,
+            checkpoint=self.cadence.due(done) or self.guard.checkpoint_requested,
+            seconds_left=self.guard.seconds_left() if stop else None,
+            save_seconds=self.expected_save_seconds() if stop else None,
+        )
+
+    def _stop(self, done: int, decision: Decision) -> bool:
+        self.guard.begin_stop()
+        left = decision.seconds_left
+        if self._saved_step == done:
+            log.warning("stopping at step %d, already saved", done)
+        elif save_fits(decision.save_seconds, left, self.save_margin):
+            log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", done,
+                        decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
+            self._save(done)
+        else:
+            log.warning("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
+                        "committed checkpoint stands", done, decision.save_seconds, left)
+        try:
+            self.checkpointer.wait(None if left is None else max(0.0, left - self.save_margin))
+        except CheckpointError as exc:  # the previous commit is still valid: stop anyway
+            log.error("the last save failed (%s); the previous checkpoint stands", exc)
+        self.guard.report_safe()
+        self.stopped = True
+        self.close(disarm=False)
+        if self.exit_on_stop:
+            raise SystemExit(EXIT_PREEMPTED)
+        return True
+
+    def _save(self, done: int) -> None:
+        self.checkpointer.save(done, self.state, blocking=False)
+        self._saved_step = done
+        self.cadence.mark_saved(done)
+
+    def _on_commit(self, info: Any) -> None:
+        """Runs in the checkpointer's persist thread: report, and let the main thread observe."""
+        self._pending_observation = True
+        self.guard.report_commit(info)
+        if self._user_on_commit is not None:
+            self._user_on_commit(info)
+
+    def _observe(self) -> None:
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            self.cadence.observe_step(now - self._last_boundary)
+        self._last_boundary = now
+        if self._pending_observation:
+            self._pending_observation = False
+            stats = self.checkpointer.stats
+            if (stats.blocking_seconds or 0) + (stats.persist_seconds or 0) > 0:
+                self.cadence.observe_save(stats.blocking_seconds or 0.0, stats.persist_seconds or 0.0)
+
+    def expected_save_seconds(self) -> float | None:
+        """Measured blocking+persist time of a save, else an estimate from the state's bytes."""
+        stats = self.checkpointer.stats
+        measured = (stats.blocking_seconds or 0.0) + (stats.persist_seconds or 0.0)
+        if measured > 0:
+            return measured
+        size = stats.bytes or _state_bytes(self.state)
+        return size / ASSUMED_THROUGHPUT if size else None
+
+
+def _make_cadence(save_every: int | None, cadence: Any) -> Any:
+    from spotguard.cadence import Cadence
+
+    if cadence is not None and save_every is not None:
+        raise ValueError("give save_every or cadence, not both")
+    return cadence or Cadence(every_steps=save_every)
+
+
+def _build_state(model: Any, optimizer: Any, scheduler: Any, sampler: Any,
+                 extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    named = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+    state = {name: obj for name, obj in named.items() if obj is not None}
+    state.update(extra or {})
+    state.setdefault("rng", _RngState())
+    return state
+
+
+def _state_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of every tensor reachable from the state's state_dicts (an estimate for a first save)."""
+    def walk(obj: Any) -> int:
+        if hasattr(obj, "element_size") and hasattr(obj, "nelement"):
+            return obj.element_size() * obj.nelement()
+        if isinstance(obj, Mapping):
+            return sum(walk(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(v) for v in obj)
+        return 0
+
+    return sum(walk(o.state_dict() if hasattr(o, "state_dict") else o) for o in state.values())
+
+
+def _distributed() -> Any:
+    """``torch.distributed`` when it is initialised, else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _default_group(process_group: Any) -> Any:
+    """The world group when distributed runs and no group was given (the checkpointer then
+    coordinates its commits across ranks), else ``process_group`` as given."""
+    dist = _distributed()
+    if process_group is None and dist is not None and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return process_group
+
+
+def _rank() -> int:
+    dist = _distributed()
+    return dist.get_rank() if dist is not None else 0

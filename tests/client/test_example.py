@@ -1,0 +1,116 @@
+"""examples/train_plain.py end to end: resume, SIGTERM with and without time, daemon notices."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from spotguard.checkpoint import Checkpointer
+
+from _example import Proc, final, isolated_env, run_to_end
+from _fake_daemon import FakeDaemon, make_notice, wait_for
+
+pytestmark = pytest.mark.slow  # each test launches the example (torch start-up) once or twice
+
+STEPS = 120
+
+
+def committed_step(ckpt) -> int | None:
+    info = Checkpointer(ckpt).latest()
+    return None if info is None else info.step
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """(checkpoint root, final digest) of an uninterrupted run of STEPS steps."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run_to_end(tmp / "ckpt", STEPS, "--save-every", "50", env=isolated_env(tmp / "rt"))
+    assert final(proc)[0] == STEPS
+    return tmp / "ckpt", final(proc)[1]
+
+
+@pytest.fixture
+def reference(uninterrupted):
+    return uninterrupted[1]
+
+
+def test_rerunning_a_finished_run_resumes_at_the_end_with_the_same_digest(tmp_path, uninterrupted):
+    ckpt, digest = uninterrupted
+    again = run_to_end(ckpt, STEPS, "--save-every", "50", env=isolated_env(tmp_path / "rt"))
+    assert final(again) == (STEPS, digest)
+    assert not again.grab(r"start step=")  # nothing left to train
+
+
+def stop_with(proc: Proc, sig: int, after: float) -> int:
+    proc.wait_line(r"start step=")
+    time.sleep(after)
+    proc.popen.send_signal(sig)
+    return proc.finish(30)
+
+
+def test_sigterm_with_time_saves_at_the_stop_step_exits_75_and_resumes_exactly(tmp_path, reference):
+    env, ckpt = isolated_env(tmp_path / "rt"), tmp_path / "ckpt"
+    args = ("--save-every", "1000", "--step-sleep", "0.01")
+    proc = Proc.example(ckpt, STEPS, *args, env=env)
+    assert stop_with(proc, signal.SIGTERM, 0.4) == 75, proc.output
+    (stopped,) = proc.grab(r"stopped step=(\d+) status=75")
+    step = int(stopped[1])
+    assert 0 < step < STEPS
+    assert committed_step(ckpt) == step  # the emergency save is the stop step itself
+    resumed = run_to_end(ckpt, STEPS, *args[:2], env=env)
+    assert resumed.grab(rf"start step={step}\b")
+    assert final(resumed) == (STEPS, reference)
+
+
+def test_sigterm_without_time_skips_the_save_and_relies_on_the_last_commit(tmp_path, reference):
+    env, ckpt = isolated_env(tmp_path / "rt"), tmp_path / "ckpt"
+    # 1 s between SIGTERM and the kill, 2 s save margin: an emergency save never fits
+    args = ("--save-every", "20", "--step-sleep", "0.01", "--signal-deadline", "1")
+    proc = Proc.example(ckpt, STEPS, *args, env=env)
+    assert stop_with(proc, signal.SIGTERM, 0.5) == 75, proc.output
+    step = int(proc.grab(r"stopped step=(\d+) status=75")[0][1])
+    last = committed_step(ckpt)
+    assert last is not None and last % 20 == 0 and last <= step
+    if step % 20:
+        assert last < step and not proc.grab(rf"checkpoint step={step}\b")
+    resumed = run_to_end(ckpt, STEPS, *args, env=env)
+    assert resumed.grab(rf"start step={last}\b")
+    assert final(resumed) == (STEPS, reference)
+
+
+def test_daemon_notice_over_zmq_stops_the_job_and_reports(tmp_path):
+    daemon = FakeDaemon(tmp_path / "rt").start()
+    try:
+        proc = Proc.example(tmp_path / "ckpt", STEPS, "--save-every", "1000", "--step-sleep", "0.01",
+                            env=isolated_env(tmp_path / "rt"))
+        proc.wait_line(r"start step=")
+        assert wait_for(lambda: daemon.requests_of("register"))
+        notice = make_notice(20)
+        daemon.publish_notice(notice)
+        assert proc.finish(30) == 75, proc.output
+        step = int(proc.grab(r"stopped step=(\d+) status=75")[0][1])
+        assert committed_step(tmp_path / "ckpt") == step
+        (register,) = daemon.requests_of("register")
+        assert register.pid == proc.popen.pid
+        assert [c.step for c in daemon.requests_of("commit")] == [step]
+        assert daemon.requests_of("commit")[0].path.endswith(f"{step:010d}")
+        (safe,) = daemon.requests_of("safe")
+        assert safe.notice_ids == [notice.id]
+    finally:
+        daemon.stop()
+
+
+def test_daemon_disappearing_does_not_disturb_training(tmp_path, reference):
+    daemon = FakeDaemon(tmp_path / "rt").start()
+    try:
+        proc = Proc.example(tmp_path / "ckpt", STEPS, "--save-every", "50", "--step-sleep", "0.005",
+                            env=isolated_env(tmp_path / "rt"))
+        proc.wait_line(r"start step=")
+        assert wait_for(lambda: daemon.requests_of("register"))
+        daemon.stop()
+        assert proc.finish(60) == 0, proc.output
+        assert final(proc) == (STEPS, reference)
+    finally:
+        daemon.stop()

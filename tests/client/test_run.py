@@ -1,0 +1,167 @@
+"""spotguard.Run: resume, cadence saves, clean stops (SystemExit 75), advisory checkpoints,
+commit reports, and the forced exit of a hung step (a real subprocess)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from spotguard.checkpoint import Checkpointer
+from spotguard.guard import Guard
+from spotguard.run import Run, save_fits
+
+from _example import isolated_env
+from _fake_daemon import FakeDaemon, make_notice, wait_for
+
+
+def parts():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, optimizer
+
+
+def train(run: Run, total: int, model, optimizer, hook=None) -> list[int]:
+    ran = []
+    for step in run.steps(total):
+        ran.append(step)
+        optimizer.zero_grad()
+        model(torch.full((2, 8), float(step))).sum().backward()
+        optimizer.step()
+        if hook:
+            hook(step)
+    return ran
+
+
+def quiet_guard(**kwargs) -> Guard:
+    return Guard(daemon=kwargs.pop("daemon", False), force_exit=False, **kwargs)
+
+
+@pytest.mark.parametrize("save, left, margin, fits", [
+    (1.0, None, 2.0, True),    # no deadline: the watchdog bounds it anyway
+    (None, 30.0, 2.0, False),  # unknown duration: skip
+    (1.0, 30.0, 2.0, True),
+    (1.0, 3.0, 2.0, False),    # 1 + 2 is not < 3
+    (0.5, 3.0, 2.0, True),
+])
+def test_save_fits(save, left, margin, fits):
+    assert save_fits(save, left, margin) is fits
+
+
+def test_fresh_then_resume_after_the_last_committed_step(tmp_path):
+    model, optimizer = parts()
+    with Run(tmp_path, model=model, optimizer=optimizer, save_every=3, guard=quiet_guard()) as run:
+        assert train(run, 7, model, optimizer) == list(range(7))
+    assert Checkpointer(tmp_path).latest().step == 7  # finish() saved the final state
+    weights = model.weight.detach().clone()
+
+    model, optimizer = parts()
+    with Run(tmp_path, model=model, optimizer=optimizer, save_every=3, guard=quiet_guard()) as run:
+        assert train(run, 10, model, optimizer) == [7, 8, 9]
+        assert run.resumed_from.step == 7 and run.start_step == 7
+    model2, optimizer2 = parts()
+    with Run(tmp_path / "straight", model=model2, optimizer=optimizer2, guard=quiet_guard()) as run:
+        train(run, 10, model2, optimizer2)
+    assert torch.equal(model.weight, model2.weight) and not torch.equal(model.weight, weights)
+
+
+def test_signal_stops_at_the_next_boundary_with_exit_75_and_finally_runs(tmp_path):
+    model, optimizer = parts()
+    previous = signal.getsignal(signal.SIGTERM)
+    cleaned = []
+    run = Run(tmp_path, model=model, optimizer=optimizer, save_every=100, guard=quiet_guard())
+    with pytest.raises(SystemExit) as stop:
+        try:
+            train(run, 50, model, optimizer,
+                  hook=lambda s: s == 4 and os.kill(os.getpid(), signal.SIGTERM))
+        finally:
+            cleaned.append(True)
+    assert stop.value.code == 75 and cleaned
+    assert run.stopped and run.step == 5
+    assert Checkpointer(tmp_path).latest().step == 5  # 30 s default deadline: the save fits
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_exit_on_stop_false_ends_the_loop_instead(tmp_path):
+    model, optimizer = parts()
+    run = Run(tmp_path, model=model, optimizer=optimizer, exit_on_stop=False, save_every=100,
+              guard=quiet_guard())
+    ran = train(run, 50, model, optimizer, hook=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGUSR1))
+    assert ran == [0, 1, 2] and run.stopped
+    run.finish()  # a no-op after a stop
+    assert Checkpointer(tmp_path).latest().step == 3
+
+
+def test_estimate_before_the_first_save_then_the_measured_cost(tmp_path):
+    model, optimizer = parts()
+    with Run(tmp_path, model=model, optimizer=optimizer, save_every=2, guard=quiet_guard()) as run:
+        estimate = run.expected_save_seconds()
+        assert estimate is not None and 0 < estimate < 0.01  # 144 bytes at 100 MB/s
+        train(run, 3, model, optimizer)
+        run.checkpointer.wait()
+        stats = run.checkpointer.stats
+        assert run.expected_save_seconds() == pytest.approx(stats.blocking_seconds + stats.persist_seconds)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    fake = FakeDaemon(tmp_path / "rt").start()
+    yield fake
+    fake.stop()
+
+
+def test_every_commit_is_reported_and_advisory_notices_checkpoint_early(tmp_path, daemon):
+    model, optimizer = parts()
+    guard = quiet_guard(daemon=True, pub_endpoint=daemon.pub_endpoint,
+                        request_endpoint=daemon.request_endpoint)
+
+    def hook(step):
+        if step == 4:
+            daemon.publish_notice(make_notice(900, terminating=False, kind="rebalance"))
+            assert wait_for(lambda: guard.checkpoint_requested)
+
+    with Run(tmp_path / "ckpt", model=model, optimizer=optimizer, save_every=3, guard=guard) as run:
+        train(run, 8, model, optimizer, hook=hook)
+        assert not run.stopped
+    assert wait_for(lambda: len(daemon.requests_of("commit")) >= 3)
+    # cadence at 3, the advisory notice at 5, cadence again 3 steps later at 8 (also the end)
+    assert [c.step for c in daemon.requests_of("commit")] == [3, 5, 8]
+
+
+HANG = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch
+    from spotguard.run import Run
+    model = torch.nn.Linear(4, 4)
+    run = Run(sys.argv[1], model=model, save_every=2,
+              signal_deadlines={signal.SIGTERM: 3.0, signal.SIGUSR1: None})
+    for step in run.steps(100):
+        if step == 3:
+            print("signalled", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)   # a collective whose peer is gone: the boundary is never reached
+    print("not reached", flush=True)
+""")
+
+
+def test_forced_exit_76_when_a_step_hangs_after_a_notice(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt")],
+                            env=isolated_env(tmp_path / "rt"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "signalled"
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=30)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 76, err
+    assert "not reached" not in out and "forced exit 76" in err
+    assert 0.5 < elapsed < 2.5  # 3 s deadline minus the 2 s margin
+    assert Checkpointer(tmp_path / "ckpt").latest().step == 2  # the last commit is intact

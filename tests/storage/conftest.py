@@ -121,7 +121,7 @@ def fake_gcs(tmp_path_factory) -> Iterator[Emulator]:
 def azurite_binary() -> str | None:
     """``$AZURITE_BIN``, else ``.cache/azurite`` (scripts/install-emulators.sh), else PATH."""
     candidates = [os.environ.get("AZURITE_BIN"), str(REPO / ".cache/azurite/node_modules/.bin/azurite-blob"),
-                  "/tmp/npmaz/node_modules/.bin/azurite-blob", shutil.which("azurite-blob")]
+                  shutil.which("azurite-blob")]
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 

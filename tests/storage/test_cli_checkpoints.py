@@ -1,0 +1,84 @@
+"""``spotguard checkpoints`` through click's CliRunner, against a file store and the S3 emulator."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from spotguard.storage import Durable
+from spotguard.storage.durable import manifest_key, object_key
+from spotguard_daemon.cli_checkpoints import checkpoints
+
+
+@pytest.fixture
+def populated(new_bucket, make_ckpt, tmp_path):
+    store = new_bucket("s3")
+    durable = Durable(store)
+    for step in (10, 20):
+        durable.upload(make_ckpt(tmp_path / "local", step, {"w.bin": os.urandom(4096), "o.bin": b"o" * step}), "run")
+    return store
+
+
+def invoke(*args: str, endpoint: str | None = None):
+    extra = ["--endpoint-url", endpoint] if endpoint else []
+    return CliRunner().invoke(checkpoints, [*args, *extra], catch_exceptions=False,
+                              env={"SPOTGUARD_STORAGE__URL": None})
+
+
+def test_list_marks_latest_and_shows_sizes(populated, moto):
+    result = invoke("list", "--store", populated.url, "--job", "run", endpoint=moto.url)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "STEP" in lines[0] and len(lines) == 3
+    assert lines[1].startswith("  ") and " 10 " in lines[1] and "4,106" in lines[1]
+    assert lines[2].startswith("*") and " 20 " in lines[2] and "4,116" in lines[2]
+
+
+def test_list_of_an_unknown_job_fails(populated, moto):
+    result = invoke("list", "--store", populated.url, "--job", "nope", endpoint=moto.url)
+    assert result.exit_code == 1 and "no durable checkpoint" in result.output
+
+
+def test_verify_passes_then_names_a_corrupt_file(populated, moto):
+    ok = invoke("verify", "--store", populated.url, "--job", "run", endpoint=moto.url)
+    assert ok.exit_code == 0 and "run step 20: OK (2 files verified)" in ok.output
+    import json
+
+    sha = json.loads(populated.get_bytes(manifest_key("run", 20)))["files"]["w.bin"]["sha256"]
+    populated.put_bytes(object_key(sha), b"rotten")
+    bad = invoke("verify", "--store", populated.url, "--job", "run", "--step", "20", endpoint=moto.url)
+    assert bad.exit_code == 1 and "w.bin" in bad.output and "not restorable" in bad.output
+    populated.delete([object_key(sha)])
+    quick = invoke("verify", "--store", populated.url, "--job", "run", "--quick", endpoint=moto.url)
+    assert quick.exit_code == 1 and "missing" in quick.output
+
+
+def test_restore_writes_a_committed_checkpoint(populated, moto, tmp_path):
+    dest = tmp_path / "restored"
+    result = invoke("restore", "--store", populated.url, "--job", "run", "--step", "10", "--dest", str(dest),
+                    endpoint=moto.url)
+    assert result.exit_code == 0, result.output
+    assert f"into {dest}/step-0000000010" in result.output
+    assert (dest / "latest").read_text() == "step-0000000010\n" and (dest / "step-0000000010/o.bin").read_bytes() == b"o" * 10
+
+
+def test_restore_of_a_missing_step_fails_in_one_line(populated, moto, tmp_path):
+    result = invoke("restore", "--store", populated.url, "--job", "run", "--step", "99",
+                    "--dest", str(tmp_path / "d"), endpoint=moto.url)
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_bad_store_url_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(checkpoints, ["list", "--store", "ftp://x/y", "--job", "j"])
+    assert result.exit_code == 2 and "unsupported store URL" in result.output
+
+
+def test_default_store_comes_from_settings(tmp_path, make_ckpt):
+    from spotguard.storage import open_store
+
+    Durable(open_store(f"file://{tmp_path}/durable")).upload(make_ckpt(tmp_path / "l", 3, {"a": b"a"}), "j")
+    result = CliRunner().invoke(checkpoints, ["list", "--job", "j"],
+                                env={"SPOTGUARD_STORAGE__URL": f"file://{tmp_path}/durable"})
+    assert result.exit_code == 0 and "*          3" in result.output

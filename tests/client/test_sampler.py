@@ -81,8 +81,8 @@ def test_a_data_source_works_like_its_length():
     assert list(ResumableSampler(Indices(9), seed=1)) == list(ResumableSampler(9, seed=1))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("stop_after", [1, 3, 6, 7, 13])  # 6 batches per epoch: 6 is its end
+@pytest.mark.parametrize(  # 6 batches per epoch: 6 is its last batch, 7 the next epoch's first
+    ("workers", "stop_after"), [(0, 1), (0, 3), (0, 6), (0, 7), (0, 13), (2, 3), (2, 6), (2, 13)])
 def test_interrupted_and_resumed_equals_uninterrupted(workers, stop_after):
     whole, _ = _train(ResumableSampler(23, seed=7), workers)
     assert len(whole) == 6 * EPOCHS

@@ -157,3 +157,24 @@ def test_works_in_a_process_that_never_imported_torch_or_numpy(tmp_path):
                          cwd=tmp_path, timeout=60)
     result = json.loads(out.stdout)
     assert result == {"same": True, "torch": None, "numpy": None, "cuda": None, "loaded": False}
+
+
+def test_restores_from_a_view_into_a_larger_buffer(tmp_path):
+    """Checkpoint loaders hand back views into one buffer; set_rng_state needs its own storage.
+
+    Run in a child so a regression crashes the child, not the test session.
+    """
+    script = textwrap.dedent(
+        """
+        import torch
+        from spotguard import rng
+        state = rng.capture()
+        first = torch.rand(4).tolist()
+        cpu = state["torch"]
+        buffer = torch.zeros(cpu.numel() + 64, dtype=torch.uint8)
+        buffer[32:32 + cpu.numel()] = cpu
+        rng.restore({**state, "torch": buffer[32:32 + cpu.numel()]})
+        assert torch.rand(4).tolist() == first
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, timeout=60)

@@ -179,13 +179,24 @@ def notify(config: str | None, kind: str, deadline: float | None, detail: str, t
 @main.command()
 @click.argument("platform", type=click.Choice(PLATFORMS))
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535),
+@click.option("--port", default=1338, show_default=True, type=click.IntRange(0, 65535),
               help="0 picks a free port; the URL is printed on the first line.")
-def simulate(platform: str, host: str, port: int) -> None:
-    """Serve a local metadata endpoint that imitates PLATFORM, with a control API."""
-    from spotguard_daemon.simulator import serve
+@click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="Platform option, e.g. vm_name=vm-3 (azure), imdsv1=true (aws).")
+def simulate(platform: str, host: str, port: int, options: tuple[str, ...]) -> None:
+    """Serve a local metadata endpoint that imitates PLATFORM, with a control API under /_sim/."""
+    from spotguard_daemon.simulator import parse_option, serve
 
-    serve(platform, host, port)
+    try:
+        parsed = dict(parse_option(text) for text in options)
+    except ValueError as exc:
+        _fail(2, f"simulate: {exc}")
+    try:
+        serve(platform, host, port, **parsed)
+    except (TypeError, ValueError) as exc:
+        _fail(2, f"simulate: {exc}")
+    except OSError as exc:
+        _fail(1, f"simulate: cannot listen on {host}:{port}: {exc}")
 
 
 @main.command()

@@ -1,0 +1,117 @@
+"""Every platform end to end: the simulator and the daemon as subprocesses, a real SUB client.
+
+Per platform: schedule an interruption and see the notice (kind, deadline) arrive; inject a fault
+(three 503s) and see that it neither cancels the notice nor stops the daemon; cancel the event and
+see the cancel arrive once the fault healed, the failed polls counted in the metrics; schedule again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+from spotguard.protocol import Kind, StatusRequest, decode_event
+
+pytestmark = pytest.mark.slow
+
+# platform: (simulator kind, expected notice kind, deadline seconds, endpoint suffix)
+CASES = {
+    "aws": ("terminate", Kind.TERMINATE, 120, ""),
+    "gcp": ("preempt", Kind.PREEMPT, 30, "/computeMetadata/v1"),
+    "azure": ("Preempt", Kind.PREEMPT, 60, ""),
+    "alibaba": ("terminate", Kind.PREEMPT, 300, ""),
+}
+
+
+@pytest.fixture
+def simulator():
+    procs = []
+
+    def start(platform: str) -> str:
+        proc = subprocess.Popen([sys.executable, "-m", "spotguard_daemon.simulator", platform, "--port", "0"],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        return line.split("listening on ", 1)[1].split()[0]
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(10)
+
+
+def control(url: str, op: str, **body) -> dict:
+    response = httpx.post(f"{url}/_sim/{op}", json=body, timeout=5)
+    response.raise_for_status()
+    return response.json()
+
+
+def events(sub, seconds: float, until: str | None = None) -> list:
+    """Events (not heartbeats) received within ``seconds``, stopping early at topic ``until``."""
+    got, deadline = [], time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0 and sub.poll(int(left * 1000)):
+        topic, data = sub.recv_multipart()
+        if topic != b"heartbeat":
+            got.append(decode_event(data))
+            if topic == (until or "").encode():
+                break
+    return got
+
+
+def poll_outcomes(metrics_url: str) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=5).text):
+        for sample in family.samples:
+            if sample.name == "spotguard_poll_requests_total":
+                outcome = sample.labels["outcome"]
+                totals[outcome] = totals.get(outcome, 0) + sample.value
+    return totals
+
+
+@pytest.mark.parametrize("platform", sorted(CASES))
+def test_notice_fault_cancel_for_each_platform(platform, simulator, daemon_factory):
+    sim_kind, kind, deadline, suffix = CASES[platform]
+    url = simulator(platform)
+    env = {f"SPOTGUARD_{platform.upper()}__ENDPOINT": url + suffix,
+           f"SPOTGUARD_{platform.upper()}__INTERVAL": "0.2",
+           "SPOTGUARD_RUNNER__BACKOFF_INITIAL": "0.1", "SPOTGUARD_RUNNER__BACKOFF_MAX": "0.5",
+           "SPOTGUARD_RUNNER__REQUEST_TIMEOUT": "1", "SPOTGUARD_DELIVERY__SIGNAL": "none"}
+    daemon = daemon_factory("--platform", platform, env=env)
+    ctx = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(daemon.pub_endpoint)
+        events(sub, 0.5)  # let the subscription settle (heartbeats flow)
+
+        event = control(url, "schedule", kind=sim_kind, in_seconds=0.1, deadline_seconds=deadline)
+        got = [e for e in events(sub, 10, until="notice") if e.type == "notice"]
+        assert got, f"no notice: {daemon.output()[-2000:]}"
+        notice = got[0].notice
+        assert notice.kind is kind and notice.platform == platform
+        assert deadline - 5 < notice.seconds_left() <= deadline + 1
+
+        # The next 3 requests fail. GCP's long-poll is already waiting, so it meets the fault
+        # only after the cancel wakes it up: the cancel must still arrive once the fault heals.
+        control(url, "fault", mode="503", count=3)
+        during = events(sub, 1.0)
+        assert not [e for e in during if e.type in ("cancel", "notice")], during
+
+        control(url, "cancel", id=event["id"])
+        cancels = [e for e in events(sub, 10, until="cancel") if e.type == "cancel"]
+        assert [c.id for c in cancels] == [notice.id]
+        metrics_url = daemon.request(StatusRequest()).data["metrics"]
+        assert poll_outcomes(metrics_url).get("http_error", 0) > 0
+
+        control(url, "schedule", kind=sim_kind, in_seconds=0.1, deadline_seconds=deadline)
+        assert [e for e in events(sub, 10, until="notice") if e.type == "notice"]
+        assert daemon.proc.poll() is None
+        assert daemon.stop() == 0
+    finally:
+        ctx.destroy(linger=0)

@@ -115,3 +115,91 @@ def test_notice_fault_cancel_for_each_platform(platform, simulator, daemon_facto
         assert daemon.stop() == 0
     finally:
         ctx.destroy(linger=0)
+
+
+RECORDER = "import time; print('ready', flush=True); time.sleep(60)"
+
+
+def azure_daemon(simulator, daemon_factory, **env):
+    url = simulator("azure")
+    daemon = daemon_factory("--platform", "azure", env={
+        "SPOTGUARD_AZURE__ENDPOINT": url, "SPOTGUARD_AZURE__INTERVAL": "0.2",
+        "SPOTGUARD_DELIVERY__SIGNAL": "none", **env})
+    return url, daemon
+
+
+def acks(url: str) -> list[str]:
+    return [a["event_id"] for a in httpx.get(f"{url}/_sim/state", timeout=5).json()["acks"]]
+
+
+def wait_pending(daemon, count: int = 1, timeout: float = 10.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        notices = daemon.request(StatusRequest()).data["notices"]
+        if len(notices) >= count:
+            return notices
+        time.sleep(0.1)
+    raise AssertionError(f"no pending notice: {daemon.output()[-2000:]}")
+
+
+def test_azure_event_is_acknowledged_once_every_client_is_safe(simulator, daemon_factory):
+    from spotguard.protocol import RegisterRequest, SafeRequest
+
+    url, daemon = azure_daemon(simulator, daemon_factory)
+    child = subprocess.Popen([sys.executable, "-c", RECORDER], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        assert daemon.request(RegisterRequest(pid=child.pid)).ok
+        event = control(url, "schedule", kind="Preempt", in_seconds=0.1, deadline_seconds=120)
+        [notice] = wait_pending(daemon)
+        time.sleep(0.6)
+        assert acks(url) == [], "no acknowledgement before the client is safe"
+        assert daemon.request(SafeRequest(pid=child.pid, notice_ids=[notice["id"]])).ok
+        for _ in range(50):
+            if acks(url):
+                break
+            time.sleep(0.1)
+        assert acks(url) == [event["id"]]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_azure_event_is_acknowledged_at_its_deadline_and_never_when_off(simulator, daemon_factory):
+    url, daemon = azure_daemon(simulator, daemon_factory)
+    event = control(url, "schedule", kind="Preempt", in_seconds=0.1, deadline_seconds=1.5)
+    wait_pending(daemon)
+    for _ in range(60):
+        if acks(url):
+            break
+        time.sleep(0.1)
+    assert acks(url) == [event["id"]]
+    assert daemon.stop() == 0
+
+    url, daemon = azure_daemon(simulator, daemon_factory, SPOTGUARD_AZURE__ACKNOWLEDGE="false")
+    control(url, "schedule", kind="Preempt", in_seconds=0.1, deadline_seconds=1)
+    wait_pending(daemon)
+    time.sleep(2.0)
+    assert acks(url) == []
+
+
+def test_unreachable_platform_keeps_the_daemon_up_counting_errors_quietly(daemon_factory):
+    import json
+    import socket
+
+    with socket.socket() as probe:  # a port with nothing listening
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon = daemon_factory("--platform", "aws", env={
+        "SPOTGUARD_AWS__ENDPOINT": f"http://127.0.0.1:{port}", "SPOTGUARD_AWS__INTERVAL": "0.05",
+        "SPOTGUARD_RUNNER__BACKOFF_INITIAL": "0.01", "SPOTGUARD_RUNNER__BACKOFF_MAX": "0.05",
+        "SPOTGUARD_LOG_FORMAT": "json"})
+    time.sleep(2.0)
+    assert daemon.proc.poll() is None
+    errors = poll_outcomes(daemon.request(StatusRequest()).data["metrics"])
+    assert errors.get("connect_error", 0) + errors.get("error", 0) >= 10, errors
+    assert daemon.stop() == 0
+    lines = [json.loads(line) for line in daemon.output().splitlines() if line.strip()]
+    assert all({"ts", "level", "logger", "msg"} <= set(doc) for doc in lines)
+    runner_lines = [doc for doc in lines if doc["logger"].endswith("runner")]
+    assert 1 <= len(runner_lines) <= 6, runner_lines  # state changes, not one line per poll

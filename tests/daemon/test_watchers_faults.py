@@ -90,11 +90,12 @@ class Watch:
         assert arrived - healed_at < BOUND, f"notice {arrived - healed_at:.2f} s after healing"
 
 
-async def one_platform(platform: str, mode: str) -> tuple[Watch, float, float]:
+async def one_platform(platform: str, mode: str, ready: asyncio.Barrier) -> tuple[Watch, float, float]:
     with Simulator(platform) as sim:
-        sim.fault(mode, seconds=FAULT_SECONDS)
-        healed_at = time.monotonic() + FAULT_SECONDS
         async with httpx.AsyncClient() as http:
+            await ready.wait()  # every platform set up (slow on a busy machine) before the clock starts
+            sim.fault(mode, seconds=FAULT_SECONDS)
+            healed_at = time.monotonic() + FAULT_SECONDS
             watch = Watch(platform, sim.url, http)
             await asyncio.sleep(0.2)
             scheduled_at = time.monotonic()
@@ -107,7 +108,8 @@ async def one_platform(platform: str, mode: str) -> tuple[Watch, float, float]:
 @pytest.mark.parametrize("mode", sorted(EXPECTED))
 def test_fault_matrix(mode):
     async def main():
-        return await asyncio.gather(*(one_platform(platform, mode) for platform in PLATFORMS))
+        ready = asyncio.Barrier(len(PLATFORMS))
+        return await asyncio.gather(*(one_platform(platform, mode, ready) for platform in PLATFORMS))
 
     for platform, (watch, scheduled_at, healed_at) in zip(PLATFORMS, asyncio.run(main())):
         failures = [o for o in watch.outcomes if o != "ok"]

@@ -203,3 +203,9 @@ def make_ckpt() -> Callable[..., Path]:
 def new_bucket(request) -> Callable[..., Store]:
     """``new_bucket(backend, endpoint=None, **options)`` -> store on a fresh bucket."""
     return lambda backend, endpoint=None, **options: make_bucket(backend, request, endpoint, **options)
+
+
+@pytest.fixture
+def azurite_conn() -> Callable[[str], str]:
+    """``azurite_conn(endpoint)`` -> a connection string for Azurite's development account."""
+    return azurite_connection_string

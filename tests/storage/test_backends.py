@@ -50,14 +50,12 @@ def test_check_passes_on_a_good_store(store):
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs", "azure"])
-def test_check_names_a_missing_bucket_in_one_line(backend, new_bucket, request):
+def test_check_names_a_missing_bucket_in_one_line(backend, new_bucket, request, azurite_conn):
     good = new_bucket(backend)
     url = good.url.replace("://sg-", "://missing-")
     emu = request.getfixturevalue({"s3": "moto", "gcs": "fake_gcs", "azure": "azurite"}[backend])
-    from conftest import azurite_connection_string  # noqa: PLC0415  (same directory)
-
     opts = StoreOptions(endpoint_url=None if backend == "azure" else emu.url,
-                        azure_connection_string=azurite_connection_string(emu.url) if backend == "azure" else None)
+                        azure_connection_string=azurite_conn(emu.url) if backend == "azure" else None)
     with pytest.raises(NotFound) as info:
         open_store(url, opts).check()
     message = str(info.value)

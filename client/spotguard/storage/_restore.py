@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spotguard.storage._local import MANIFEST, ManifestError, commit_dir, sha256_file, step_name, tmp_dir
-from spotguard.storage.base import IntegrityError, NotFound, StoreError, TransientError
+from spotguard.storage.base import CredentialsError, IntegrityError, NotFound, StoreError, TransientError
 from spotguard.storage.file import make_private_dirs
 
 if TYPE_CHECKING:
@@ -41,8 +41,8 @@ def _fetch(durable: "Durable", manifest: dict[str, Any], dest: Path) -> list[str
             durable.store.get_file(object_key(meta["sha256"]), path)
         except NotFound:
             return f"{rel}: object {meta['sha256'][:12]}... is missing"
-        except TransientError:
-            raise
+        except (TransientError, CredentialsError):
+            raise  # not the checkpoint's fault: falling back to an older one would hide it
         except StoreError as exc:
             return f"{rel}: {exc}"
         if path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:

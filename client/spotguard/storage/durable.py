@@ -125,7 +125,10 @@ class Durable:
         body = json.dumps({**manifest, "durable": durable}, indent=1).encode()
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
         self._advance_pointer(job_id, manifest["step"])
-        self.store.delete([pending])
+        try:
+            self.store.delete([pending])
+        except StoreError as exc:  # durable already; prune removes the note once it is stale
+            log.info("durable %s: could not remove %s: %s", job_id, pending, exc)
         total = sum(size for _, size in by_hash.values())
         info = DurableInfo(job_id, manifest["step"], key, len(manifest["files"]), len(sent),
                            len(by_hash) - len(sent), sum(sent), total, time.monotonic() - started)

@@ -1,7 +1,7 @@
 """Google Cloud Storage: ``gs://bucket/prefix``.
 
 Objects up to ``options.part_size`` go in one multipart request; larger ones in a resumable upload of
-``part_size`` chunks (a reset costs one chunk, not the file). Uploads and downloads carry CRC32C
+``part_size`` chunks (a reset costs one chunk, not the file), and are downloaded as parallel ranges. Uploads and downloads carry CRC32C
 checks (``checksum="crc32c"``); the file's sha256 is stored as object metadata. Every call passes
 the library's ``DEFAULT_RETRY`` (exponential backoff on 429/5xx/resets), uploads included: our keys
 are content-addressed or small pointers, so repeating a put is harmless.
@@ -101,8 +101,20 @@ class GcsStore:
             self._blob(key).upload_from_string(data, checksum="crc32c", retry=self._retry)
 
     def get_file(self, key: str, path: Path) -> None:
+        """Large objects are read as ``part_size`` ranges by ``concurrency`` threads, then the
+        whole file's CRC32C is checked against the object's."""
         with _translate(f"{self.url}: download {key}"):
-            self._blob(key).download_to_filename(str(path), checksum="crc32c", retry=self._retry)
+            blob = self._bucket.get_blob(join_key(self.prefix, key), retry=self._retry)
+            if blob is None:
+                raise NotFound(f"{self.url}: download {key}: not found")
+            if (blob.size or 0) <= self.options.part_size:
+                return blob.download_to_filename(str(path), checksum="crc32c", retry=self._retry)
+            from google.cloud.storage import transfer_manager
+
+            transfer_manager.download_chunks_concurrently(
+                blob, str(path), chunk_size=self.options.part_size, worker_type=transfer_manager.THREAD,
+                max_workers=self.options.concurrency, download_kwargs={"retry": self._retry},
+                crc32c_checksum=True)
 
     def get_bytes(self, key: str) -> bytes:
         with _translate(f"{self.url}: get {key}"):

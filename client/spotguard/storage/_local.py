@@ -19,12 +19,11 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from spotguard.storage.base import StoreError, check_key
-from spotguard.storage.file import TMP_PREFIX, fsync_dir
+from spotguard.storage.file import TMP_PREFIX, atomic_write, fsync_dir
 
 __all__ = ["ManifestError", "commit_dir", "tmp_dir", "read_manifest", "sha256_file", "step_name", "validate_manifest"]
 
@@ -79,19 +78,6 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise ManifestError(f"{path}: cannot read manifest ({exc})") from exc
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + "-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
@@ -123,7 +109,7 @@ def commit_dir(tmp: Path, root: Path, name: str) -> Path:
     if final.exists():
         os.rename(final, aside)
     os.rename(tmp, final)
-    _write_atomic(root / "latest", (name + "\n").encode())
+    atomic_write(root / "latest", lambda out: out.write((name + "\n").encode()))
     fsync_dir(root)
     shutil.rmtree(aside, ignore_errors=True)
     return final

@@ -14,11 +14,11 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from spotguard.storage.base import NotFound, StoreError, check_key
 
-__all__ = ["FileStore", "TMP_PREFIX", "fsync_dir", "make_private_dirs"]
+__all__ = ["FileStore", "TMP_PREFIX", "atomic_write", "fsync_dir", "make_private_dirs"]
 
 TMP_PREFIX = ".tmp-"
 
@@ -46,6 +46,22 @@ def make_private_dirs(path: Path) -> None:
             pass
 
 
+def atomic_write(final: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Create or replace ``final`` atomically: ``write(file)`` into a private ``.tmp-`` sibling,
+    fsync it, rename it over ``final``, fsync the directory."""
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + final.name + "-", dir=final.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(final.parent)
+
+
 class FileStore:
     """Objects are files under ``root``; the key is the relative path."""
 
@@ -56,20 +72,10 @@ class FileStore:
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def _atomic_write(self, key: str, write) -> None:
+    def _atomic_write(self, key: str, write: Callable[[BinaryIO], object]) -> None:
         final = self._path(key)
         make_private_dirs(final.parent)
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + final.name + "-", dir=final.parent)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                write(out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_dir(final.parent)
+        atomic_write(final, write)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
         try:

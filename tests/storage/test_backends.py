@@ -126,3 +126,11 @@ def test_import_spotguard_storage_imports_no_cloud_sdk():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3','botocore','google','azure')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_public_surface_is_complete():
+    import spotguard.storage as storage
+
+    assert all(hasattr(storage, name) for name in storage.__all__)
+    public = {n for n in dir(storage) if not n.startswith("_") and not isinstance(getattr(storage, n), type(storage))}
+    assert public <= set(storage.__all__) | {"annotations"}

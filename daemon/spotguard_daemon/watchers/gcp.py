@@ -25,7 +25,7 @@ import logging
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import httpx
 from spotguard.protocol import Kind, Notice, utcnow
@@ -42,10 +42,6 @@ log = logging.getLogger(__name__)
 FLAVOR = {"Metadata-Flavor": "Google"}
 PREEMPT_NOTICE = timedelta(seconds=30)
 MAINTENANCE_NOTICE = timedelta(seconds=60)
-_MAINTENANCE = {  # value -> (kind, terminating); NONE means nothing pending
-    "TERMINATE_ON_HOST_MAINTENANCE": (Kind.TERMINATE, True),
-    "MIGRATE_ON_HOST_MAINTENANCE": (Kind.MAINTENANCE, False),
-}
 
 
 class MetadataValue:
@@ -98,9 +94,13 @@ class MetadataValue:
 
 
 class _LongPollWatcher:
+    """A watcher of one value: ``idle`` means nothing pending, ``values`` maps the others."""
+
     platform = "gcp"
     name = ""
     path = ""
+    idle = ""
+    values: ClassVar[dict[str, tuple[Kind, bool, timedelta]]] = {}  # value -> (kind, terminating, lead)
 
     def __init__(self, http: httpx.AsyncClient, settings: Settings, *,
                  retry_long_poll_after: float = 60.0) -> None:
@@ -114,6 +114,15 @@ class _LongPollWatcher:
 
     async def aclose(self) -> None:
         """The HTTP client belongs to the daemon; nothing to release here."""
+
+    async def poll(self) -> Sequence[Notice]:
+        value = (await self._value.read()).upper()
+        if value == self.idle:
+            self._pending = None
+            return []
+        if value not in self.values:
+            raise BadPayload(f"{self.path}: {value[:40]!r}")
+        return self._keep(*self.values[value], value)
 
     def _keep(self, kind: Kind, terminating: bool, lead: timedelta, value: str) -> list[Notice]:
         """The pending notice, made when ``kind`` is first seen and kept while it stays."""
@@ -130,15 +139,8 @@ class GcpPreemptedWatcher(_LongPollWatcher):
 
     name = "gcp.preempted"
     path = "instance/preempted"
-
-    async def poll(self) -> Sequence[Notice]:
-        value = (await self._value.read()).upper()
-        if value == "FALSE":
-            self._pending = None
-            return []
-        if value != "TRUE":
-            raise BadPayload(f"instance/preempted: {value[:40]!r}")
-        return self._keep(Kind.PREEMPT, True, PREEMPT_NOTICE, value)
+    idle = "FALSE"
+    values = {"TRUE": (Kind.PREEMPT, True, PREEMPT_NOTICE)}
 
 
 class GcpMaintenanceWatcher(_LongPollWatcher):
@@ -146,15 +148,9 @@ class GcpMaintenanceWatcher(_LongPollWatcher):
 
     name = "gcp.maintenance"
     path = "instance/maintenance-event"
-
-    async def poll(self) -> Sequence[Notice]:
-        value = (await self._value.read()).upper()
-        if value == "NONE":
-            self._pending = None
-            return []
-        if value not in _MAINTENANCE:
-            raise BadPayload(f"instance/maintenance-event: {value[:40]!r}")
-        return self._keep(*_MAINTENANCE[value], MAINTENANCE_NOTICE, value)
+    idle = "NONE"
+    values = {"TERMINATE_ON_HOST_MAINTENANCE": (Kind.TERMINATE, True, MAINTENANCE_NOTICE),
+              "MIGRATE_ON_HOST_MAINTENANCE": (Kind.MAINTENANCE, False, MAINTENANCE_NOTICE)}
 
 
 def read_boot_time(proc_stat: Path = Path("/proc/stat")) -> float:

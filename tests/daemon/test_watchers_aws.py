@@ -12,6 +12,7 @@ import pytest
 from spotguard.protocol import Kind
 from spotguard_daemon.settings import Settings
 from spotguard_daemon.simulator import Simulator
+from spotguard_daemon.watchers._common import MetadataToken
 from spotguard_daemon.watchers.aws import (AwsRebalanceWatcher, AwsScheduledWatcher, AwsSpotWatcher,
                                            Imds)
 from spotguard_daemon.watchers.base import BadPayload, WatcherError
@@ -184,3 +185,21 @@ def test_unknown_action_is_bad_payload():
 
     with pytest.raises(BadPayload):
         polls(settings_for("http://imds.test"), spot, transport=httpx.MockTransport(handler))
+
+
+def test_token_is_renewed_shortly_before_it_expires(sim):
+    now = [1000.0]
+
+    async def main():
+        async with httpx.AsyncClient() as http:
+            token = MetadataToken(http, sim.url + "/latest/api/token", ttl=100, timeout=0.5,
+                                  ttl_header="X-aws-ec2-metadata-token-ttl-seconds",
+                                  token_header="X-aws-ec2-metadata-token", clock=lambda: now[0])
+            fetched = []
+            for at in (1000.0, 1050.0, 1089.0, 1091.0, 1100.0):  # renewed 10 s (10 %) early
+                now[0] = at
+                assert await token.get(sim.url + "/latest/meta-data/spot/instance-action") is None
+                fetched.append(token.fetches)
+            return fetched
+
+    assert asyncio.run(main()) == [1, 1, 1, 2, 2]

@@ -1,0 +1,158 @@
+"""The daemon's upload queue against real stores: durability, supersession, journal, retries, caps."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from spotguard.storage.durable import Durable
+from spotguard.storage.file import FileStore
+from spotguard_daemon.uploads import UploadQueue
+
+from storage_proxy import Proxy
+
+
+def _queue(store, tmp_path, **kwargs):
+    done: list[tuple[str, int]] = []
+    event = threading.Event()
+
+    def on_durable(job, step, key):
+        done.append((job, step))
+        event.set()
+
+    queue = UploadQueue(Durable(store, concurrency=4), tmp_path / "state" / "uploads.json",
+                        on_durable=on_durable, retry_max=0.2, **kwargs)
+    return queue, done, event
+
+
+def test_every_backend_makes_a_commit_durable_and_prunes(store, tmp_path, make_ckpt):
+    queue, done, _ = _queue(store, tmp_path, keep=2)
+    queue.start()
+    try:
+        for step in (1, 2, 3):
+            ckpt = make_ckpt(tmp_path / "ckpt", step, {"w.bin": bytes([step]) * 1000, "frozen.bin": b"f" * 5000})
+            queue.submit("job", ckpt, step, size_bytes=6000)
+            assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert done == [("job", 1), ("job", 2), ("job", 3)]
+    durable = Durable(store)
+    assert durable.list("job") == [2, 3]
+    assert durable.latest("job") == 3
+    assert queue.status()["durable"]["job"]["step"] == 3
+    journal = json.loads((tmp_path / "state" / "uploads.json").read_text())
+    assert journal["pending"] == []
+
+
+def test_newer_commit_supersedes_an_upload_in_flight(tmp_path, make_ckpt):
+    store = FileStore(tmp_path / "bucket")
+    # 8 files of 1 MB at 4 MB/s: the first upload takes about 2 s, so the second commit lands mid-way.
+    files = {f"t{i}.bin": bytes([i]) * 1_000_000 for i in range(8)}
+    queue, done, _ = _queue(store, tmp_path, bandwidth_mbps=4)
+    queue.start()
+    try:
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 1, files), 1)
+        time.sleep(0.5)
+        files["t0.bin"] = b"new" * 1000
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 2, files), 2)
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert done == [("job", 2)]
+    assert Durable(store).list("job") == [2]
+
+
+def test_finish_superseded_uploads_both(tmp_path, make_ckpt):
+    store = FileStore(tmp_path / "bucket")
+    files = {f"t{i}.bin": bytes([i]) * 500_000 for i in range(4)}
+    queue, done, _ = _queue(store, tmp_path, bandwidth_mbps=4, finish_superseded=True)
+    queue.start()
+    try:
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 1, files), 1)
+        time.sleep(0.2)
+        files["t0.bin"] = b"new"
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 2, files), 2)
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert done == [("job", 1), ("job", 2)]
+
+
+def test_bandwidth_cap_is_respected_on_average(tmp_path, make_ckpt):
+    store = FileStore(tmp_path / "bucket")
+    files = {f"t{i}.bin": bytes([i]) * 1_000_000 for i in range(3)}
+    queue, _, _ = _queue(store, tmp_path, bandwidth_mbps=2)
+    queue.start()
+    started = time.monotonic()
+    try:
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 1, files), 1)
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert time.monotonic() - started >= 1.4  # 3 MB at 2 MB/s, less the first file's head start
+
+
+def test_journal_resumes_after_a_restart_without_resending(tmp_path, make_ckpt):
+    store = FileStore(tmp_path / "bucket")
+    ckpt = make_ckpt(tmp_path / "ckpt", 7, {"a.bin": b"a" * 10_000})
+    first, done, _ = _queue(store, tmp_path)
+    first.submit("job", ckpt, 7)  # never started: as if killed before the upload ran
+    second, done2, _ = _queue(store, tmp_path)
+    assert [u["step"] for u in second.status()["pending"]] == [7]
+    second.start()
+    try:
+        assert second.wait_idle(30)
+    finally:
+        second.close()
+    assert done2 == [("job", 7)]
+    third, _, _ = _queue(store, tmp_path)
+    assert third.status()["pending"] == [] and third.durable_step("job") == 7
+
+
+def test_unreadable_journal_starts_empty(tmp_path):
+    journal = tmp_path / "state" / "uploads.json"
+    journal.parent.mkdir()
+    journal.write_text("{not json")
+    queue = UploadQueue(Durable(FileStore(tmp_path / "bucket")), journal)
+    assert queue.status()["pending"] == []
+
+
+def test_transient_store_failures_are_retried_until_durable(moto, new_bucket, tmp_path, make_ckpt):
+    from spotguard.storage import StoreOptions, open_store
+
+    direct = new_bucket("s3")
+    with Proxy(moto.url, seed=3, fault_rate=0.5, faults=("500", "503", "reset"), max_faults=12) as proxy:
+        store = open_store(f"s3://{direct.bucket}/pre", StoreOptions(endpoint_url=proxy.url, max_attempts=1))
+        queue, done, _ = _queue(store, tmp_path)
+        queue.start()
+        try:
+            queue.submit("job", make_ckpt(tmp_path / "ckpt", 1, {f"f{i}": bytes([i]) * 2000 for i in range(6)}), 1)
+            assert queue.wait_idle(60)
+        finally:
+            queue.close()
+        assert proxy.injected, "the proxy injected no fault: the test proves nothing"
+    assert done == [("job", 1)]
+    assert Durable(direct).verify("job", 1) == []
+
+
+def test_a_vanished_checkpoint_is_not_retried_forever(tmp_path, make_ckpt):
+    store = FileStore(tmp_path / "bucket")
+    journal = tmp_path / "state" / "uploads.json"
+    ckpt = make_ckpt(tmp_path / "ckpt", 1, {"a.bin": b"a"})
+    queue = UploadQueue(Durable(store), journal)
+    queue.submit("job", ckpt, 1)
+    import shutil
+
+    shutil.rmtree(ckpt)
+    assert UploadQueue(Durable(store), journal).status()["pending"] == []
+
+
+@pytest.mark.parametrize("older", [True, False])
+def test_older_or_equal_steps_are_ignored(tmp_path, make_ckpt, older):
+    store = FileStore(tmp_path / "bucket")
+    queue, _, _ = _queue(store, tmp_path)
+    queue.submit("job", make_ckpt(tmp_path / "ckpt", 5, {"a": b"a"}), 5)
+    queue.submit("job", make_ckpt(tmp_path / "ckpt", 4 if older else 5, {"a": b"b"}), 4 if older else 5)
+    assert [u["step"] for u in queue.status()["pending"]] == [5]

@@ -154,5 +154,5 @@ def test_older_or_equal_steps_are_ignored(tmp_path, make_ckpt, older):
     store = FileStore(tmp_path / "bucket")
     queue, _, _ = _queue(store, tmp_path)
     queue.submit("job", make_ckpt(tmp_path / "ckpt", 5, {"a": b"a"}), 5)
-    queue.submit("job", make_ckpt(tmp_path / "ckpt", 4 if older else 5, {"a": b"b"}), 4 if older else 5)
+    queue.submit("job", make_ckpt(tmp_path / "other", 4 if older else 5, {"a": b"b"}), 4 if older else 5)
     assert [u["step"] for u in queue.status()["pending"]] == [5]

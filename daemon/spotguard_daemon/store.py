@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Callable, Iterable, Sequence
 
 from pydantic import ValidationError
 from spotguard.protocol import Notice, utcnow
+from spotguard.storage.file import atomic_write, make_private_dirs
 
 __all__ = ["NoticeStore", "Entry", "write_private_atomic"]
 
@@ -55,26 +54,11 @@ class Entry:
 def write_private_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that a crash leaves the old or the new file, never half.
 
-    The file is created 0600 (it may name jobs and paths), flushed to disk before the rename, and
-    the directory is fsynced after it so the rename itself survives a power cut.
+    The file is 0600 (it may name jobs and paths) in 0700 directories, fsynced before the rename,
+    and the directory is fsynced after it so the rename itself survives a power cut.
     """
-    path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    make_private_dirs(path.parent)
+    atomic_write(path, lambda handle: handle.write(data))
 
 
 class NoticeStore:

@@ -51,11 +51,11 @@ class DaemonProcess:
 
     @property
     def request_endpoint(self) -> str:
-        return f"ipc://{self.runtime_dir}/requests.sock"
+        return self.env.get("SPOTGUARD_ZMQ__REQUEST_ENDPOINT") or f"ipc://{self.runtime_dir}/requests.sock"
 
     @property
     def pub_endpoint(self) -> str:
-        return f"ipc://{self.runtime_dir}/events.sock"
+        return self.env.get("SPOTGUARD_ZMQ__PUB_ENDPOINT") or f"ipc://{self.runtime_dir}/events.sock"
 
     def start(self, timeout: float = 15.0) -> "DaemonProcess":
         with open(self.log, "ab") as log:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import httpx
+from pydantic import BaseModel
 from spotguard import __version__
 from spotguard.protocol import CancelEvent, CommitRequest, Notice, NoticeEvent, utcnow
 
@@ -75,6 +76,7 @@ class Daemon:
         self._acked: set[str] = set()
         self._signal_notice: Notice | None = None
         self._force = False
+        self._failed = False
         self._restoring = False
         self._tasks: set[asyncio.Task] = set()
 
@@ -126,7 +128,7 @@ class Daemon:
             await self._until_done()
         finally:
             await self._shutdown(watchers)
-        return 0
+        return 1 if self._failed else 0
 
     def _start_watching(self, http: httpx.AsyncClient) -> list:
         """Resolve ``auto`` to a platform and build its watchers (unless given to the constructor)."""
@@ -175,9 +177,13 @@ class Daemon:
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task) -> None:
+        """A loop that ends by itself is a bug: exit 1 so that systemd (or the pod) restarts us,
+        rather than stay up without serving."""
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("daemon task failed: %r", task.exception(), exc_info=task.exception())
+        if not task.cancelled() and task.exception() is not None and not self._force:
+            log.critical("daemon task failed; stopping: %r", task.exception(), exc_info=task.exception())
+            self._failed = True
+            self.stop()
 
     # ------------------------------------------------------------------ notices
 
@@ -192,7 +198,12 @@ class Daemon:
     def _cancel(self, notice: Notice, reason: str) -> None:
         self.server.publish(CancelEvent(id=notice.id, reason=reason))
 
+    def publish(self, event: BaseModel) -> None:
+        """Publish an event to the subscribers (the storage engine's ``DurableEvent``)."""
+        self.server.publish(event)
+
     def _clients_changed(self) -> None:
+        self.metrics.clients.set(len(self.handler.clients))
         if hasattr(self, "_changed"):
             self._changed.set()
             self._acknowledge_ready()

@@ -205,3 +205,18 @@ def test_systemd_readiness_watchdog_and_stopping(daemon_factory, sock_dir):
             rest.append(listener.recv(256).decode())
     finally:
         listener.close()
+
+
+def test_tcp_loopback_endpoints_for_sidecars(daemon_factory, zctx):
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    pub, req = (f"tcp://127.0.0.1:{port}" for port in ports)
+    daemon = daemon_factory(env={"SPOTGUARD_ZMQ__PUB_ENDPOINT": pub, "SPOTGUARD_ZMQ__REQUEST_ENDPOINT": req})
+    assert daemon.request(StatusRequest()).data["pub_endpoint"] == pub
+    sub = subscribe(zctx, daemon)
+    notice_id = notify(daemon, 30)
+    assert next_event(sub, "notice").notice.id == notice_id
+    assert not (daemon.runtime_dir / "requests.sock").exists()

@@ -220,3 +220,46 @@ def test_tcp_loopback_endpoints_for_sidecars(daemon_factory, zctx):
     notice_id = notify(daemon, 30)
     assert next_event(sub, "notice").notice.id == notice_id
     assert not (daemon.runtime_dir / "requests.sock").exists()
+
+
+def in_process_daemon(sock_dir, tmp_path, **settings):
+    from spotguard_daemon.app import Daemon
+    from spotguard_daemon.settings import load_settings
+
+    (tmp_path / "ckpt").mkdir(exist_ok=True)
+    return Daemon(load_settings(None, platform="none", runtime_dir=sock_dir / "run",
+                                state_dir=tmp_path / "state", checkpoint_root=tmp_path / "ckpt",
+                                metrics={"enabled": False}, **settings), watchers=[])
+
+
+def test_accepted_commits_reach_the_on_commit_hook(sock_dir, tmp_path, ask):
+    import asyncio
+
+    daemon = in_process_daemon(sock_dir, tmp_path)
+    (tmp_path / "ckpt" / "step-5").mkdir()
+    seen = []
+    daemon.on_commit = lambda request, path: seen.append((request.step, path))
+
+    async def main():
+        task = asyncio.create_task(daemon.run())
+        endpoint = f"ipc://{sock_dir}/run/requests.sock"
+        ok = await asyncio.to_thread(ask, endpoint, CommitRequest(pid=os.getpid(), path="step-5", step=5))
+        bad = await asyncio.to_thread(ask, endpoint, CommitRequest(pid=os.getpid(), path="../x", step=6))
+        daemon.stop()
+        return ok, bad, await asyncio.wait_for(task, 10)
+
+    ok, bad, status = asyncio.run(main())
+    assert ok.ok and not bad.ok and status == 0
+    assert seen == [(5, (tmp_path / "ckpt" / "step-5").resolve())]
+
+
+def test_a_core_loop_that_dies_stops_the_daemon_with_status_1(sock_dir, tmp_path):
+    import asyncio
+
+    daemon = in_process_daemon(sock_dir, tmp_path)
+
+    async def broken_heartbeats():
+        raise RuntimeError("boom")
+
+    daemon.server.heartbeats = broken_heartbeats
+    assert asyncio.run(asyncio.wait_for(daemon.run(), 10)) == 1

@@ -96,7 +96,7 @@ def main() -> None:
         with run:
             for step in run.steps(args.steps):
                 if step == run.start_step:
-                    print(f"rank={rank} start step={step}", flush=True)
+                    print(f"rank={rank} pid={os.getpid()} start step={step}", flush=True)
                 x, y = batch(args.seed, step, rank)
                 loss = nn.functional.mse_loss(model(x), y)
                 optimizer.zero_grad(set_to_none=True)

@@ -160,11 +160,15 @@ class Guard:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def close(self, *, disarm: bool = True) -> None:
-        """Stop the thread, unregister, restore the previous signal handlers.
+    def close(self, *, exiting: bool = False) -> None:
+        """Stop the thread, unregister, restore the previous signal handlers, disarm the watchdog.
 
-        ``disarm=False`` leaves the forced-exit watchdog armed: a clean stop calls it so that a
-        hang after the guard closed (a collective in a ``finally``) is still bounded.
+        ``exiting=True`` (a clean stop, the process is about to exit) keeps the forced-exit
+        watchdog armed, so a hang after this point (a collective in a ``finally``) is still
+        bounded, and sets the guarded signals to ``SIG_IGN``, so a late SIGTERM (torchrun
+        terminating the sibling ranks, a repeated kubelet signal) cannot cut the exit short and
+        turn status 75 into a death by signal. (A Python-level handler would not do: interpreter
+        finalisation resets those to the default, which kills.)
         """
         if self._closed.is_set():
             return
@@ -172,8 +176,11 @@ class Guard:
         self._thread.join(timeout=5)
         if self._link is not None:
             self._link.close()
+        if exiting:
+            self._ignore_signals()
+            return
         self._restore_handlers()
-        if disarm and self._watchdog is not None:
+        if self._watchdog is not None:
             self._watchdog.disarm()
 
     def __enter__(self) -> "Guard":
@@ -202,6 +209,11 @@ class Guard:
             return
         for signum in self._signal_deadlines:
             self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _ignore_signals(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self._previous:
+                signal.signal(signum, signal.SIG_IGN)
 
     def _restore_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -103,6 +103,8 @@ class Run:
         self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,
                                          on_commit=self._on_commit)
         self.cadence = _make_cadence(save_every, cadence)
+        self._fixed_cadence = save_every is not None
+        self._due_latched = False
         self.step = self.start_step = 0
         self.stopped = False
         self.resumed_from: Any = None
@@ -137,15 +139,18 @@ class Run:
         self.checkpointer.wait(None)
         self.close()
 
-    def close(self, *, disarm: bool = True) -> None:
-        """Close the checkpointer and the guard without saving."""
+    def close(self, *, exiting: bool = False) -> None:
+        """Close the checkpointer (waiting for its save in flight) and the guard, without saving.
+
+        ``exiting`` is :meth:`Guard.close`'s: the process is about to exit after a stop.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             self.checkpointer.close()
         finally:
-            self.guard.close(disarm=disarm)
+            self.guard.close(exiting=exiting)
 
     def __enter__(self) -> "Run":
         return self
@@ -154,16 +159,22 @@ class Run:
         if exc_type is None:
             self.finish()
         else:
-            self.close(disarm=not isinstance(exc, SystemExit))
+            self.close(exiting=isinstance(exc, SystemExit))
 
     # ------------------------------------------------------------------ boundaries
 
     def _boundary(self, done: int) -> bool:
         """Act on the agreed decision after ``done`` steps; True when the loop must end."""
         self._observe()
+        due = self.cadence.due(done)  # asked at every boundary so its count moves alike everywhere
+        if due and self._fixed_cadence:
+            self._save(done)  # a fixed step count is due at the same step on every rank
+        else:
+            self._due_latched |= due
         if self.agreement.enabled and not self.agreement.due(done):
             return False  # flags wait for the next exchange: every rank acts at the same step
         decision = self.agreement.agree(done, self._local_decision(done))
+        self._due_latched = False
         if decision.stop:
             return self._stop(done, decision)
         if decision.checkpoint and self._saved_step != done:
@@ -175,7 +186,7 @@ class Run:
         stop = self.guard.stop_requested
         return Decision(
             stop=stop,
-            checkpoint=self.cadence.due(done) or self.guard.checkpoint_requested,
+            checkpoint=self._due_latched or self.guard.checkpoint_requested,
             seconds_left=self.guard.seconds_left() if stop else None,
             save_seconds=self.expected_save_seconds() if stop else None,
         )
@@ -198,7 +209,7 @@ class Run:
             log.error("the last save failed (%s); the previous checkpoint stands", exc)
         self.guard.report_safe()
         self.stopped = True
-        self.close(disarm=False)
+        self.close(exiting=True)
         if self.exit_on_stop:
             raise SystemExit(EXIT_PREEMPTED)
         return True

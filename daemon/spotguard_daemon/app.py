@@ -36,7 +36,7 @@ from spotguard_daemon import systemd
 from spotguard_daemon.delivery import Delivery
 from spotguard_daemon.handlers import RequestHandler
 from spotguard_daemon.metrics import Metrics
-from spotguard_daemon.server import Server, lock_runtime_dir
+from spotguard_daemon.server import Server, ServerError, lock_runtime_dir
 from spotguard_daemon.settings import Settings
 from spotguard_daemon.store import NoticeStore
 from spotguard_daemon.watchers import signal as signal_source
@@ -116,15 +116,15 @@ class Daemon:
         self.delivery = Delivery(self.settings.delivery, self.handler.signallable_pids,
                                  http=webhook_http, outcome=self.metrics.delivered)
         watchers = self._start_watching(metadata_http)
-        self._start_serving()
-        self._install_signal_handlers()
-        runners = [self._runner(w) for w in watchers]
-        for coro in [self.server.serve(), self.server.heartbeats(), self._housekeeping(), *runners]:
-            self._spawn(coro)
-        systemd.notify("READY=1")
-        log.info("spotguard daemon %s ready (platform %s, %d watchers)", __version__, self.platform,
-                 len(watchers))
         try:
+            self._start_serving()
+            self._install_signal_handlers()
+            runners = [self._runner(w) for w in watchers]
+            for coro in [self.server.serve(), self.server.heartbeats(), self._housekeeping(), *runners]:
+                self._spawn(coro)
+            systemd.notify("READY=1")
+            log.info("spotguard daemon %s ready (platform %s, %d watchers)", __version__,
+                     self.platform, len(watchers))
             await self._until_done()
         finally:
             await self._shutdown(watchers)
@@ -153,7 +153,11 @@ class Daemon:
         self.metrics.set_info(__version__, self.platform)
         self.metrics.track_deadline(self.store.pending)
         if self.settings.metrics.enabled:
-            self.metrics_port = self.metrics.serve(self.settings.metrics.host, self.settings.metrics.port)
+            host, port = self.settings.metrics.host, self.settings.metrics.port
+            try:
+                self.metrics_port = self.metrics.serve(host, port)
+            except OSError as exc:
+                raise ServerError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
         self.server.bind()
         self.store.on_announce(self._announce)
         self.store.on_cancel(self._cancel)

@@ -103,6 +103,7 @@ class Server:
         self._pub: zmq.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._seq = 0
+        self._bound_paths: list[Path] = []
 
     # ------------------------------------------------------------------ set-up
 
@@ -134,18 +135,18 @@ class Server:
             raise ServerError(f"cannot bind {endpoint}: {exc}") from None
         finally:
             os.umask(old)
+        self._bound_paths.append(path)
         os.chmod(path, 0o600)
         return endpoint
 
     def close(self) -> None:
         """Close the sockets and remove ``ipc://`` files; safe to call twice."""
-        for sock, endpoint, linger in ((self._pub, self.pub_endpoint, PUB_LINGER_MS),
-                                       (self._router, self.request_endpoint, 0)):
+        for sock, linger in ((self._pub, PUB_LINGER_MS), (self._router, 0)):
             if sock is not None and not sock.closed:
                 sock.close(linger=linger)
-                path = ipc_path(endpoint)
-                if path is not None:
-                    path.unlink(missing_ok=True)
+        for path in self._bound_paths:  # only files we bound: never another daemon's
+            path.unlink(missing_ok=True)
+        self._bound_paths.clear()
         self._ctx.term()
         self._pub_ctx.term()
 

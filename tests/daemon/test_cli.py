@@ -94,3 +94,18 @@ def test_the_group_imports_without_the_daemons_heavy_parts():
             " if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.stdout.strip() == "[]", result
+
+
+def test_a_port_in_use_fails_start_up_with_one_line_and_status_1(sock_dir, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("daemon", "--platform", "none", "--runtime-dir", str(sock_dir / "run"),
+                     "--state-dir", str(tmp_path / "state"), "--metrics-port", str(port),
+                     "--log-level", "ERROR")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"spotguard: cannot start: cannot serve metrics on 127.0.0.1:{port}: Address already in use"]

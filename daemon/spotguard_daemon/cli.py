@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from spotguard.protocol import Kind
 from spotguard_daemon.settings import Settings, SettingsError, load_settings, redacted
 
 __all__ = ["main", "request"]
@@ -156,15 +157,14 @@ def _human_status(data: dict[str, Any]) -> str:
 @main.command()
 @config_option
 @click.option("--kind", default="drill", show_default=True,
-              type=click.Choice(["drill", "preempt", "terminate", "stop", "walltime", "maintenance",
-                                 "rebalance", "signal"]), help="Kind of the notice.")
+              type=click.Choice([kind.value for kind in Kind]), help="Kind of the notice.")
 @click.option("--deadline", type=click.FloatRange(0, 7 * 24 * 3600), metavar="SECONDS",
               help="Seconds from now until the interruption (none: no deadline).")
 @click.option("--detail", default="", help="Free text shown to the clients.")
 @click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon.")
 def notify(config: str | None, kind: str, deadline: float | None, detail: str, timeout: float) -> None:
     """Inject a manual notice (a drill, or a scripted stop) into the daemon."""
-    from spotguard.protocol import Kind, NotifyRequest
+    from spotguard.protocol import NotifyRequest
 
     endpoint = _settings(config).request_endpoint
     reply = request(endpoint, NotifyRequest(kind=Kind(kind), deadline_seconds=deadline,

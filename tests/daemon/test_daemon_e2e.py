@@ -263,3 +263,33 @@ def test_a_core_loop_that_dies_stops_the_daemon_with_status_1(sock_dir, tmp_path
 
     daemon.server.heartbeats = broken_heartbeats
     assert asyncio.run(asyncio.wait_for(daemon.run(), 10)) == 1
+
+
+GUARDED = """
+import sys, time
+from spotguard.guard import Guard
+guard = Guard(job_id="e2e", force_exit=False)
+while not guard.daemon_alive:
+    time.sleep(0.05)
+print("ready", flush=True)
+while guard.notice is None or guard.notice.platform == "local":
+    time.sleep(0.05)
+print(guard.notice.id, guard.stop_requested, guard.report_safe(), flush=True)
+guard.close()
+"""
+
+
+def test_the_client_library_against_the_real_daemon(daemon_factory):
+    daemon = daemon_factory(env={"SPOTGUARD_DELIVERY__SIGNAL": "none"})  # the notice alone must do
+    env = {**os.environ, "SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)}
+    proc = subprocess.Popen([sys.executable, "-c", GUARDED], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        notice_id = notify(daemon, 60, Kind.PREEMPT)
+        assert proc.stdout.readline().split() == [notice_id, "True", "True"]
+        status = daemon.request(StatusRequest()).data
+        assert status["safe"][notice_id] == [proc.pid]
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -99,6 +99,16 @@ def test_listed_pids_skips_unreadable_and_malformed_files(tmp_path):
     assert listed_pids([good, bad, tmp_path / "missing.pid"], None) == {123}
 
 
+async def deliver_and_drain(settings: DeliverySettings, http: httpx.AsyncClient | None = None) -> list:
+    """Deliver NOTICE with fast backoff, wait for the hook and webhook; return their outcomes."""
+    outcomes: list[tuple[str, bool]] = []
+    delivery = Delivery(settings, registered=list, http=http, backoff=0.01,
+                        outcome=lambda ch, ok: outcomes.append((ch, ok)))
+    delivery.deliver(NOTICE)
+    await delivery.drain(timeout=20)
+    return outcomes
+
+
 def test_hook_gets_the_notice_json_on_stdin_and_is_retried(tmp_path):
     out, count = tmp_path / "hook.json", tmp_path / "count"
     script = ("import pathlib, sys\n"
@@ -106,32 +116,16 @@ def test_hook_gets_the_notice_json_on_stdin_and_is_retried(tmp_path):
               "c.write_text(str(n))\n"
               f"pathlib.Path({str(out)!r}).write_bytes(sys.stdin.buffer.read())\n"
               "sys.exit(0 if n >= 2 else 3)\n")
-    settings = DeliverySettings(hook=[sys.executable, "-c", script], attempts=3, signal="none")
-    outcomes = []
-
-    async def main():
-        delivery = Delivery(settings, registered=list, backoff=0.01,
-                            outcome=lambda ch, ok: outcomes.append((ch, ok)))
-        delivery.deliver(NOTICE)
-        await delivery.drain(timeout=20)
-
-    asyncio.run(main())
+    outcomes = asyncio.run(deliver_and_drain(
+        DeliverySettings(hook=[sys.executable, "-c", script], attempts=3, signal="none")))
     assert json.loads(out.read_text())["id"] == "n1"
     assert count.read_text() == "2" and outcomes == [("hook", True)]
 
 
 def test_hook_that_hangs_is_killed_at_the_timeout_and_reported():
-    settings = DeliverySettings(hook=[sys.executable, "-c", "import time; time.sleep(30)"],
-                                attempts=2, timeout=0.3, signal="none")
-    outcomes = []
-
-    async def main():
-        delivery = Delivery(settings, registered=list, backoff=0.01,
-                            outcome=lambda ch, ok: outcomes.append((ch, ok)))
-        delivery.deliver(NOTICE)
-        await delivery.drain(timeout=10)
-
-    asyncio.run(main())
+    outcomes = asyncio.run(deliver_and_drain(DeliverySettings(
+        hook=[sys.executable, "-c", "import time; time.sleep(30)"], attempts=2, timeout=0.3,
+        signal="none")))
     assert outcomes == [("hook", False)]
 
 
@@ -156,18 +150,14 @@ def test_webhook_posts_with_bearer_secret_retries_and_never_logs_the_secret(capl
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}/hook"
     settings = DeliverySettings(webhook=url, webhook_secret="s3cret-token", signal="none", attempts=3)
-    outcomes = []
 
     async def main():
         async with httpx.AsyncClient() as http:
-            delivery = Delivery(settings, registered=list, http=http, backoff=0.01,
-                                outcome=lambda ch, ok: outcomes.append((ch, ok)))
-            delivery.deliver(NOTICE)
-            await delivery.drain(timeout=10)
+            return await deliver_and_drain(settings, http)
 
     try:
         with caplog.at_level(logging.DEBUG):
-            asyncio.run(main())
+            outcomes = asyncio.run(main())
     finally:
         server.shutdown()
         server.server_close()

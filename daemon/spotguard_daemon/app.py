@@ -30,9 +30,10 @@ from typing import Any, Awaitable, Callable
 import httpx
 from pydantic import BaseModel
 from spotguard import __version__
-from spotguard.protocol import CancelEvent, CommitRequest, Notice, NoticeEvent, utcnow
+from spotguard.protocol import CancelEvent, CommitRequest, DurableEvent, Notice, NoticeEvent, utcnow
+from spotguard.storage.base import StoreError
 
-from spotguard_daemon import systemd
+from spotguard_daemon import systemd, uploads
 from spotguard_daemon.delivery import Delivery
 from spotguard_daemon.handlers import RequestHandler
 from spotguard_daemon.metrics import Metrics
@@ -59,11 +60,11 @@ class Daemon:
         self.metrics = Metrics(registry)
         self.metrics_port: int | None = None
         self.store = NoticeStore(settings.state_dir / "notices.json")
-        self.uploads: Callable[[], dict[str, Any]] = lambda: {"state": "not configured"}
-        """Upload queue state for ``status``; the storage engine replaces it."""
+        self.queue = uploads.from_settings(settings, registry=self.metrics.registry,
+                                           on_durable=self._durable)
         self.handler = RequestHandler(self.store, platform=self.platform,
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
-                                      on_change=self._clients_changed)
+                                      on_change=self._clients_changed, on_commit=self._committed)
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
                              pending_ids=lambda: [n.id for n in self.store.pending()],
@@ -96,7 +97,7 @@ class Daemon:
                 "platform": self.platform, "started_at": self.started_at.isoformat(),
                 "pub_endpoint": self.server.pub_endpoint,
                 "request_endpoint": self.server.request_endpoint, "metrics": metrics,
-                "draining": self._signal_notice is not None, "uploads": self.uploads()}
+                "draining": self._signal_notice is not None, "uploads": self.queue.status()}
 
     # ------------------------------------------------------------------ run
 
@@ -113,6 +114,7 @@ class Daemon:
     async def _run(self, metadata_http: httpx.AsyncClient, webhook_http: httpx.AsyncClient) -> int:
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self.delivery = Delivery(self.settings.delivery, self.handler.signallable_pids,
                                  http=webhook_http, outcome=self.metrics.delivered)
         watchers = self._start_watching(metadata_http)
@@ -120,7 +122,9 @@ class Daemon:
             self._start_serving()
             self._install_signal_handlers()
             runners = [self._runner(w) for w in watchers]
-            for coro in [self.server.serve(), self.server.heartbeats(), self._housekeeping(), *runners]:
+            self.queue.start()
+            for coro in [self.server.serve(), self.server.heartbeats(), self._housekeeping(),
+                         self._check_storage(), *runners]:
                 self._spawn(coro)
             systemd.notify("READY=1")
             log.info("spotguard daemon %s ready (platform %s, %d watchers)", __version__,
@@ -203,8 +207,29 @@ class Daemon:
         self.server.publish(CancelEvent(id=notice.id, reason=reason))
 
     def publish(self, event: BaseModel) -> None:
-        """Publish an event to the subscribers (the storage engine's ``DurableEvent``)."""
+        """Publish an event to the subscribers."""
         self.server.publish(event)
+
+    # ------------------------------------------------------------------ durability
+
+    def _committed(self, request: CommitRequest, path: Path) -> None:
+        """A client committed a checkpoint inside the checkpoint root: make it durable."""
+        self.queue.submit(request.job_id, path, request.step, request.size_bytes)
+
+    def _durable(self, job_id: str, step: int, location: str) -> None:
+        """Called from the upload thread once a checkpoint is durable."""
+        event = DurableEvent(job_id=job_id, step=step, location=location)
+        self._loop.call_soon_threadsafe(self.publish, event)
+
+    async def _check_storage(self) -> None:
+        """Report a missing bucket or a refused credential at start-up, in one line, not at the
+        first upload. The daemon keeps serving notices either way; uploads retry."""
+        try:
+            await asyncio.to_thread(self.queue.durable.store.check)
+        except StoreError as exc:
+            log.error("durable storage unusable: %s", exc)
+        else:
+            log.info("durable storage %s ready", self.settings.storage_url)
 
     def _clients_changed(self) -> None:
         self.metrics.clients.set(len(self.handler.clients))
@@ -280,8 +305,8 @@ class Daemon:
         notice = self._signal_notice
         while notice is not None and not self._force:
             left = notice.seconds_left() or 0.0
-            if self._all_safe(notice.id):
-                log.info("every registered client is safe; stopping")
+            if self._all_safe(notice.id) and self.queue.idle():
+                log.info("every registered client is safe and every commit durable; stopping")
                 return
             if left <= 0:
                 log.warning("signal grace of %gs passed; stopping", self.settings.signal.grace)
@@ -303,6 +328,7 @@ class Daemon:
                 await watcher.aclose()
             except Exception as exc:
                 log.debug("closing watcher %s: %s", getattr(watcher, "name", watcher), exc)
+        self.queue.close()
         self.server.close()
         self.metrics.close()
         log.info("spotguard daemon stopped")

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from spotguard.storage.base import StoreError
+from spotguard.storage.base import StoreError, StoreOptions, open_store
 from spotguard.storage.durable import Durable, DurableInfo
 from spotguard.storage.file import atomic_write
 
-__all__ = ["UploadQueue", "Upload"]
+__all__ = ["UploadQueue", "Upload", "from_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -264,3 +264,16 @@ class UploadQueue:
         if self._queue:
             log.info("resuming %d journaled upload(s)", len(self._queue))
         self.metrics.depth.set(len(self._queue))
+
+
+def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,
+                  on_durable: Callable[[str, int, str], None] | None = None) -> UploadQueue:
+    """The queue for the daemon's ``storage`` settings (``file://<state_dir>/durable`` by default).
+
+    Opening a store does no I/O: :meth:`Store.check` reports a bad bucket or credential later."""
+    storage = settings.storage
+    store = open_store(settings.storage_url, StoreOptions.of(storage))
+    return UploadQueue(Durable(store, concurrency=storage.concurrency),
+                       settings.state_dir / "uploads.json", keep=storage.keep,
+                       finish_superseded=storage.finish_superseded,
+                       bandwidth_mbps=storage.bandwidth_mbps, on_durable=on_durable, registry=registry)

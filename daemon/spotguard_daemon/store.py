@@ -3,7 +3,11 @@
 Sources come in two shapes. Polled watchers hand over *snapshots* (:meth:`NoticeStore.reconcile`):
 an id not seen before is announced, an id this source listed last time and no longer lists is
 cancelled, and an id seen again changes nothing (its first ``received_at`` is kept, so latency
-figures and deadlines do not drift with every poll). Push sources (a signal, a manual ``notify``)
+figures and deadlines do not drift with every poll) unless its deadline moved by more than
+``RESCHEDULE_SECONDS`` (an Azure or AWS event rescheduled under the same id): then the updated notice
+is announced again under the same id, and clients replace the one they hold. A notice restored from
+the state file keeps its stored deadline when its source first lists it again: a deadline the watcher
+computed from the time it first saw the event (GCP) would otherwise move later with every restart. Push sources (a signal, a manual ``notify``)
 use :meth:`NoticeStore.add` and :meth:`NoticeStore.cancel`.
 
 Pending notices are persisted to ``<state_dir>/notices.json`` after every change, written atomically
@@ -36,6 +40,7 @@ __all__ = ["NoticeStore", "Entry", "write_private_atomic"]
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+RESCHEDULE_SECONDS = 1.0
 
 AnnounceListener = Callable[[Notice], None]
 CancelListener = Callable[[Notice, str], None]
@@ -49,6 +54,8 @@ class Entry:
     safe: set[int] = field(default_factory=set)
     ephemeral: bool = False
     """Not written to the state file (the daemon's own SIGTERM notice)."""
+    restored: bool = False
+    """Loaded from the state file and not yet listed again by its source."""
 
 
 def write_private_atomic(path: Path, data: bytes) -> None:
@@ -100,10 +107,27 @@ class NoticeStore:
         new = [n for i, n in current.items() if i not in self._entries]
         for notice in new:
             self._entries[notice.id] = Entry(notice)
-        if gone or new:
+        moved = [n for n in (self._rescheduled(n) for n in current.values() if n not in new) if n]
+        if gone or new or moved:
             self._persist()
-        for notice in new:
+        for notice in new + moved:
             self._emit(self._on_announce, notice)
+
+    def _rescheduled(self, notice: Notice) -> Notice | None:
+        """The updated notice when a known id came back with another deadline, else None."""
+        entry = self._entries[notice.id]
+        if entry.restored:
+            entry.restored = False
+            return None
+        old = entry.notice.deadline
+        if old is None or notice.deadline is None:
+            return None
+        if abs((notice.deadline - old).total_seconds()) <= RESCHEDULE_SECONDS:
+            return None
+        log.info("notice %s rescheduled: deadline %s -> %s", notice.id, old.isoformat(),
+                 notice.deadline.isoformat())
+        entry.notice = notice.model_copy(update={"received_at": entry.notice.received_at})
+        return entry.notice
 
     def add(self, notice: Notice, *, ephemeral: bool = False) -> bool:
         """Announce a pushed notice; False (and nothing happens) when its id is already pending.
@@ -191,6 +215,7 @@ class NoticeStore:
         for entry in self._read():
             if self._is_stale(entry.notice) or entry.notice.id in self._entries:
                 continue
+            entry.restored = True
             self._entries[entry.notice.id] = entry
             self._snapshots.setdefault(entry.notice.source, set()).add(entry.notice.id)
             restored.append(entry.notice)

@@ -122,3 +122,32 @@ def test_unreadable_state_file_is_ignored(tmp_path):
     assert NoticeStore(path).restore() == []
     path.write_text(json.dumps({"version": 1, "notices": [{"notice": {"id": ""}}]}))
     assert NoticeStore(path).restore() == []
+
+
+def test_a_rescheduled_event_is_announced_again_with_its_new_deadline():
+    store = NoticeStore()
+    announced: list[Notice] = []
+    store.on_announce(announced.append)
+    first = notice("evt", source="azure.scheduled", seconds=300)
+    store.reconcile("azure.scheduled", [first])
+    store.reconcile("azure.scheduled", [notice("evt", source="azure.scheduled", seconds=300.5)])
+    assert len(announced) == 1  # jitter under a second is not a reschedule
+    store.reconcile("azure.scheduled", [notice("evt", source="azure.scheduled", seconds=900)])
+    assert [n.id for n in announced] == ["evt", "evt"]
+    assert announced[1].deadline > first.deadline + timedelta(seconds=500)
+    assert announced[1].received_at == first.received_at
+    assert store.get("evt").deadline == announced[1].deadline
+
+
+def test_a_restored_notice_keeps_its_deadline_when_its_source_lists_it_again(tmp_path):
+    path = tmp_path / "notices.json"
+    original = notice("gcp:preempt", source="gcp.preempted", seconds=30)
+    NoticeStore(path).reconcile("gcp.preempted", [original])
+    restarted = NoticeStore(path)
+    announced: list[Notice] = []
+    restarted.on_announce(announced.append)
+    restarted.restore()
+    # The watcher of the new process computes its deadline from when *it* first saw the value.
+    restarted.reconcile("gcp.preempted", [notice("gcp:preempt", source="gcp.preempted", seconds=90)])
+    assert [n.deadline for n in announced] == [original.deadline]
+    assert restarted.get("gcp:preempt").deadline == original.deadline

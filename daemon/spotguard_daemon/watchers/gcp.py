@@ -128,7 +128,7 @@ class _LongPollWatcher:
         """The pending notice, made when ``kind`` is first seen and kept while it stays."""
         if self._pending is None or self._pending.kind != kind:
             deadline = utcnow() + lead
-            self._pending = Notice(id=f"gcp:{kind.value}:{iso(deadline)}", platform="gcp", kind=kind,
+            self._pending = Notice(id=f"gcp:{kind.value}", platform="gcp", kind=kind,
                                    deadline=deadline, terminating=terminating, source=self.name,
                                    raw=value, detail=f"{self.path} = {value}")
         return [self._pending]

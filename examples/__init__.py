@@ -1,0 +1,1 @@
+"""Examples that use spotguard; installed as ``spotguard_examples`` so ``spotguard demo`` can run them."""

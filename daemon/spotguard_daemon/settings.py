@@ -73,6 +73,7 @@ class RunnerSettings(_Section):
 
 class AwsSettings(_Section):
     endpoint: str = "http://169.254.169.254"
+    """IMDS base URL; point it at ``spotguard simulate aws`` to try the daemon without a cloud."""
     interval: float = Field(1.0, gt=0, le=3600)
     """Seconds between polls of each IMDS path (AWS recommends 5, the notice gives about 120)."""
     token_ttl: int = Field(21600, ge=1, le=21600)
@@ -80,26 +81,33 @@ class AwsSettings(_Section):
     imdsv1_fallback: bool = False
     """Fall back to token-less IMDSv1 requests when the token PUT fails. Off: IMDSv2 only."""
     scheduled_events: bool = True
+    """Watch ``events/maintenance/scheduled`` (reboots, retirements, stops)."""
     rebalance: bool = True
+    """Watch rebalance recommendations (advisory: an early sign of elevated risk)."""
 
 
 class GcpSettings(_Section):
     endpoint: str = "http://metadata.google.internal/computeMetadata/v1"
+    """Metadata server base URL (``http://169.254.169.254/computeMetadata/v1`` works too)."""
     long_poll: bool = True
     """Use ``wait_for_change`` long-polls; falls back to polling at ``interval`` when they fail."""
     long_poll_timeout: int = Field(60, ge=1, le=3600)
     """``timeout_sec`` sent to the metadata server; the client waits a little longer."""
     interval: float = Field(1.0, gt=0, le=3600)
+    """Seconds between plain polls when long-polls are off or failing."""
     preemptible: Literal["auto", "yes", "no"] = "auto"
     """Legacy Preemptible VM (stopped after 24 h): ``auto`` reads ``instance/scheduling/preemptible``."""
     preemptible_max_runtime: float = Field(24 * 3600, gt=0)
+    """The legacy Preemptible VM's maximum run time in seconds."""
     preemptible_lead: float = Field(600.0, ge=0)
     """Seconds before the 24 h cap at which the walltime notice is raised."""
 
 
 class AzureSettings(_Section):
     endpoint: str = "http://169.254.169.254"
+    """IMDS base URL of Scheduled Events."""
     interval: float = Field(1.0, gt=0, le=3600)
+    """Seconds between Scheduled Events polls (Microsoft recommends once per second)."""
     first_call_timeout: float = Field(150.0, gt=0)
     """The first Scheduled Events call after boot can take up to two minutes."""
     vm_name: str | None = None
@@ -112,10 +120,13 @@ class AzureSettings(_Section):
 
 class AlibabaSettings(_Section):
     endpoint: str = "http://100.100.100.200"
+    """ECS metadata server base URL."""
     interval: float = Field(1.0, gt=0, le=3600)
+    """Seconds between polls of ``instance/spot/termination-time``."""
     hardened: bool = True
     """Use the hardened-mode metadata token (PUT /latest/api/token)."""
     token_ttl: int = Field(21600, ge=1, le=21600)
+    """Hardened-mode token lifetime in seconds."""
 
 
 class SignalSettings(_Section):
@@ -129,6 +140,7 @@ class SlurmSettings(_Section):
     lead: float = Field(300.0, ge=0)
     """Seconds before the job's end time at which the walltime notice is raised."""
     squeue: str = "squeue"
+    """The ``squeue`` executable (``scontrol`` is looked up beside it as a fallback)."""
     interval: float = Field(60.0, gt=0)
     """Seconds between reads of the end time (it changes only with ``scontrol update``)."""
 
@@ -139,7 +151,9 @@ class ZmqSettings(_Section):
     request_endpoint: str | None = None
     """Requests are served here; default ``ipc://<runtime_dir>/requests.sock``."""
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
+    """Seconds between heartbeats on the PUB socket; clients call the daemon gone after a few missed."""
     max_message_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    """Largest request accepted; larger ones get an error reply (or are cut off by ZeroMQ)."""
     allow_remote: bool = False
     """Allow ``tcp://`` endpoints on addresses other than loopback."""
 
@@ -167,6 +181,7 @@ class DeliverySettings(_Section):
     attempts: int = Field(3, ge=1, le=20)
     """Tries per hook or webhook call, with exponential backoff."""
     timeout: float = Field(10.0, gt=0, le=600)
+    """Seconds before one hook or webhook attempt is abandoned."""
 
     @field_validator("signal")
     @classmethod
@@ -181,8 +196,11 @@ class DeliverySettings(_Section):
 
 class MetricsSettings(_Section):
     enabled: bool = True
+    """Serve Prometheus metrics on ``host:port`` at ``/metrics``."""
     host: str = "127.0.0.1"
+    """Loopback by default; another address needs ``zmq.allow_remote``."""
     port: int = Field(9464, ge=0, le=65535)
+    """0 picks a free port (logged at start-up and shown by ``spotguard status``)."""
 
 
 class StorageSettings(_Section):
@@ -192,6 +210,7 @@ class StorageSettings(_Section):
     keep: int = Field(3, ge=1)
     """Durable checkpoints kept per job; older ones and unreferenced objects are deleted."""
     concurrency: int = Field(8, ge=1, le=128)
+    """Files (and multipart parts) transferred in parallel per checkpoint."""
     bandwidth_mbps: float | None = Field(None, gt=0)
     """Upload bandwidth cap in megabytes per second; unset for no cap."""
     finish_superseded: bool = False
@@ -199,7 +218,9 @@ class StorageSettings(_Section):
     endpoint_url: str | None = None
     """S3-compatible (or emulator) endpoint; GCS and Azure emulators too."""
     azure_account: str | None = None
+    """Storage account name for ``az://container/prefix`` URLs (credentials from ``DefaultAzureCredential``)."""
     azure_connection_string: SecretStr | None = None
+    """Connection string instead of ``DefaultAzureCredential`` (Azurite, shared keys); never logged."""
 
 
 class Settings(BaseSettings):
@@ -221,7 +242,9 @@ class Settings(BaseSettings):
     checkpoint_root: Path | None = None
     """Committed checkpoints must lie under this directory; unset refuses every commit."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Daemon log level (the client library never configures logging)."""
     log_format: Literal["text", "json"] = "text"
+    """``json`` writes one JSON object per line, for log shippers."""
 
     runner: RunnerSettings = RunnerSettings()
     aws: AwsSettings = AwsSettings()

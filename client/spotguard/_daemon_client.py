@@ -6,6 +6,8 @@ must go on whether or not a daemon runs beside it. What it tracks:
 
 * **liveness**: the daemon is *alive* while heartbeats (or replies) keep arriving; after
   ``dead_after`` heartbeat intervals of silence it is *gone* (logged once per transition).
+* **missed notices**: a heartbeat lists the pending notice ids; one this link never saw (published
+  before the subscription took effect) makes it ask for ``status``.
 * **reconnects**: ZeroMQ reconnects the SUB socket by itself when the daemon comes back on the same
   endpoint; a heartbeat from a new ``daemon_id`` (a restart) or the first one after silence makes
   the link register again and ask for ``status``, so pending notices published while nobody
@@ -32,6 +34,7 @@ from spotguard import _paths
 from spotguard.protocol import (
     HeartbeatEvent,
     Notice,
+    NoticeEvent,
     ProtocolError,
     RegisterRequest,
     Reply,
@@ -82,6 +85,8 @@ class DaemonLink:
         self._interval = 1.0
         self._alive = False
         self._closed = False
+        self._seen: set[str] = set()
+        """Ids of the notices passed to the sink; a heartbeat listing another one asks status."""
 
     @property
     def alive(self) -> bool:
@@ -99,10 +104,15 @@ class DaemonLink:
         reply = self.request(RegisterRequest(pid=os.getpid(), rank=self._rank, job_id=self._job_id))
         if reply is None or not reply.ok:
             return False
-        status = self.request(StatusRequest())
-        for notice in _pending_notices(status):
-            self._sink(notice)
+        self.refresh()
         return True
+
+    def refresh(self) -> None:
+        """Ask ``status`` and pass its pending notices to the sink (e.g. the notice behind a
+        signal that overtook its event)."""
+        for notice in _pending_notices(self.request(StatusRequest())):
+            self._seen.add(notice.id)
+            self._sink(notice)
 
     def poll(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for events, pass them to the sink, update liveness."""
@@ -160,6 +170,8 @@ class DaemonLink:
             self._on_heartbeat(event)
         else:
             self._mark_seen()
+            if isinstance(event, NoticeEvent):
+                self._seen.add(event.notice.id)
             self._sink(event)
 
     def _on_heartbeat(self, beat: HeartbeatEvent) -> None:
@@ -172,6 +184,8 @@ class DaemonLink:
             log.info("daemon restarted (id %s); registering again", beat.daemon_id)
         if restarted or rejoined:
             self.connect()
+        elif not self._seen.issuperset(beat.pending):
+            self.refresh()  # a notice published before our subscription took effect
         self._sink(beat)
 
     def _mark_seen(self) -> None:

@@ -78,6 +78,7 @@ class Guard:
         self._margin, self._timeout = force_exit_margin, force_exit_timeout
         self._watchdog = Watchdog(EXIT_FORCED) if force_exit else None
         self._lock = threading.RLock()
+        self._take_lock = threading.Lock()
         self._notices: dict[str, Notice] = {}
         self._force_at: dict[str, float] = {}
         self._checkpoint_ids: set[str] = set()
@@ -226,20 +227,19 @@ class Guard:
         self._signals.append((signum, time.time()))  # the only thing a handler does
 
     def _take_signals(self) -> None:
-        while self._signals:
-            with self._lock:
-                try:
-                    signum, at = self._signals.pop(0)
-                except IndexError:  # the other thread took it
-                    return
+        """Turn received signals into local notices. A signal from the daemon's delivery can
+        overtake its ZeroMQ event, so a live daemon is asked for the notice and its deadline;
+        a reader arriving meanwhile waits for that answer (at most ``request_timeout``)."""
+        with self._take_lock:
+            taken = False
+            while self._signals:
+                signum, at = self._signals.pop(0)
                 self._signal_count += 1
-            grace = self._signal_deadlines.get(signum)
-            received = datetime.fromtimestamp(at, timezone.utc)
-            self._add_notice(Notice(
-                id=f"local:{signal.Signals(signum).name}:{self._signal_count}", platform="local",
-                kind=Kind.SIGNAL, received_at=received, source="signal",
-                deadline=None if grace is None else received + timedelta(seconds=grace),
-                detail=f"{signal.Signals(signum).name} received by pid {os.getpid()}"))
+                self._add_notice(_signal_notice(signum, at, self._signal_deadlines.get(signum),
+                                                self._signal_count))
+                taken = True
+            if taken and self.daemon_alive:
+                self._link.refresh()
 
     def _on_event(self, event: Any) -> None:
         if isinstance(event, Notice):
@@ -286,6 +286,15 @@ class Guard:
         self._watchdog.disarm()
         if self._force_at:
             self._watchdog.arm(min(self._force_at.values()))
+
+
+def _signal_notice(signum: int, at: float, grace: float | None, count: int) -> Notice:
+    name = signal.Signals(signum).name
+    received = datetime.fromtimestamp(at, timezone.utc)
+    return Notice(id=f"local:{name}:{count}", platform="local", kind=Kind.SIGNAL,
+                  received_at=received, source="signal",
+                  deadline=None if grace is None else received + timedelta(seconds=grace),
+                  detail=f"{name} received by pid {os.getpid()}")
 
 
 def _urgency(notice: Notice) -> tuple[bool, bool, datetime]:

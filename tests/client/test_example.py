@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -80,37 +83,68 @@ def test_sigterm_without_time_skips_the_save_and_relies_on_the_last_commit(tmp_p
     assert final(resumed) == (STEPS, reference)
 
 
-def test_daemon_notice_over_zmq_stops_the_job_and_reports(tmp_path):
+@pytest.fixture
+def fake_daemon(tmp_path):
     daemon = FakeDaemon(tmp_path / "rt").start()
+    yield daemon
+    daemon.stop()
+
+
+def launch_registered(tmp_path, daemon: FakeDaemon, *args: str) -> Proc:
+    proc = Proc.example(tmp_path / "ckpt", STEPS, *args, env=isolated_env(tmp_path / "rt"))
+    proc.wait_line(r"start step=")
+    assert wait_for(lambda: daemon.requests_of("register"))
+    return proc
+
+
+def test_daemon_notice_over_zmq_stops_the_job_and_reports(tmp_path, fake_daemon):
+    proc = launch_registered(tmp_path, fake_daemon, "--save-every", "1000", "--step-sleep", "0.01")
+    notice = make_notice(20)
+    fake_daemon.publish_notice(notice)
+    assert proc.finish(30) == 75, proc.output
+    step = int(proc.grab(r"stopped step=(\d+) status=75")[0][1])
+    assert committed_step(tmp_path / "ckpt") == step
+    (register,) = fake_daemon.requests_of("register")
+    assert register.pid == proc.popen.pid
+    (commit,) = fake_daemon.requests_of("commit")
+    assert commit.step == step and commit.path.endswith(f"{step:010d}")
+    (safe,) = fake_daemon.requests_of("safe")
+    assert safe.notice_ids == [notice.id]
+
+
+def test_daemon_disappearing_does_not_disturb_training(tmp_path, fake_daemon, reference):
+    proc = launch_registered(tmp_path, fake_daemon, "--save-every", "50", "--step-sleep", "0.005")
+    fake_daemon.stop()
+    assert proc.finish(60) == 0, proc.output
+    assert final(proc) == (STEPS, reference)
+
+
+def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spotguard_daemon", *args], env=env,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_real_daemon_drill_stops_the_job_which_reports_safe_and_its_commit(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = isolated_env(tmp_path / "rt", SPOTGUARD_STATE_DIR=str(tmp_path / "state"),
+                       SPOTGUARD_METRICS__ENABLED="false")
+    daemon = subprocess.Popen([sys.executable, "-m", "spotguard_daemon", "daemon", "--platform", "none",
+                               "--checkpoint-root", str(ckpt)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        proc = Proc.example(tmp_path / "ckpt", STEPS, "--save-every", "1000", "--step-sleep", "0.01",
-                            env=isolated_env(tmp_path / "rt"))
+        assert wait_for(lambda: cli("status", env=env).returncode == 0, timeout=20)
+        proc = Proc.example(ckpt, STEPS, "--save-every", "1000", "--step-sleep", "0.01", env=env)
         proc.wait_line(r"start step=")
-        assert wait_for(lambda: daemon.requests_of("register"))
-        notice = make_notice(20)
-        daemon.publish_notice(notice)
+        notice_id = cli("notify", "--kind", "preempt", "--deadline", "30", env=env).stdout.strip()
         assert proc.finish(30) == 75, proc.output
         step = int(proc.grab(r"stopped step=(\d+) status=75")[0][1])
-        assert committed_step(tmp_path / "ckpt") == step
-        (register,) = daemon.requests_of("register")
-        assert register.pid == proc.popen.pid
-        assert [c.step for c in daemon.requests_of("commit")] == [step]
-        assert daemon.requests_of("commit")[0].path.endswith(f"{step:010d}")
-        (safe,) = daemon.requests_of("safe")
-        assert safe.notice_ids == [notice.id]
-    finally:
-        daemon.stop()
+        assert committed_step(ckpt) == step
 
+        def status() -> dict:
+            return json.loads(cli("status", "--json", env=env).stdout)
 
-def test_daemon_disappearing_does_not_disturb_training(tmp_path, reference):
-    daemon = FakeDaemon(tmp_path / "rt").start()
-    try:
-        proc = Proc.example(tmp_path / "ckpt", STEPS, "--save-every", "50", "--step-sleep", "0.005",
-                            env=isolated_env(tmp_path / "rt"))
-        proc.wait_line(r"start step=")
-        assert wait_for(lambda: daemon.requests_of("register"))
-        daemon.stop()
-        assert proc.finish(60) == 0, proc.output
-        assert final(proc) == (STEPS, reference)
+        assert status()["safe"][notice_id] == [proc.popen.pid]
+        assert wait_for(lambda: status()["uploads"]["durable"].get("", {}).get("step") == step, 20)
     finally:
-        daemon.stop()
+        daemon.kill()
+        daemon.wait(10)

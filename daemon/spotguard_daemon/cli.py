@@ -213,3 +213,6 @@ def version() -> None:
 from spotguard_daemon.cli_cadence import cadence  # noqa: E402
 
 main.add_command(cadence)
+from spotguard_daemon.cli_demo import demo  # noqa: E402
+
+main.add_command(demo)

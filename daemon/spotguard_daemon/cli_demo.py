@@ -91,23 +91,30 @@ class Child:
             if line is not None and (match := regex.search(line)):
                 return match
         why = f"exited with status {self.proc.wait()}" if self.ended \
-            else f"timed out after {timeout:g} s"
-        raise DemoError(f"{self.name} {why} before printing {pattern!r}; see {self.log}")
+            else f"printed nothing expected within {timeout:g} s"
+        raise self.failed(why)
+
+    def failed(self, why: str) -> DemoError:
+        """A DemoError naming this child, with the last lines of its log."""
+        try:
+            tail = self.log.read_text(errors="replace").splitlines()[-3:]
+        except OSError:
+            tail = []
+        return DemoError("\n    ".join([f"{self.name} {why}; see {self.log}", *tail]))
 
     def wait_for(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
         """Poll ``ready`` while this child runs; DemoError when it exits or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         while not ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise DemoError(f"{self.name} did not {what}; see {self.log}")
+                raise self.failed(f"did not {what}")
             time.sleep(0.1)
 
     def wait(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise DemoError(f"{self.name} did not exit within {timeout:g} s; "
-                            f"see {self.log}") from None
+            raise self.failed(f"did not exit within {timeout:g} s") from None
 
     def stop(self, timeout: float) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; a no-op once it exited."""
@@ -212,13 +219,15 @@ class Demo:
     def preempted(self, job: Child) -> int:
         """Read the job's lines up to its stop; it must exit 75. Return the step it stopped at."""
         saved = None
-        pattern = r"^(?:checkpoint step=(\d+)|rank=0 stopped step=(\d+))"
+        pattern = r"^(?:checkpoint step=(\d+)|rank=0 stopped step=(\d+)|final step=(\d+))"
         while (match := job.expect(pattern, 30.0))[1]:
             saved = int(match[1])
+        if match[3]:
+            raise DemoError(f"the job finished (step {match[3]}) before the notice reached it; "
+                            "give it more time with --steps or --step-sleep")
         step, status = int(match[2]), job.wait(30.0)
         if status != EXIT_PREEMPTED:
-            raise DemoError(f"the job exited with status {status}, not {EXIT_PREEMPTED}; "
-                            f"see {job.log}")
+            raise job.failed(f"exited with status {status}, not {EXIT_PREEMPTED}")
         how = "saved an emergency checkpoint" if saved == step else "stopped, already saved,"
         self.tl.event(f"job {how} at step {step} and exited with status 75 (EXIT_PREEMPTED)")
         return step
@@ -232,14 +241,14 @@ class Demo:
         self.tl.event(f"identical command relaunched (pid {job.pid})")
         resumed = int(job.expect(r"start step=(\d+)", 60.0)[1])
         if resumed != saved:
-            raise DemoError(f"the job resumed at step {resumed}, not at {saved}; see {job.log}")
+            raise job.failed(f"resumed at step {resumed}, not at {saved}")
         self.tl.event(f"job resumed at step {resumed}")
         return self.finished(job, "job")
 
     def finished(self, job: Child, what: str) -> str:
         match = job.expect(r"^final step=(\d+) digest=([0-9a-f]+)", 120.0)
         if (status := job.wait(30.0)) != 0:
-            raise DemoError(f"the {what} exited with status {status}; see {job.log}")
+            raise job.failed(f"({what}) exited with status {status}")
         self.tl.event(f"{what} finished at step {match[1]}")
         return match[2]
 

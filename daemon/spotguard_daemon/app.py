@@ -40,6 +40,7 @@ from spotguard_daemon.metrics import Metrics
 from spotguard_daemon.server import Server, ServerError, lock_runtime_dir
 from spotguard_daemon.settings import Settings
 from spotguard_daemon.store import NoticeStore
+from spotguard_daemon.watchers import manual as manual_source
 from spotguard_daemon.watchers import signal as signal_source
 
 __all__ = ["Daemon"]
@@ -236,6 +237,15 @@ class Daemon:
         if hasattr(self, "_changed"):
             self._changed.set()
             self._acknowledge_ready()
+            self._complete_manual()
+
+    def _complete_manual(self) -> None:
+        """A manual notice (a drill, a scripted stop) has done its job once every registered client
+        reported safe: withdraw it, so the identical command relaunched on this node trains instead of
+        stopping again at once. Platform notices stay: their machine is going away regardless."""
+        for notice in self.store.pending():
+            if notice.source == manual_source.SOURCE and self._all_safe(notice.id, need_one=True):
+                self.store.cancel(notice.id, "every registered client reported safe")
 
     def _all_safe(self, notice_id: str, *, need_one: bool = False) -> bool:
         clients = self.handler.live_clients()

@@ -208,11 +208,11 @@ def version() -> None:
 
 
 # ---------------------------------------------------------------- commands of other parts
-# Each part adds its command here, one line each, importing lazily inside the command, e.g.:
-# from spotguard_daemon.cadence import cadence_command; main.add_command(cadence_command, "cadence")
+# Each part adds its command here, one line each.
 from spotguard_daemon.cli_cadence import cadence  # noqa: E402
-
-main.add_command(cadence)
+from spotguard_daemon.cli_checkpoints import checkpoints  # noqa: E402
 from spotguard_daemon.cli_demo import demo  # noqa: E402
 
+main.add_command(cadence)
+main.add_command(checkpoints)
 main.add_command(demo)

@@ -287,9 +287,35 @@ def test_the_client_library_against_the_real_daemon(daemon_factory):
         assert proc.stdout.readline() == "ready\n"
         notice_id = notify(daemon, 60, Kind.PREEMPT)
         assert proc.stdout.readline().split() == [notice_id, "True", "True"]
-        status = daemon.request(StatusRequest()).data
-        assert status["safe"][notice_id] == [proc.pid]
+        # The client reported safe: that completes a manual notice, so the daemon withdraws it.
+        for _ in range(100):
+            if notice_id not in daemon.request(StatusRequest()).data["safe"]:
+                break
+            time.sleep(0.05)
+        assert notice_id not in daemon.request(StatusRequest()).data["safe"]
+        assert "every registered client reported safe" in daemon.output()
         assert proc.wait(10) == 0
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_drill_completes_once_every_client_is_safe_so_a_relaunch_trains(daemon_factory, child, zctx):
+    proc, _out = child
+    daemon = daemon_factory()
+    assert daemon.request(RegisterRequest(pid=proc.pid)).ok
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert daemon.request(RegisterRequest(pid=other.pid, rank=1)).ok
+        sub = subscribe(zctx, daemon)
+        drill = notify(daemon, 60, Kind.DRILL)
+        assert daemon.request(SafeRequest(pid=proc.pid, notice_ids=[drill])).ok
+        time.sleep(0.3)
+        assert [n["id"] for n in daemon.request(StatusRequest()).data["notices"]] == [drill]
+        assert daemon.request(SafeRequest(pid=other.pid, notice_ids=[drill])).ok
+        cancel = next_event(sub, "cancel")
+        assert cancel.id == drill and "safe" in cancel.reason
+        assert daemon.request(StatusRequest()).data["notices"] == []
+    finally:
+        other.kill()
+        other.wait()

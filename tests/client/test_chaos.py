@@ -23,7 +23,7 @@ from _example import Proc, final, isolated_env, run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-STEPS = 4000
+STEPS = 400
 KILLS_PER_CHAIN = 25
 ARGS = ("--save-every", "2", "--step-sleep", "0.003")
 

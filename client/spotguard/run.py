@@ -21,7 +21,12 @@ At each step boundary (after the loop body, before the next step):
    fits before the deadline (:func:`save_fits`), else the last committed checkpoint stands; the
    pending save is awaited, the daemon is told the process is safe, and the loop raises
    ``SystemExit(EXIT_PREEMPTED)`` (75) so the caller's ``finally`` blocks and context managers
-   run. ``exit_on_stop=False`` ends the iteration instead and sets :attr:`Run.stopped`.
+   run. ``exit_on_stop=False`` ends the iteration instead and sets :attr:`Run.stopped`. Either
+   way the process is expected to exit: the forced-exit watchdog stays armed and SIGTERM/SIGUSR1
+   stay ignored (:meth:`Guard.close` with ``exiting=True``).
+
+Leaving the loop with ``break`` ends training at the current step without counting it: put the
+``break`` before the optimizer step, or the final save repeats that step's update on resume.
 
 Every commit is reported to the daemon (``CommitRequest``). Nothing needs a daemon.
 """
@@ -29,6 +34,7 @@ Every commit is reported to the daemon (``CommitRequest``). Nothing needs a daem
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable, Iterator, Mapping
 
@@ -74,7 +80,7 @@ class Run:
 
     def __init__(
         self,
-        root: str,
+        root: str | os.PathLike[str],
         *,
         model: Any = None,
         optimizer: Any = None,
@@ -97,12 +103,12 @@ class Run:
         self.save_margin, self.exit_on_stop = save_margin, exit_on_stop
         process_group = _default_group(process_group)
         self.agreement = Agreement(process_group)
-        self.guard = guard or Guard(job_id=job_id, rank=_rank(), daemon=daemon,
-                                    signal_deadlines=signal_deadlines)
+        self.cadence = _make_cadence(save_every, cadence)
         self._user_on_commit = on_commit
         self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,
                                          on_commit=self._on_commit)
-        self.cadence = _make_cadence(save_every, cadence)
+        self.guard = guard or Guard(job_id=job_id, rank=_rank(), daemon=daemon,
+                                    signal_deadlines=signal_deadlines)
         self._fixed_cadence = save_every is not None
         self._due_latched = False
         self.step = self.start_step = 0

@@ -12,7 +12,6 @@ near a minute on two cores: the cost is dominated by interpreter and torch start
 from __future__ import annotations
 
 import random
-import re
 import signal
 import threading
 from pathlib import Path

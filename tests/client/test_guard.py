@@ -174,3 +174,17 @@ def test_forced_exit_fires_before_the_deadline_when_the_stop_hangs(tmp_path, sig
     assert "hanging" in proc.stdout and "not reached" not in proc.stdout
     assert "forced exit 76" in proc.stderr
     assert low < elapsed < high + 1.5  # includes interpreter start-up
+
+
+def test_watchdog_is_armed_by_a_stopping_notice_and_disarmed_by_its_cancel(daemon):
+    with guard_for(daemon, force_exit=True, force_exit_margin=2.0) as guard:
+        watchdog = guard._watchdog
+        advisory, stop = make_notice(600, terminating=False), make_notice(30)
+        daemon.publish_notice(advisory)
+        assert wait_for(lambda: guard.checkpoint_requested)
+        assert watchdog.armed_at is None  # advisory notices never force an exit
+        daemon.publish_notice(stop)
+        assert wait_for(lambda: watchdog.armed_at is not None)
+        assert 26 < watchdog.armed_at - time.monotonic() <= 28  # deadline minus the margin
+        daemon.publish_cancel(stop.id)
+        assert wait_for(lambda: watchdog.armed_at is None)

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import stat
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -197,3 +199,17 @@ def test_plain_values_and_resave_of_a_step(tmp_path):
         state = {"count": 0, "shape_changes": torch.ones(3)}
         assert ck.load_latest(state).step == 5
     assert state["count"] == 2 and torch.equal(state["shape_changes"], torch.zeros(3))
+
+
+def test_save_in_flight_when_the_script_ends_still_commits(tmp_path):
+    script = (
+        "import sys, torch\n"
+        "from spotguard.checkpoint import Checkpointer\n"
+        "ck = Checkpointer(sys.argv[1])\n"
+        "ck.save(1, {'t': [torch.full((1 << 18,), 7.0) for _ in range(24)]})\n"
+    )  # the main thread returns at once: the interpreter must wait for the commit
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "failed" not in done.stderr, done.stderr
+    target = {"t": [torch.zeros(1)]}
+    assert Checkpointer(tmp_path).load_latest(target).step == 1
+    assert len(target["t"]) == 24 and torch.equal(target["t"][23], torch.full((1 << 18,), 7.0))

@@ -8,11 +8,14 @@ rename is only durable once its parent directory is.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CHUNK_BYTES",
@@ -26,9 +29,10 @@ __all__ = [
     "remove_tree",
     "free_bytes",
     "is_enospc",
+    "start_writeback",
 ]
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 16 << 20
 """Largest single ``os.write``/``readinto``: big enough to stream, small enough to stay interruptible."""
 
 
@@ -51,12 +55,38 @@ def open_new(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
 
-def write_all(fd: int, data: memoryview) -> None:
-    """Write every byte of ``data``; ``os.write`` may write less than asked."""
-    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-    offset, total = 0, len(view)
-    while offset < total:
-        offset += os.write(fd, view[offset : offset + CHUNK_BYTES])
+def _flat(data: memoryview) -> memoryview:
+    return data.cast("B") if data.format != "B" or data.ndim != 1 else data
+
+
+def write_all(fd: int, data: memoryview, pace: Callable[..., Any] | None = None) -> None:
+    """Write every byte of ``data`` (``os.write`` may write less than asked); each chunk's write
+    goes through ``pace(fn, *args)`` when given (see :class:`~._workers.Throttle`)."""
+    view, offset = _flat(data), 0
+    while offset < len(view):
+        piece = view[offset : offset + CHUNK_BYTES]
+        offset += pace(os.write, fd, piece) if pace else os.write(fd, piece)
+
+
+def _load_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux/glibc: fsync alone still makes it durable
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Start (not wait for) write-back of ``fd``'s dirty pages, so the disk works while the next
+    file is written; the later fsync then finds little left to do. Measured on ext4: per-file fsync
+    alone is up to 3x slower than one big file, this brings many files back to about par."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -69,14 +99,20 @@ def write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def sha256_of(data: memoryview | bytes) -> str:
-    """Hex sha256; hashlib releases the GIL for large buffers, so this runs beside writes."""
-    return hashlib.sha256(data).hexdigest()
+def sha256_of(data: memoryview | bytes, pace: Callable[..., Any] | None = None) -> str:
+    """Hex sha256; hashlib releases the GIL for large buffers, so this runs beside writes. With
+    ``pace``, hashed chunk by chunk, each chunk through ``pace(fn, *args)``."""
+    if pace is None:
+        return hashlib.sha256(data).hexdigest()
+    digest, view = hashlib.sha256(), _flat(memoryview(data))
+    for offset in range(0, len(view), CHUNK_BYTES):
+        pace(digest.update, view[offset : offset + CHUNK_BYTES])
+    return digest.hexdigest()
 
 
 def read_into(path: Path, out: memoryview) -> None:
     """Fill ``out`` from the start of ``path``; a short file is an error, never silent zeros."""
-    view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+    view = _flat(out)
     with open(path, "rb", buffering=0) as f:
         offset, total = 0, len(view)
         while offset < total:

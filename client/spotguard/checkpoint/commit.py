@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from spotguard.checkpoint import _fs
+from spotguard.checkpoint._workers import Throttle, Workers
 from spotguard.checkpoint.errors import CheckpointDiskFullError, CheckpointError
 from spotguard.checkpoint.format import dtype_name
 from spotguard.checkpoint.layout import CommitInfo, MANIFEST, committed_dirs, remove_checkpoint, step_name
@@ -31,22 +31,13 @@ from spotguard.checkpoint.layout import tmp_name, write_latest
 from spotguard.checkpoint.staging import Snapshot
 
 __all__ = ["FORMAT", "VERSION", "TREE", "write_part", "write_manifest", "publish", "apply_retention",
-           "persist_local", "lower_priority"]
+           "persist_local"]
 
 FORMAT = "spotguard-checkpoint"
 VERSION = 1
 TREE = "tree.json"
 SMALL = "small.bin"
 _ALIGN = 64
-
-
-def lower_priority(nice: int | None) -> None:
-    """Renice the calling thread (Linux: per thread) so a background save yields to training."""
-    if nice:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except OSError:
-            pass
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -71,17 +62,18 @@ def _layout(snap: Snapshot, large_bytes: int) -> tuple[list[dict[str, Any]], int
 class _Writer:
     """Writes files in the caller's thread; hashes in a pool, fsyncs in one more thread."""
 
-    def __init__(self, nice: int | None) -> None:
-        init = (lambda: lower_priority(nice)) if nice else None
-        self.hashers = ThreadPoolExecutor(2, "spotguard-ckpt-hash", initializer=init)
-        self.syncer = ThreadPoolExecutor(1, "spotguard-ckpt-fsync", initializer=init)
+    def __init__(self, nice: int | None, cpu_share: float | None) -> None:
+        self.hashers = Workers(2, "spotguard-ckpt-hash", nice)
+        self.syncer = Workers(1, "spotguard-ckpt-fsync", nice)
+        self.pace = Throttle(cpu_share).run if cpu_share else None
         self.pending: list[tuple[str, int, Future[str], Future[None]]] = []
 
     def write(self, directory: Path, relpath: str, data: memoryview) -> None:
         fd = _fs.open_new(directory / relpath)
-        digest = self.hashers.submit(_fs.sha256_of, data)
+        digest = self.hashers.submit(_fs.sha256_of, data, self.pace)
         try:
-            _fs.write_all(fd, data)
+            _fs.write_all(fd, data, self.pace)
+            _fs.start_writeback(fd)
         except BaseException:
             os.close(fd)
             raise
@@ -113,11 +105,13 @@ def _fsync_close(fd: int) -> None:
         os.close(fd)
 
 
-def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None) -> dict[str, dict]:
-    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}``."""
+def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None,
+               cpu_share: float | None = None) -> dict[str, dict]:
+    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}``. ``nice`` and
+    ``cpu_share`` (per thread) apply to the writing, hashing and fsync threads."""
     index, small_size = _layout(snap, large_bytes)
     _fs.mkdir_private(dest)
-    writer = _Writer(nice)
+    writer = _Writer(nice, cpu_share)
     try:
         if any(e["file"] != SMALL for e in index):
             _fs.mkdir_private(dest / "tensors")
@@ -173,12 +167,12 @@ def apply_retention(root: Path, keep: int, newest: Path) -> list[Path]:
 
 
 def persist_local(root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
-                  nice: int | None) -> CommitInfo:
+                  nice: int | None, cpu_share: float | None = None) -> CommitInfo:
     """The whole single-process save: write to a tmp dir, commit, apply retention."""
     tmp = root / tmp_name(meta["step"], os.getpid())
     try:
         _fs.mkdir_private(tmp)
-        files = write_part(tmp / "rank-0", snap, large_bytes=large_bytes, nice=nice)
+        files = write_part(tmp / "rank-0", snap, large_bytes=large_bytes, nice=nice, cpu_share=cpu_share)
         files = {f"rank-0/{k}": v for k, v in files.items()}
         write_manifest(tmp, meta, files)
         final = publish(root, tmp, meta["step"])

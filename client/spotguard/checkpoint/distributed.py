@@ -61,10 +61,10 @@ class Coordinator:
         return self.all_reduce([value], op)[0]
 
     def persist(self, root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
-                nice: int | None) -> CommitInfo:
+                nice: int | None, cpu_share: float | None = None) -> CommitInfo:
         """Write this rank's part and (rank 0) commit; every rank returns the same CommitInfo."""
         tmp = self._make_tmp(root, meta["step"])
-        failure = self._guard(lambda: self._write_part(tmp, snap, large_bytes, nice))
+        failure = self._guard(lambda: self._write_part(tmp, snap, large_bytes, nice, cpu_share))
         if self.agree(int(failure is not None), "sum"):
             return self._abort(root, tmp, snap, failure, "writing its part")
         committed = self._guard(lambda: self._commit(root, tmp, meta)) if self.rank == 0 else None
@@ -97,9 +97,10 @@ class Coordinator:
             return exc
         return None
 
-    def _write_part(self, tmp: Path, snap: Snapshot, large_bytes: int, nice: int | None) -> None:
+    def _write_part(self, tmp: Path, snap: Snapshot, large_bytes: int, nice: int | None,
+                    cpu_share: float | None) -> None:
         part = tmp / f"rank-{self.rank}"
-        files = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice)
+        files = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice, cpu_share=cpu_share)
         _fs.write_file(part / PART, json.dumps({"rank": self.rank, "files": files}).encode())
         _fs.fsync_dir(part)
 

@@ -14,13 +14,14 @@ import logging
 import math
 import os
 from collections.abc import Mapping, MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
 from spotguard.checkpoint import _fs
+from spotguard.checkpoint._workers import Workers
 from spotguard.checkpoint.commit import FORMAT, TREE, VERSION
 from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.format import decode, dtype_from_name
@@ -71,7 +72,7 @@ def check(path: Path) -> CommitInfo:
 def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: bool) -> dict[str, Any]:
     """``{name: (kind, value)}`` of one part (``rank-<r>``), every byte read checked first."""
     try:
-        with ThreadPoolExecutor(2, "spotguard-ckpt-verify") as pool:
+        with Workers(2, "spotguard-ckpt-verify") as pool:
             reader = _PartReader(path, manifest["files"], part, pool, verify)
             tree = json.loads(reader.read_file(TREE).numpy().tobytes())
             tensors = reader.tensors(tree["tensors"])
@@ -82,7 +83,7 @@ def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: boo
 
 
 class _PartReader:
-    def __init__(self, path: Path, files: dict, part: str, pool: ThreadPoolExecutor, verify: bool) -> None:
+    def __init__(self, path: Path, files: dict, part: str, pool: Workers, verify: bool) -> None:
         self.path, self.files, self.part, self.pool, self.verify = path, files, part, pool, verify
         self.hashes: list[tuple[str, Future[str]]] = []
         self.cache: dict[str, torch.Tensor] = {}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from spotguard.checkpoint import commit, layout
+from spotguard.checkpoint._workers import Throttle, lower_priority
 from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.checkpoint.load import check, read_entries, read_manifest, restore
@@ -52,17 +53,26 @@ class Checkpointer:
     construct the Checkpointer and call ``save``/``load_latest`` in the same order (collectives run
     on a private gloo group). Entries named in ``per_rank`` are saved by every rank, the rest by
     rank 0 only (data-parallel replicas are identical).
+
+    Tuning: ``background_nice`` (niceness of the background threads) and ``background_cpu_share``
+    (the most of one CPU each background thread may use; None = no cap) keep a periodic save from
+    slowing training; a ``blocking`` save (the emergency one) uses neither. ``verify=False`` skips
+    sha256 checks on load. Tensors of ``large_tensor_bytes`` or more get a file each. ``timeout``
+    bounds every wait for the other ranks.
     """
 
     def __init__(self, root: str | Path, *, keep: int = 3, job_id: str = "", pin_memory: bool | None = None,
                  process_group: Any = None, on_commit: Callable[[CommitInfo], None] | None = None,
-                 verify: bool = True, background_nice: int | None = 10, large_tensor_bytes: int = 1 << 20,
-                 per_rank: Iterable[str] = ("rng",), timeout: float = 600.0) -> None:
+                 verify: bool = True, background_nice: int | None = 19, background_cpu_share: float | None = 0.5,
+                 large_tensor_bytes: int = 1 << 20, per_rank: Iterable[str] = ("rng",),
+                 timeout: float = 600.0) -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.root = Path(root).absolute()
         self.keep, self.job_id, self.verify, self.on_commit = keep, job_id, verify, on_commit
         self._nice, self._large, self._per_rank = background_nice, large_tensor_bytes, frozenset(per_rank)
+        self._share = background_cpu_share
+        Throttle(background_cpu_share)  # validates the share now rather than in the first save
         self._coord = _coordinator(process_group, timeout)
         self.rank = self._coord.rank if self._coord else 0
         self.world_size = self._coord.world_size if self._coord else 1
@@ -98,18 +108,20 @@ class Checkpointer:
         meta = {"step": int(step), "epoch": epoch, "created": time.time(), "job_id": self.job_id,
                 "world_size": self.world_size, "torch_version": torch.__version__,
                 "entries": [e[0] for e in snap.entries]}
-        job = lambda: self._persist(snap, meta, stalled)  # noqa: E731
+        job = lambda: self._persist(snap, meta, stalled, not blocking)  # noqa: E731
         if blocking:
             self._run(job, nice=None)
             self.wait()
         else:
-            self._thread = threading.Thread(target=self._run, args=(job, self._nice),
+            self._thread = threading.Thread(target=self._run_background, args=(job,),
                                             name="spotguard-ckpt-persist")
             self._thread.start()
 
-    def _persist(self, snap: Any, meta: dict[str, Any], stalled: float) -> CommitInfo:
+    def _persist(self, snap: Any, meta: dict[str, Any], stalled: float, background: bool) -> CommitInfo:
+        """Write and commit; a background save is reniced and CPU-capped, a blocking one is not."""
         started = time.perf_counter()
-        kwargs = {"keep": self.keep, "large_bytes": self._large, "nice": self._nice}
+        kwargs = {"keep": self.keep, "large_bytes": self._large, "nice": self._nice if background else None,
+                  "cpu_share": self._share if background else None}
         if self._coord:
             info = self._coord.persist(self.root, snap, meta, **kwargs)
         else:
@@ -117,8 +129,13 @@ class Checkpointer:
         self._stats = SaveStats(meta["step"], stalled, time.perf_counter() - started, snap.nbytes)
         return info
 
+    def _run_background(self, job: Callable[[], CommitInfo]) -> None:
+        self._run(job, self._nice)
+        if self._error is not None:  # also raised at the next wait point; logged in case none comes
+            logger.error("background checkpoint save to %s failed: %s", self.root, self._error)
+
     def _run(self, job: Callable[[], CommitInfo], nice: int | None) -> None:
-        commit.lower_priority(nice)
+        lower_priority(nice)
         try:
             self._last = job()
         except BaseException as exc:  # handed to the next wait point

@@ -1,0 +1,84 @@
+"""A minimal thread pool that keeps working while the interpreter shuts down, and thread niceness.
+
+``concurrent.futures.ThreadPoolExecutor`` refuses new work once the main thread has returned
+(its atexit hook runs before non-daemon threads are joined), which would make a save that is still
+in flight when a training script ends fail silently. These workers are daemon threads fed by a
+queue: they live as long as the non-daemon save thread that owns them needs them.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["Workers", "Throttle", "lower_priority"]
+
+
+def lower_priority(nice: int | None) -> None:
+    """Renice the calling thread (Linux: per thread) so a background save yields to training."""
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass
+
+
+class Throttle:
+    """Caps the CPU share of each thread that calls :meth:`run`: after a piece of work that used
+    ``c`` CPU seconds (user + system: a page-cache write counts), the thread sleeps
+    ``c * (1 - share) / share``. Niceness alone does not keep a save from slowing training: idle
+    gaps of the loop, SMT siblings and memory bandwidth are shared whatever the priority."""
+
+    def __init__(self, share: float | None) -> None:
+        if share is not None and not 0 < share <= 1:
+            raise ValueError("cpu share must be in (0, 1]")
+        self.share = None if share is None or share >= 1 else share
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.share is None:
+            return fn(*args)
+        start = time.thread_time()
+        result = fn(*args)
+        time.sleep((time.thread_time() - start) * (1 - self.share) / self.share)
+        return result
+
+
+class Workers:
+    """``n`` threads running submitted calls in order of submission; use as a context manager."""
+
+    def __init__(self, n: int, name: str, nice: int | None = None) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._loop, args=(nice,), name=name, daemon=True)
+                         for _ in range(n)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _loop(self, nice: int | None) -> None:
+        lower_priority(nice)
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # delivered to whoever waits on the future
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Let the threads finish the queued calls and exit (does not wait for them)."""
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

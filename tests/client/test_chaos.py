@@ -73,3 +73,4 @@ def test_sigkill_at_random_instants_then_resume_is_bit_identical(tmp_path):
         assert report["starts"] == sorted(report["starts"]) and report["starts"][-1] > 0
         assert report["torn"] >= 2, report  # some kills landed inside a save
     assert sum(len(r["starts"]) for r in reports) >= 50
+    print("chaos:", [{k: r[k] for k in ("starts", "torn")} for r in reports])  # shown with -s

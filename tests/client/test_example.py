@@ -124,7 +124,7 @@ def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=30)
 
 
-def test_real_daemon_drill_stops_the_job_which_reports_safe_and_its_commit(tmp_path):
+def test_real_daemon_drill_stops_the_job_and_its_commit_becomes_durable(tmp_path):
     ckpt = tmp_path / "ckpt"
     env = isolated_env(tmp_path / "rt", SPOTGUARD_STATE_DIR=str(tmp_path / "state"),
                        SPOTGUARD_METRICS__ENABLED="false")
@@ -143,7 +143,9 @@ def test_real_daemon_drill_stops_the_job_which_reports_safe_and_its_commit(tmp_p
         def status() -> dict:
             return json.loads(cli("status", "--json", env=env).stdout)
 
-        assert status()["safe"][notice_id] == [proc.popen.pid]
+        # the manual notice completes once its clients are safe (the fake-daemon test checks the
+        # SafeRequest itself); a relaunch on this node then trains instead of stopping again
+        assert wait_for(lambda: notice_id not in [n["id"] for n in status()["notices"]], 10)
         assert wait_for(lambda: status()["uploads"]["durable"].get("", {}).get("step") == step, 20)
     finally:
         daemon.kill()

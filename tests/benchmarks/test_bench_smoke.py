@@ -47,6 +47,7 @@ def test_notice_latency_quick(tmp_path):
         assert all(0 <= x < 5000 for x in result["samples_ms"]), (name, result["samples_ms"])
     assert results["gcp"]["latency"]["max_ms"] < 500, "the GCP long-poll must not wait for a poll"
     assert results["aws"]["target_ms"] == 1050 and results["gcp"]["target_ms"] == 50
+    assert results["gcp"]["measured_alone"] and not results["aws"]["measured_alone"]
     assert "| gcp | long-poll | 2 |" in stdout
 
 

@@ -67,10 +67,15 @@ def torchrun(ckpt, steps: int, nproc: int, env, *extra: str) -> Proc:
 
 def stop_one_rank(proc: Proc, nproc: int) -> int:
     """SIGUSR1 to the last rank only, once every rank trains; returns the agreed stop step."""
-    pids = {int(m[1]): int(m[2]) for m in
-            (proc.wait_line(r"rank=(\d+) pid=(\d+) start", 60) for _ in range(nproc))}
+    def pids() -> dict[int, int]:  # ranks share one pipe: two prints may share a line
+        return {int(m[1]): int(m[2]) for m in re.finditer(r"rank=(\d+) pid=(\d+) start", proc.output)}
+
+    deadline = time.monotonic() + 60
+    while len(pids()) < nproc and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids()) == nproc, proc.output
     time.sleep(0.5)
-    os.kill(pids[nproc - 1], signal.SIGUSR1)
+    os.kill(pids()[nproc - 1], signal.SIGUSR1)
     assert proc.finish(60) != 0  # torchrun reports the 75s as a failure
     stops = {int(m[1]): (int(m[2]), int(m[3])) for m in proc.grab(r"rank=(\d+) stopped step=(\d+) status=(\d+)")}
     assert sorted(stops) == list(range(nproc)), proc.output
@@ -96,7 +101,7 @@ def test_notice_to_one_rank_stops_all_and_resume_is_exact(tmp_path):
 
     resumed = torchrun(tmp_path / "ckpt", steps, 2, env, *args)
     assert resumed.finish(120) == 0, resumed.output
-    assert resumed.grab(rf"rank=0 pid=\d+ start step={step}\b")
+    assert resumed.grab(rf"rank=0 pid=\d+ start step={step}(?!\d)")
     assert final(resumed) == final(reference)
 
 

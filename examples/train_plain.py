@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from spotguard.run import Run
+import spotguard
 
 FEATURES, HIDDEN, BATCH = 32, 64, 64
 
@@ -89,7 +89,7 @@ def main() -> None:
         if rank == 0:
             print(f"checkpoint step={info.step} path={info.path}", flush=True)
 
-    run = Run(args.ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+    run = spotguard.Run(args.ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler,
               save_every=args.save_every, on_commit=on_commit,
               signal_deadlines={signal.SIGTERM: args.signal_deadline, signal.SIGUSR1: None})
     try:

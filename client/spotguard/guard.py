@@ -254,12 +254,14 @@ class Guard:
 
     def _add_notice(self, notice: Notice) -> None:
         with self._lock:
-            if notice.id in self._notices:
+            known = self._notices.get(notice.id)
+            if known is not None and known.deadline == notice.deadline:
                 return
             self._notices[notice.id] = notice
             left = notice.seconds_left()
             log.warning("interruption notice %s (%s, %s): %s", notice.id, notice.kind.value,
-                        "no deadline" if left is None else f"{left:.1f} s left", notice.detail)
+                        "no deadline" if left is None else f"{left:.1f} s left",
+                        notice.detail if known is None else "rescheduled")
             if self._stops(notice):
                 grace = self._timeout if left is None else left - self._margin
                 self._force_at[notice.id] = time.monotonic() + max(grace, 1.0)

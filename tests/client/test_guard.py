@@ -188,3 +188,13 @@ def test_watchdog_is_armed_by_a_stopping_notice_and_disarmed_by_its_cancel(daemo
         assert 26 < watchdog.armed_at - time.monotonic() <= 28  # deadline minus the margin
         daemon.publish_cancel(stop.id)
         assert wait_for(lambda: watchdog.armed_at is None)
+
+
+def test_a_rescheduled_notice_updates_the_deadline_the_guard_holds(daemon):
+    with guard_for(daemon) as guard:
+        daemon.publish_notice(make_notice(300, notice_id="evt"))
+        assert wait_for(lambda: guard.stop_requested)
+        assert 290 < guard.seconds_left() <= 300
+        daemon.publish_notice(make_notice(40, notice_id="evt"))  # the daemon re-announces it earlier
+        assert wait_for(lambda: guard.seconds_left() < 50)
+        assert guard.notice.id == "evt"

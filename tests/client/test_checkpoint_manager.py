@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -213,3 +214,29 @@ def test_save_in_flight_when_the_script_ends_still_commits(tmp_path):
     target = {"t": [torch.zeros(1)]}
     assert Checkpointer(tmp_path).load_latest(target).step == 1
     assert len(target["t"]) == 24 and torch.equal(target["t"][23], torch.full((1 << 18,), 7.0))
+
+
+def test_throttle_caps_the_cpu_share_of_a_thread():
+    from spotguard.checkpoint._workers import Throttle
+
+    def burn(seconds: float) -> int:
+        end, n = time.thread_time() + seconds, 0
+        while time.thread_time() < end:
+            n += 1
+        return n
+
+    start = time.perf_counter()
+    assert Throttle(0.5, threads=2).run(burn, 0.05) > 0  # a quarter CPU per thread
+    assert time.perf_counter() - start >= 0.05 / 0.25 * 0.95  # 50 ms of CPU, then 150 ms asleep
+    assert Throttle(2.0).share is None and Throttle(None).share is None  # no cap: no sleeping at all
+    with pytest.raises(ValueError):
+        Checkpointer("/nonexistent-never-created", background_cpu_share=0)
+
+
+def test_throttled_and_reniced_background_save_still_commits(tmp_path):
+    with Checkpointer(tmp_path, background_nice=19, background_cpu_share=0.2) as ck:
+        ck.save(1, {"t": torch.randn(1 << 20)})
+        ck.save(2, {"t": torch.full((1 << 20,), 2.0)}, blocking=True)  # lifts the cap of step 1's save
+        assert ck.wait().step == 2
+    target = {"t": torch.zeros(1 << 20)}
+    assert Checkpointer(tmp_path).load_latest(target).step == 2 and target["t"][0] == 2

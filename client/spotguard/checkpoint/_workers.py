@@ -29,22 +29,26 @@ def lower_priority(nice: int | None) -> None:
 
 
 class Throttle:
-    """Caps the CPU share of each thread that calls :meth:`run`: after a piece of work that used
-    ``c`` CPU seconds (user + system: a page-cache write counts), the thread sleeps
-    ``c * (1 - share) / share``. Niceness alone does not keep a save from slowing training: idle
-    gaps of the loop, SMT siblings and memory bandwidth are shared whatever the priority."""
+    """Caps the CPU used by the threads that call :meth:`run` to ``share`` of one CPU in total,
+    split evenly over ``threads`` of them: after a piece of work that used ``c`` CPU seconds
+    (user + system: a page-cache write counts), the thread sleeps ``c * (1 - s) / s`` with
+    ``s = share / threads``. Niceness alone does not keep a save from slowing training: the loop's
+    idle gaps, SMT siblings and memory bandwidth are shared whatever the priority. Setting
+    :attr:`share` to None lifts the cap at once (an emergency save waits for this one)."""
 
-    def __init__(self, share: float | None) -> None:
-        if share is not None and not 0 < share <= 1:
-            raise ValueError("cpu share must be in (0, 1]")
-        self.share = None if share is None or share >= 1 else share
+    def __init__(self, share: float | None, threads: int = 2) -> None:
+        if share is not None and not 0 < share <= threads:
+            raise ValueError(f"cpu share must be in (0, {threads}]")
+        self.share = None if share is None or share >= threads else share
+        self.threads = threads
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self.share is None:
-            return fn(*args)
         start = time.thread_time()
         result = fn(*args)
-        time.sleep((time.thread_time() - start) * (1 - self.share) / self.share)
+        share = self.share
+        if share is not None:
+            per_thread = share / self.threads
+            time.sleep((time.thread_time() - start) * (1 - per_thread) / per_thread)
         return result
 
 

@@ -62,10 +62,11 @@ def _layout(snap: Snapshot, large_bytes: int) -> tuple[list[dict[str, Any]], int
 class _Writer:
     """Writes files in the caller's thread; hashes in a pool, fsyncs in one more thread."""
 
-    def __init__(self, nice: int | None, cpu_share: float | None) -> None:
-        self.hashers = Workers(2, "spotguard-ckpt-hash", nice)
+    def __init__(self, nice: int | None, throttle: Throttle | None) -> None:
+        # Capped: one writer and one hasher share the cap. Uncapped: two hashers keep up with the disk.
+        self.hashers = Workers(1 if throttle and throttle.share else 2, "spotguard-ckpt-hash", nice)
         self.syncer = Workers(1, "spotguard-ckpt-fsync", nice)
-        self.pace = Throttle(cpu_share).run if cpu_share else None
+        self.pace = throttle.run if throttle else None
         self.pending: list[tuple[str, int, Future[str], Future[None]]] = []
 
     def write(self, directory: Path, relpath: str, data: memoryview) -> None:
@@ -106,12 +107,12 @@ def _fsync_close(fd: int) -> None:
 
 
 def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None,
-               cpu_share: float | None = None) -> dict[str, dict]:
-    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}``. ``nice`` and
-    ``cpu_share`` (per thread) apply to the writing, hashing and fsync threads."""
+               throttle: Throttle | None = None) -> dict[str, dict]:
+    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}``. ``nice``
+    applies to the hashing and fsync threads, ``throttle`` to writing and hashing."""
     index, small_size = _layout(snap, large_bytes)
     _fs.mkdir_private(dest)
-    writer = _Writer(nice, cpu_share)
+    writer = _Writer(nice, throttle)
     try:
         if any(e["file"] != SMALL for e in index):
             _fs.mkdir_private(dest / "tensors")
@@ -167,12 +168,12 @@ def apply_retention(root: Path, keep: int, newest: Path) -> list[Path]:
 
 
 def persist_local(root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
-                  nice: int | None, cpu_share: float | None = None) -> CommitInfo:
+                  nice: int | None, throttle: Throttle | None = None) -> CommitInfo:
     """The whole single-process save: write to a tmp dir, commit, apply retention."""
     tmp = root / tmp_name(meta["step"], os.getpid())
     try:
         _fs.mkdir_private(tmp)
-        files = write_part(tmp / "rank-0", snap, large_bytes=large_bytes, nice=nice, cpu_share=cpu_share)
+        files = write_part(tmp / "rank-0", snap, large_bytes=large_bytes, nice=nice, throttle=throttle)
         files = {f"rank-0/{k}": v for k, v in files.items()}
         write_manifest(tmp, meta, files)
         final = publish(root, tmp, meta["step"])

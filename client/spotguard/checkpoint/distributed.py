@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from spotguard.checkpoint import _fs, commit
+from spotguard.checkpoint._workers import Throttle
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.layout import CommitInfo, step_name, tmp_name
 from spotguard.checkpoint.load import check
@@ -61,10 +62,10 @@ class Coordinator:
         return self.all_reduce([value], op)[0]
 
     def persist(self, root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
-                nice: int | None, cpu_share: float | None = None) -> CommitInfo:
+                nice: int | None, throttle: Throttle | None = None) -> CommitInfo:
         """Write this rank's part and (rank 0) commit; every rank returns the same CommitInfo."""
         tmp = self._make_tmp(root, meta["step"])
-        failure = self._guard(lambda: self._write_part(tmp, snap, large_bytes, nice, cpu_share))
+        failure = self._guard(lambda: self._write_part(tmp, snap, large_bytes, nice, throttle))
         if self.agree(int(failure is not None), "sum"):
             return self._abort(root, tmp, snap, failure, "writing its part")
         committed = self._guard(lambda: self._commit(root, tmp, meta)) if self.rank == 0 else None
@@ -98,9 +99,9 @@ class Coordinator:
         return None
 
     def _write_part(self, tmp: Path, snap: Snapshot, large_bytes: int, nice: int | None,
-                    cpu_share: float | None) -> None:
+                    throttle: Throttle | None) -> None:
         part = tmp / f"rank-{self.rank}"
-        files = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice, cpu_share=cpu_share)
+        files = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice, throttle=throttle)
         _fs.write_file(part / PART, json.dumps({"rank": self.rank, "files": files}).encode())
         _fs.fsync_dir(part)
 

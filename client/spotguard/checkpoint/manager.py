@@ -55,15 +55,16 @@ class Checkpointer:
     rank 0 only (data-parallel replicas are identical).
 
     Tuning: ``background_nice`` (niceness of the background threads) and ``background_cpu_share``
-    (the most of one CPU each background thread may use; None = no cap) keep a periodic save from
-    slowing training; a ``blocking`` save (the emergency one) uses neither. ``verify=False`` skips
+    (the most of one CPU a background save may use in total; None = no cap) keep a periodic save
+    from slowing training; a ``blocking`` save (the emergency one) uses neither and lifts the cap
+    of the save it has to wait for. ``verify=False`` skips
     sha256 checks on load. Tensors of ``large_tensor_bytes`` or more get a file each. ``timeout``
     bounds every wait for the other ranks.
     """
 
     def __init__(self, root: str | Path, *, keep: int = 3, job_id: str = "", pin_memory: bool | None = None,
                  process_group: Any = None, on_commit: Callable[[CommitInfo], None] | None = None,
-                 verify: bool = True, background_nice: int | None = 19, background_cpu_share: float | None = 0.5,
+                 verify: bool = True, background_nice: int | None = 19, background_cpu_share: float | None = 0.25,
                  large_tensor_bytes: int = 1 << 20, per_rank: Iterable[str] = ("rng",),
                  timeout: float = 600.0) -> None:
         if keep < 1:
@@ -72,7 +73,7 @@ class Checkpointer:
         self.keep, self.job_id, self.verify, self.on_commit = keep, job_id, verify, on_commit
         self._nice, self._large, self._per_rank = background_nice, large_tensor_bytes, frozenset(per_rank)
         self._share = background_cpu_share
-        Throttle(background_cpu_share)  # validates the share now rather than in the first save
+        self._throttle = Throttle(background_cpu_share)  # of the save in flight; validates the share now
         self._coord = _coordinator(process_group, timeout)
         self.rank = self._coord.rank if self._coord else 0
         self.world_size = self._coord.world_size if self._coord else 1
@@ -100,6 +101,8 @@ class Checkpointer:
         ``blocking``, once committed). Raises a pending background failure first."""
         if self._closed:
             raise CheckpointError("Checkpointer is closed")
+        if blocking:
+            self._throttle.share = None  # an emergency: let the save in flight run at full speed
         self.wait()
         started = time.perf_counter()
         names = None if self.rank == 0 else [n for n in state if n in self._per_rank]
@@ -108,7 +111,8 @@ class Checkpointer:
         meta = {"step": int(step), "epoch": epoch, "created": time.time(), "job_id": self.job_id,
                 "world_size": self.world_size, "torch_version": torch.__version__,
                 "entries": [e[0] for e in snap.entries]}
-        job = lambda: self._persist(snap, meta, stalled, not blocking)  # noqa: E731
+        self._throttle = Throttle(None if blocking else self._share)
+        job = lambda: self._persist(snap, meta, stalled, self._throttle)  # noqa: E731
         if blocking:
             self._run(job, nice=None)
             self.wait()
@@ -117,11 +121,12 @@ class Checkpointer:
                                             name="spotguard-ckpt-persist")
             self._thread.start()
 
-    def _persist(self, snap: Any, meta: dict[str, Any], stalled: float, background: bool) -> CommitInfo:
+    def _persist(self, snap: Any, meta: dict[str, Any], stalled: float, throttle: Throttle) -> CommitInfo:
         """Write and commit; a background save is reniced and CPU-capped, a blocking one is not."""
         started = time.perf_counter()
+        background = threading.current_thread() is self._thread
         kwargs = {"keep": self.keep, "large_bytes": self._large, "nice": self._nice if background else None,
-                  "cpu_share": self._share if background else None}
+                  "throttle": throttle}
         if self._coord:
             info = self._coord.persist(self.root, snap, meta, **kwargs)
         else:

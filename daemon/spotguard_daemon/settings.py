@@ -80,6 +80,9 @@ class AwsSettings(_Section):
     """IMDSv2 session-token lifetime in seconds."""
     imdsv1_fallback: bool = False
     """Fall back to token-less IMDSv1 requests when the token PUT fails. Off: IMDSv2 only."""
+    advisory_interval: float = Field(5.0, gt=0, le=3600)
+    """Seconds between polls of the rebalance and scheduled-event paths: their lead time is minutes
+    to days, and AWS recommends 5 s, so polling them every second only costs CPU."""
     scheduled_events: bool = True
     """Watch ``events/maintenance/scheduled`` (reboots, retirements, stops)."""
     rebalance: bool = True

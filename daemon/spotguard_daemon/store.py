@@ -10,6 +10,9 @@ the state file keeps its stored deadline when its source first lists it again: a
 computed from the time it first saw the event (GCP) would otherwise move later with every restart. Push sources (a signal, a manual ``notify``)
 use :meth:`NoticeStore.add` and :meth:`NoticeStore.cancel`.
 
+Listeners hear of a notice first, and the state file is written right after: the fsyncs take
+milliseconds that must not stand between a platform's notice and the clients (a crash in between
+loses only the re-announcement, and polled sources report their notice again on the next poll).
 Pending notices are persisted to ``<state_dir>/notices.json`` after every change, written atomically
 (temporary file, fsync, ``os.replace``, fsync of the directory, mode 0600), so a daemon that restarts
 while a notice is pending announces it again to the clients that reconnect. Notices whose deadline
@@ -108,10 +111,10 @@ class NoticeStore:
         for notice in new:
             self._entries[notice.id] = Entry(notice)
         moved = [n for n in (self._rescheduled(n) for n in current.values() if n not in new) if n]
-        if gone or new or moved:
-            self._persist()
         for notice in new + moved:
             self._emit(self._on_announce, notice)
+        if gone or new or moved:
+            self._persist()
 
     def _rescheduled(self, notice: Notice) -> Notice | None:
         """The updated notice when a known id came back with another deadline, else None."""
@@ -137,8 +140,8 @@ class NoticeStore:
         if notice.id in self._entries:
             return False
         self._entries[notice.id] = Entry(notice, ephemeral=ephemeral)
-        self._persist()
         self._emit(self._on_announce, notice)
+        self._persist()
         return True
 
     def cancel(self, notice_id: str, reason: str = "") -> bool:

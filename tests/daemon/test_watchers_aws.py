@@ -203,3 +203,14 @@ def test_token_is_renewed_shortly_before_it_expires(sim):
             return fetched
 
     assert asyncio.run(main()) == [1, 1, 1, 2, 2]
+
+
+def test_advisory_paths_are_polled_at_the_advisory_interval():
+    async def main():
+        async with httpx.AsyncClient() as http:
+            settings = Settings(aws={"interval": 1.0, "advisory_interval": 5.0})
+            imds = Imds(http, settings)
+            return [w(imds, settings).interval for w in (AwsSpotWatcher, AwsRebalanceWatcher,
+                                                          AwsScheduledWatcher)]
+
+    assert asyncio.run(main()) == [1.0, 5.0, 5.0]

@@ -78,10 +78,12 @@ class Imds:
 class _AwsWatcher:
     platform = "aws"
     name = ""
+    advisory = False
+    """Polled every ``aws.advisory_interval`` (minutes of lead time) rather than ``aws.interval``."""
 
     def __init__(self, imds: Imds, settings: Settings) -> None:
         self._imds = imds
-        self.interval = settings.aws.interval
+        self.interval = settings.aws.advisory_interval if self.advisory else settings.aws.interval
         self.poll_timeout = imds.poll_timeout
         self._pending: Notice | None = None
 
@@ -121,6 +123,7 @@ class AwsRebalanceWatcher(_AwsWatcher):
     """``aws.rebalance``: the advisory rebalance recommendation (elevated interruption risk)."""
 
     name = "aws.rebalance"
+    advisory = True
 
     async def poll(self) -> Sequence[Notice]:
         body = await self._pending_object(REBALANCE_PATH)
@@ -138,6 +141,7 @@ class AwsScheduledWatcher(_AwsWatcher):
     """``aws.scheduled``: scheduled events (reboots, stops, retirement, system maintenance)."""
 
     name = "aws.scheduled"
+    advisory = True
 
     def __init__(self, imds: Imds, settings: Settings) -> None:
         super().__init__(imds, settings)

@@ -62,6 +62,11 @@ class Agreement:
         self._collective_seconds = 0.0
 
     @property
+    def process_group(self) -> Any:
+        """The group the flags are agreed in (None: the default group)."""
+        return self._group
+
+    @property
     def enabled(self) -> bool:
         """True when torch.distributed runs with more than one rank."""
         try:

@@ -40,7 +40,8 @@ from typing import Any, Mapping
 from spotguard._daemon_client import DaemonLink
 from spotguard._watchdog import Watchdog
 from spotguard.exit_codes import EXIT_FORCED
-from spotguard.protocol import CancelEvent, CommitRequest, Kind, Notice, NoticeEvent, SafeRequest
+from spotguard.protocol import (CancelEvent, CommitRequest, Kind, Notice, NoticeEvent, SafeRequest,
+                                StatusRequest)
 
 __all__ = ["Guard", "DEFAULT_SIGNAL_DEADLINES"]
 
@@ -145,6 +146,13 @@ class Guard:
         """Tell the daemon this process is safe for the pending notices; False if none answered."""
         ids = [n.id for n in self._notices.values() if n.platform != "local"][:64]
         return self._request(SafeRequest(pid=os.getpid(), notice_ids=ids))
+
+    def daemon_status(self) -> dict[str, Any] | None:
+        """The daemon's ``status`` reply data (notices, clients, uploads), or None without a daemon."""
+        if self._link is None or not self._link.alive:
+            return None
+        reply = self._link.request(StatusRequest())
+        return reply.data if reply is not None and reply.ok else None
 
     def report_commit(self, info: Any) -> bool:
         """Tell the daemon a checkpoint was committed (a ``CommitInfo``); False if none answered."""

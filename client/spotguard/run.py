@@ -43,6 +43,7 @@ from spotguard.checkpoint import Checkpointer, CheckpointError
 from spotguard.distributed import Agreement, Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
+from spotguard.storage import StoreError, restore_newer, store_from_env
 
 __all__ = ["Run", "save_fits"]
 
@@ -98,6 +99,7 @@ class Run:
         process_group: Any = None,
         on_commit: Callable[[Any], None] | None = None,
         guard: Guard | None = None,
+        durable: str | None = None,
     ) -> None:
         self.state = _build_state(model, optimizer, scheduler, sampler, state)
         self.save_margin, self.exit_on_stop = save_margin, exit_on_stop
@@ -109,6 +111,7 @@ class Run:
                                          on_commit=self._on_commit)
         self.guard = guard or Guard(job_id=job_id, rank=_rank(), daemon=daemon,
                                     signal_deadlines=signal_deadlines)
+        self._job_id, self._durable = job_id, durable
         self._fixed_cadence = save_every is not None
         self._due_latched = False
         self.step = self.start_step = 0
@@ -123,6 +126,7 @@ class Run:
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers still to run, resuming after the latest committed checkpoint."""
+        self._restore_from_store()
         self.resumed_from = self.checkpointer.load_latest(self.state)
         self.step = self._saved_step = self.resumed_from.step if self.resumed_from else 0
         self.start_step = self.step
@@ -135,6 +139,26 @@ class Run:
             self.step += 1
             if self._boundary(self.step):
                 return
+
+    def _restore_from_store(self) -> None:
+        """The fresh-node case: when the durable store holds a newer checkpoint than the local root,
+        fetch it first, so the load below finds it. The store is ``durable=``, else
+        ``$SPOTGUARD_STORAGE__URL``, else the daemon's; one process per node fetches while the others
+        wait. An unreachable store is logged and training goes on from what is local."""
+        url, options = store_from_env()
+        url = self._durable or url or self._daemon_store()
+        if url and _local_rank() == 0:
+            try:
+                restore_newer(self.checkpointer.root, self._job_id, url, options)
+            except (StoreError, OSError) as exc:
+                log.warning("could not restore from %s (%s); going on with local checkpoints", url, exc)
+        if self.agreement.enabled:
+            _distributed().barrier(group=self.agreement.process_group)
+
+    def _daemon_store(self) -> str | None:
+        uploads = (self.guard.daemon_status() or {}).get("uploads") or {}
+        store = uploads.get("store")
+        return store if isinstance(store, str) and "://" in store else None
 
     def finish(self) -> None:
         """Save the final state (if not saved yet), wait until it is committed, and close."""
@@ -298,6 +322,11 @@ def _default_group(process_group: Any) -> Any:
     if process_group is None and dist is not None and dist.get_world_size() > 1:
         return dist.group.WORLD
     return process_group
+
+
+def _local_rank() -> int:
+    """This process's rank on its node (torchrun's ``LOCAL_RANK``), 0 outside a launcher."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def _rank() -> int:

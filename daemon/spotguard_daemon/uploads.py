@@ -13,6 +13,10 @@
 * **Journaled.** Every accepted commit is written to ``<state_dir>/uploads.json`` (atomically) before
   the request is answered and removed only once durable, so a daemon killed mid-upload resumes on
   restart; content addressing means objects already in the bucket are not sent again.
+* **Background.** The worker thread lowers its CPU priority (``storage.upload_nice``, default 10)
+  before it starts; the file pool and the SDKs' transfer threads it creates inherit that niceness
+  (Linux niceness is per thread), so hashing and sending a checkpoint yields to a training
+  process on the same cores while the daemon's notice loop keeps its normal priority.
 * **Bounded.** File-level concurrency is the store's (``storage.concurrency``); bandwidth is capped on
   average per file (``storage.bandwidth_mbps``); transient store errors are retried with exponential
   backoff, forever but never faster than ``retry_max`` seconds apart, because a checkpoint that is
@@ -33,9 +37,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from spotguard._priority import lower_priority
 from spotguard.storage.base import StoreError, StoreOptions, open_store
 from spotguard.storage.durable import Durable, DurableInfo
 from spotguard.storage.file import atomic_write
+from spotguard.storage.fresh_node import DEFAULT_JOB
 
 __all__ = ["UploadQueue", "Upload", "from_settings"]
 
@@ -78,12 +84,16 @@ class UploadQueue:
     """Serialises uploads of committed checkpoints to one :class:`Durable` store."""
 
     def __init__(self, durable: Durable, journal: Path, *, keep: int = 3,
-                 finish_superseded: bool = False, bandwidth_mbps: float | None = None,
+                 finish_superseded: bool = False, bandwidth_mbps: float | None = None, nice: int = 10,
                  on_durable: Callable[[str, int, str], None] | None = None,
-                 registry: CollectorRegistry | None = None, retry_max: float = 30.0) -> None:
+                 registry: CollectorRegistry | None = None, retry_max: float = 30.0,
+                 url: str = "") -> None:
         self.durable, self.journal, self.keep = durable, journal, keep
+        self.url = url.split("?", 1)[0]
+        """Where checkpoints go, as clients may restore from it (a query string may hold a token)."""
         self.finish_superseded, self.retry_max = finish_superseded, retry_max
         self.bytes_per_second = bandwidth_mbps * 1e6 if bandwidth_mbps else None
+        self.nice = nice
         self.on_durable = on_durable or (lambda job, step, key: None)
         self.metrics = _UploadMetrics(registry)
         self.metrics.durable_age.set_function(self._age)
@@ -103,7 +113,10 @@ class UploadQueue:
         self._thread.start()
 
     def submit(self, job_id: str, path: Path, step: int, size_bytes: int = 0) -> None:
-        """Queue ``path`` (a committed checkpoint directory) for upload; journaled before return."""
+        """Queue ``path`` (a committed checkpoint directory) for upload; journaled before return.
+
+        A commit without a job id belongs to the job ``default``, as for the client's restore."""
+        job_id = job_id or DEFAULT_JOB
         with self._cond:
             queued = self._queue.get(job_id)
             if queued is not None and queued.step >= step:
@@ -140,7 +153,7 @@ class UploadQueue:
             pending = [asdict(u) for u in self._queue.values()]
             current = asdict(self._current) if self._current else None
             done, total = self._progress
-            return {"store": self.durable.store.__class__.__name__, "pending": pending,
+            return {"store": self.url, "pending": pending,
                     "uploading": current, "bytes_pending": sum(u["size_bytes"] for u in pending) + (total - done),
                     "durable": {job: dict(d) for job, d in self._durable.items()}}
 
@@ -154,6 +167,7 @@ class UploadQueue:
     # ------------------------------------------------------------------ worker
 
     def _work(self) -> None:
+        lower_priority(self.nice)  # before any pool thread exists: they inherit it
         while True:
             with self._cond:
                 while not self._queue and not self._stop:
@@ -176,7 +190,7 @@ class UploadQueue:
         upload.attempts += 1
         started = time.monotonic()
         try:
-            info = self.durable.upload(Path(upload.path), upload.job_id or "default",
+            info = self.durable.upload(Path(upload.path), upload.job_id,
                                        progress=self._progress_hook(upload, started))
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
@@ -186,7 +200,7 @@ class UploadQueue:
         else:
             self.metrics.bytes.inc(info.bytes_uploaded)
             self.metrics.seconds.observe(info.seconds)
-            self._prune(upload.job_id or "default")
+            self._prune(upload.job_id)
             self._finish(upload, info)
 
     def _progress_hook(self, upload: Upload, started: float) -> Callable[[int, int], None]:
@@ -275,5 +289,6 @@ def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,
     store = open_store(settings.storage_url, StoreOptions.of(storage))
     return UploadQueue(Durable(store, concurrency=storage.concurrency),
                        settings.state_dir / "uploads.json", keep=storage.keep,
-                       finish_superseded=storage.finish_superseded,
-                       bandwidth_mbps=storage.bandwidth_mbps, on_durable=on_durable, registry=registry)
+                       finish_superseded=storage.finish_superseded, nice=storage.upload_nice,
+                       bandwidth_mbps=storage.bandwidth_mbps, on_durable=on_durable, registry=registry,
+                       url=settings.storage_url)

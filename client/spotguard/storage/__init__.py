@@ -17,6 +17,7 @@ from spotguard.storage.base import (
     open_store,
 )
 from spotguard.storage.durable import Durable, DurableInfo, PruneReport
+from spotguard.storage.fresh_node import restore_newer, store_from_env
 
 __all__ = [
     "CredentialsError",
@@ -31,4 +32,6 @@ __all__ = [
     "StoreOptions",
     "TransientError",
     "open_store",
+    "restore_newer",
+    "store_from_env",
 ]

@@ -1,0 +1,52 @@
+"""The fresh-node case end to end: the identical command on a new node resumes from the durable store.
+
+Without a daemon the store comes from ``$SPOTGUARD_STORAGE__URL``; beside a daemon, from its status.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+
+import pytest
+from spotguard.storage import Durable
+from spotguard.storage.file import FileStore
+
+from _example import Proc, final, isolated_env, run_to_end
+
+pytestmark = pytest.mark.slow
+ARGS = ("--save-every", "20")
+
+
+def test_a_new_node_without_a_daemon_resumes_from_the_store(tmp_path):
+    bucket, node1, node2 = tmp_path / "bucket", tmp_path / "node1", tmp_path / "node2"
+    env = isolated_env(tmp_path / "rt")
+    reference = final(run_to_end(node1, 60, *ARGS, env=env))
+    Durable(FileStore(bucket)).upload(node1 / "step-0000000040", "default")  # the old node's daemon
+    shutil.rmtree(node1)  # the node is gone
+    resumed = run_to_end(node2, 60, *ARGS, env={**env, "SPOTGUARD_STORAGE__URL": f"file://{bucket}"})
+    assert "start step=40" in resumed.output
+    assert final(resumed) == reference
+
+
+def test_a_preempted_job_resumes_on_a_new_node_from_what_the_daemon_made_durable(tmp_path, daemon_factory):
+    bucket = tmp_path / "bucket"
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{bucket}"})
+    env = isolated_env(daemon.runtime_dir)
+    reference = final(run_to_end(tmp_path / "reference", 60, *ARGS, env=isolated_env(tmp_path / "rt")))
+    ckpt = daemon.checkpoint_root / "job"
+    job = Proc.example(ckpt, 60, *ARGS, "--step-sleep", "0.05", env=env)
+    job.wait_line(r"checkpoint step=20")
+    job.popen.send_signal(signal.SIGTERM)
+    assert job.finish(30) == 75, job.output
+    stopped = int(job.grab(r"stopped step=(\d+)")[0][1])
+    durable = Durable(FileStore(bucket))
+    deadline = time.monotonic() + 20
+    while durable.latest("default") != stopped and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert durable.latest("default") == stopped, daemon.output()
+    shutil.rmtree(ckpt)  # a new node: nothing local, the daemon beside it knows the store
+    resumed = run_to_end(ckpt, 60, *ARGS, env=env)
+    assert f"start step={stopped}" in resumed.output
+    assert final(resumed) == reference

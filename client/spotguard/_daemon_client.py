@@ -76,7 +76,7 @@ class DaemonLink:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 1000)
-        for topic in (b"notice", b"cancel", b"heartbeat"):
+        for topic in (b"notice", b"cancel", b"heartbeat", b"durable"):
             self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._sub.connect(pub_endpoint or _paths.pub_endpoint())
         self._lock = threading.Lock()

@@ -40,8 +40,8 @@ from typing import Any, Mapping
 from spotguard._daemon_client import DaemonLink
 from spotguard._watchdog import Watchdog
 from spotguard.exit_codes import EXIT_FORCED
-from spotguard.protocol import (CancelEvent, CommitRequest, Kind, Notice, NoticeEvent, SafeRequest,
-                                StatusRequest)
+from spotguard.protocol import (CancelEvent, CommitRequest, DurableEvent, Kind, Notice, NoticeEvent,
+                                SafeRequest, StatusRequest)
 
 __all__ = ["Guard", "DEFAULT_SIGNAL_DEADLINES"]
 
@@ -82,6 +82,8 @@ class Guard:
         self._take_lock = threading.Lock()
         self._notices: dict[str, Notice] = {}
         self._force_at: dict[str, float] = {}
+        self._durable: dict[str, int] = {}
+        """Newest durable step per job, from the daemon's ``durable`` events."""
         self._checkpoint_ids: set[str] = set()
         self._signals: list[tuple[int, float]] = []
         self._signal_count = 0
@@ -146,6 +148,19 @@ class Guard:
         """Tell the daemon this process is safe for the pending notices; False if none answered."""
         ids = [n.id for n in self._notices.values() if n.platform != "local"][:64]
         return self._request(SafeRequest(pid=os.getpid(), notice_ids=ids))
+
+    def durable_step(self, job_id: str | None = None) -> int | None:
+        """The newest step of ``job_id`` (default: this guard's job) that the daemon made durable.
+
+        Told by the daemon's ``durable`` events; asked with ``status`` when none was heard yet (a
+        restarted process). None without a daemon or before the first upload finished."""
+        job = (self.job_id if job_id is None else job_id) or "default"
+        with self._lock:
+            known = self._durable.get(job)
+        if known is None:
+            durable = ((self.daemon_status() or {}).get("uploads") or {}).get("durable") or {}
+            known = (durable.get(job) or {}).get("step")
+        return known
 
     def daemon_status(self) -> dict[str, Any] | None:
         """The daemon's ``status`` reply data (notices, clients, uploads), or None without a daemon."""
@@ -256,6 +271,9 @@ class Guard:
             self._add_notice(event.notice)
         elif isinstance(event, CancelEvent):
             self._cancel(event.id, event.reason)
+        elif isinstance(event, DurableEvent):
+            with self._lock:
+                self._durable[event.job_id] = max(event.step, self._durable.get(event.job_id, -1))
 
     def _stops(self, notice: Notice) -> bool:
         return notice.terminating or self._stop_on_advisory

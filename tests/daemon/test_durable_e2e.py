@@ -87,3 +87,27 @@ def test_a_daemon_killed_mid_upload_finishes_after_restart_without_resending(dae
     assert {name: after[name] for name in before} == before  # objects sent before the kill: not resent
     assert Durable(FileStore(bucket)).verify("job", 20) == []
     assert "resuming 1 journaled upload" in fast.output()
+
+
+def test_the_client_is_told_and_can_ask_which_step_is_durable(daemon_factory, tmp_path):
+    from spotguard import Guard
+
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{tmp_path / 'bucket'}"})
+    guard = Guard(job_id="job", pub_endpoint=daemon.pub_endpoint, request_endpoint=daemon.request_endpoint)
+    try:
+        deadline = time.monotonic() + 10
+        while not guard.daemon_alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert guard.durable_step() is None
+        ckpt = commit_dir(daemon.checkpoint_root, 30, {"w.bin": b"w" * 100})
+        assert daemon.request(CommitRequest(pid=os.getpid(), job_id="job", path=str(ckpt), step=30)).ok
+        while guard.durable_step() != 30 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert guard.durable_step() == 30  # told by the durable event
+    finally:
+        guard.close()
+    late = Guard(job_id="job", pub_endpoint=daemon.pub_endpoint, request_endpoint=daemon.request_endpoint)
+    try:
+        assert late.durable_step() == 30  # a new process asks the daemon's status
+    finally:
+        late.close()

@@ -1,0 +1,246 @@
+"""Benchmark of spotguard's checkpoint engine against the baselines the issue names.
+
+For each state size (synthetic: 16 MiB float32 tensors plus small ones, like a model + optimizer):
+
+* stall: what the training loop waits for. spotguard ``save()`` (reused staging buffers) vs a plain
+  memory copy into fresh buffers (``clone``), synchronous ``torch.save`` + fsync, and
+  ``torch.distributed.checkpoint.async_save`` (single-process gloo group, returns after staging).
+* persist: bytes / (write + sha256 + fsync + rename) of the background part vs ``dd conv=fsync`` of
+  the same size and ``torch.save`` + fsync.
+* step-time inflation of a CPU training loop while a background persist runs (256 MiB state,
+  short interleaved rounds), default throttling vs none.
+* notice-to-committed emergency save: idle, and while a periodic save is still in flight (1 GB).
+
+Medians over ``--repeats``; everything in one run, on one disk. Writes ``results/checkpoint.json``
+and prints the Markdown table that ``README.md`` carries.
+
+    python benchmarks/bench_checkpoint.py --sizes 1,4 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from _common import markdown_table, write_results
+from spotguard.checkpoint import Checkpointer
+
+GiB = 1 << 30
+MAX_STEPS_DURING = 200
+INFLATION_STATE = 256 << 20
+INFLATION_SETTINGS = [(19, 0.25), (19, 0.5), (None, None)]
+"""(background_nice, background_cpu_share) pairs; the first is the default."""
+"""Training steps measured per background save at most (a niced save under a saturated CPU is slow)."""
+CHUNK = 16 << 20
+
+
+def synthetic_state(size: int) -> dict:
+    big = {f"layer{i}.weight": torch.randn(CHUNK // 4) for i in range(size // CHUNK)}
+    small = {f"layer{i}.bias": torch.randn(1024) for i in range(256)}
+    return {"model": {**big, **small}, "extras": {"step": 1, "lr": 0.1}}
+
+
+def state_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state["model"].values())
+
+
+def settle() -> None:
+    """Flush other dirty data (and discards of deleted files) so each measurement starts level."""
+    os.sync()
+    time.sleep(0.3)
+
+
+def timed(fn) -> float:
+    settle()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def clone_all(state: dict) -> None:
+    copies = {k: t.clone() for k, t in state["model"].items()}
+    del copies
+
+
+def copy_into(state: dict, buffers: dict) -> None:
+    for k, t in state["model"].items():
+        buffers[k].copy_(t)
+
+
+def torch_save(state: dict, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    path.unlink()
+
+
+def dd(nbytes: int, path: Path) -> None:
+    cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={CHUNK}", f"count={nbytes // CHUNK}", "conv=fsync"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    path.unlink()
+
+
+def dcp_save(state: dict, target: Path) -> tuple[float, float]:
+    """(stall, total) of DCP async_save; total includes its own write + fsync."""
+    settle()
+    start = time.perf_counter()
+    future = dcp.async_save({"model": state["model"]}, checkpoint_id=str(target))
+    stall = time.perf_counter() - start
+    (future.upload_completion if hasattr(future, "upload_completion") else future).result()
+    total = time.perf_counter() - start
+    shutil.rmtree(target)
+    return stall, total
+
+
+def spotguard_save(ck: Checkpointer, step: int, state: dict) -> tuple[float, float]:
+    settle()
+    ck.save(step, state)
+    ck.wait()
+    return ck.stats.blocking_seconds, ck.stats.persist_seconds
+
+
+def bench_interleaved(state: dict, workdir: Path, repeats: int) -> dict:
+    """Every method once per round, rounds repeated: a noisy neighbour hits all of them alike."""
+    nbytes = state_bytes(state)
+    buffers = {k: torch.empty_like(t) for k, t in state["model"].items()}
+    # Throughput is measured at normal priority, like the baselines; the default nice shows in inflation.
+    ck = Checkpointer(workdir / "spotguard", keep=1, background_nice=None, background_cpu_share=None)
+    start = time.perf_counter()
+    ck.save(0, state)
+    samples: dict[str, list[float]] = {"first_stall_s": [time.perf_counter() - start]}
+    ck.wait()
+    for r in range(1, repeats + 1):
+        add(samples, "clone_s", timed(lambda: clone_all(state)))
+        add(samples, "copy_into_s", timed(lambda: copy_into(state, buffers)))
+        add(samples, "stall_s", "persist_s", spotguard_save(ck, r, state))
+        add(samples, "torch_save_s", timed(lambda: torch_save(state, workdir / "t.pt")))
+        add(samples, "dd_s", timed(lambda: dd(nbytes, workdir / "dd.bin")))
+        add(samples, "dcp_stall_s", "dcp_total_s", dcp_save(state, workdir / f"dcp-{r}"))
+    ck.close()
+    shutil.rmtree(workdir / "spotguard")
+    return {"size_bytes": nbytes, **{k: statistics.median(v) for k, v in samples.items()}, "samples": samples}
+
+
+def add(samples: dict, *names_and_value) -> None:
+    *names, value = names_and_value
+    for name, v in zip(names, value if len(names) > 1 else [value]):
+        samples.setdefault(name, []).append(v)
+
+
+def make_loop():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 1024)
+
+    def step() -> float:
+        start = time.perf_counter()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        return time.perf_counter() - start
+    return step
+
+
+def bench_inflation(workdir: Path, nice: int | None, share: float | None, rounds: int = 6) -> dict:
+    """Median step time while a background persist runs vs. steps right before it. Many short
+    rounds (256 MiB state) interleave the two, so a noisy neighbour weighs on both alike."""
+    state, step = synthetic_state(INFLATION_STATE), make_loop()
+    ck = Checkpointer(workdir / "infl", keep=1, background_nice=nice, background_cpu_share=share)
+    ck.save(0, state)  # allocate staging buffers outside the measurement
+    ck.wait()
+    base, during, windows = [], [], []
+    for r in range(1, rounds + 1):
+        settle()
+        base += [step() for _ in range(10)]
+        start = time.perf_counter()
+        ck.save(r, state)
+        while ck.in_flight and len(during) < r * MAX_STEPS_DURING:
+            during.append(step())
+        windows.append(time.perf_counter() - start)
+        ck.wait()
+    ck.close()
+    shutil.rmtree(workdir / "infl")
+    b, d = statistics.median(base), statistics.median(during)
+    return {"nice": nice, "cpu_share": share, "state_bytes": INFLATION_STATE, "base_step_s": b, "during_step_s": d,
+            "steps_during": len(during), "inflation": d / b - 1, "persist_window_s": windows,
+            "persist_finished_in_window": len(during) < rounds * MAX_STEPS_DURING}
+
+
+def bench_emergency(state: dict, workdir: Path) -> dict:
+    ck = Checkpointer(workdir / "emergency", keep=1)
+    start = time.perf_counter()
+    ck.save(0, state, blocking=True)  # idle node: first save of the process (buffers allocated)
+    idle_first = time.perf_counter() - start
+    start = time.perf_counter()
+    ck.save(1, state, blocking=True)
+    idle = time.perf_counter() - start
+    ck.save(2, state)  # a periodic save has just started when the notice arrives
+    start = time.perf_counter()
+    ck.save(3, state, blocking=True)
+    in_flight = time.perf_counter() - start
+    ck.close()
+    shutil.rmtree(workdir / "emergency")
+    return {"idle_first_s": idle_first, "idle_s": idle, "with_save_in_flight_s": in_flight}
+
+
+def bench_size(gib: float, workdir: Path, repeats: int, extended: bool) -> dict:
+    state = synthetic_state(int(gib * GiB))
+    row = bench_interleaved(state, workdir, repeats)
+    if extended:
+        row["inflation"] = [bench_inflation(workdir, n, c) for n, c in INFLATION_SETTINGS]
+        row["emergency"] = bench_emergency(state, workdir)
+    return row
+
+
+def table(results: dict) -> str:
+    header = ["state", "clone (fresh buffers)", "copy_ (reused buffers)", "spotguard stall", "stall / clone",
+              "stall / copy_", "torch.save+fsync", "DCP async_save stall", "spotguard persist", "dd conv=fsync",
+              "persist / dd", "persist / torch.save"]
+    return markdown_table(header, [_row(row) for row in results["sizes"]])
+
+
+def _row(row: dict) -> list[str]:
+    mb, stall, persist = row["size_bytes"] / 1e6, row["stall_s"], row["persist_s"]
+    return [f"{row['size_bytes'] / GiB:.2f} GiB", f"{row['clone_s']:.3f} s", f"{row['copy_into_s']:.3f} s",
+            f"{stall:.3f} s", f"{stall / row['clone_s']:.2f}x", f"{stall / row['copy_into_s']:.2f}x",
+            f"{row['torch_save_s']:.2f} s", f"{row['dcp_stall_s']:.3f} s", f"{mb / persist:.0f} MB/s",
+            f"{mb / row['dd_s']:.0f} MB/s", f"{row['dd_s'] / persist:.0%}", f"{row['torch_save_s'] / persist:.2f}x"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,4", help="state sizes in GiB, comma separated (0.0625 = 64 MiB)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a new one under /tmp)")
+    parser.add_argument("--out", default=None, help="results file (default: results/checkpoint.json)")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="spotguard-bench-", dir=args.dir))
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=0, world_size=1)
+    try:
+        sizes = [float(s) for s in args.sizes.split(",")]
+        results = {"torch": torch.__version__, "disk_dir": str(workdir), "repeats": args.repeats,
+                   "sizes": [bench_size(g, workdir, args.repeats, extended=g == sizes[0]) for g in sizes]}
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(workdir, ignore_errors=True)
+    write_results("checkpoint", results, Path(args.out) if args.out else None)
+    print(table(results))
+    print(json.dumps({k: v for row in results["sizes"] for k, v in row.items() if k in ("inflation", "emergency")},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

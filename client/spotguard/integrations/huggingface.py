@@ -1,0 +1,194 @@
+"""A Hugging Face ``Trainer`` callback: save and stop cleanly on an interruption notice.
+
+::
+
+    from spotguard.integrations.huggingface import SpotguardTrainerCallback, latest_checkpoint
+
+    guard = SpotguardTrainerCallback()
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[guard])
+    trainer.train(resume_from_checkpoint=latest_checkpoint(args.output_dir))
+    guard.exit_if_stopped()               # SystemExit(75) after a notice: requeue the job
+
+Checkpoints are the Trainer's own: it writes ``<output_dir>/checkpoint-<global_step>`` directories
+(model, optimizer, scheduler, scaler, RNG and ``trainer_state.json``) on its ``save_steps``
+schedule, and ``trainer.train(resume_from_checkpoint=...)`` resumes from one. spotguard does not
+make those writes atomic: a save cut off by the kill leaves a partial directory.
+:func:`latest_checkpoint` therefore returns the newest directory that holds ``trainer_state.json``,
+the file the Trainer writes after the model, optimizer and RNG states (``None`` for a fresh start,
+where ``resume_from_checkpoint=True`` would raise).
+
+At every step end (``on_step_end``, after the optimizer step) the callback asks its
+:class:`~spotguard.Guard` (daemon notices, SIGTERM, SIGUSR1). On a stopping notice it sets
+``control.should_save`` when a save fits before the deadline (:func:`spotguard.run.save_fits`: the
+duration of the Trainer's last save, measured from ``on_step_end`` to ``on_save``, or before any
+save an estimate from the model and optimizer bytes), and ``control.should_training_stop``; the
+Trainer saves, then leaves its loop. An advisory notice (AWS rebalance) asks for one early save.
+Each save is reported to the daemon (``report_commit``) from ``on_save``; at ``on_train_end`` after
+a stop the daemon is told the process is safe.
+
+Distributed (``torchrun``/``accelerate``): the flags are agreed across ranks with one
+``all_reduce`` (:class:`spotguard.distributed.Agreement`), so every rank saves and stops at the
+same step even when only one received the notice.
+
+Exceptions: none of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from spotguard.checkpoint.layout import CommitInfo
+from spotguard.distributed import Agreement, Decision
+from spotguard.exit_codes import EXIT_PREEMPTED
+from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
+from spotguard.run import ASSUMED_THROUGHPUT, save_fits
+
+__all__ = ["SpotguardTrainerCallback", "latest_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+_STATE_FILE = "trainer_state.json"
+
+
+def latest_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The newest complete ``checkpoint-N`` directory under ``output_dir``; None if there is none."""
+    found = []
+    for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        suffix = path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        if suffix.isdigit() and (path / _STATE_FILE).is_file():
+            found.append((int(suffix), path))
+    return str(max(found)[1]) if found else None
+
+
+class SpotguardTrainerCallback(TrainerCallback):
+    """Stops a ``Trainer`` cleanly on a notice; see the module docstring.
+
+    ``guard``: a :class:`~spotguard.Guard` to use (the caller closes it), else one is made at
+    ``on_train_begin`` from ``job_id``, ``daemon`` and ``signal_deadlines`` and closed at
+    ``on_train_end``. ``save_margin``: seconds kept free between the save's end and the deadline.
+    """
+
+    def __init__(self, *, job_id: str = "", daemon: bool = True, save_margin: float = 2.0,
+                 signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
+                 guard: Guard | None = None) -> None:
+        self._guard_kwargs = dict(job_id=job_id, daemon=daemon, signal_deadlines=signal_deadlines)
+        self.guard = guard
+        self._own_guard = guard is None
+        self.save_margin = save_margin
+        self.agreement = Agreement()
+        self.stopped = False
+        self.save_seconds: float | None = None
+        self._save_started: float | None = None
+
+    def exit_if_stopped(self) -> None:
+        """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
+        if self.stopped:
+            raise SystemExit(EXIT_PREEMPTED)
+
+    # ------------------------------------------------------------------ Trainer events
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self.stopped = False
+        if self.guard is None:
+            self.guard = Guard(rank=args.process_index, **self._guard_kwargs)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        """The step boundary: agree on the flags, then ask for a save and a stop as needed."""
+        if self.guard is None or self.stopped:
+            return
+        step = state.global_step
+        if not self.agreement.enabled or self.agreement.due(step):
+            self._decide(step, control, kwargs)
+        if control.should_save:  # ours or the Trainer's schedule: time it until on_save
+            self._save_started = time.monotonic()
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        """The Trainer wrote ``checkpoint-<global_step>``: time it and report it to the daemon."""
+        if self._save_started is not None:
+            self.save_seconds = time.monotonic() - self._save_started
+            self._save_started = None
+        path = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if self.guard is not None and state.is_world_process_zero and path.is_dir():
+            self.guard.report_commit(_commit_info(state, path))
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        """After a stop, tell the daemon the process is safe; close a guard of our own."""
+        if self.guard is None:
+            return
+        if self.stopped:
+            self.guard.report_safe()
+        if self._own_guard:
+            self.guard.close(exiting=self.stopped)
+            self.guard = None
+
+    # ------------------------------------------------------------------ decisions
+
+    def _decide(self, step: int, control: TrainerControl, kwargs: Mapping[str, Any]) -> None:
+        decision = self.agreement.agree(step, self._local_decision(kwargs))
+        if decision.stop:
+            self._stop(step, decision, control)
+        elif decision.checkpoint:
+            control.should_save = True
+            self.guard.clear_checkpoint_request()
+
+    def _local_decision(self, kwargs: Mapping[str, Any]) -> Decision:
+        assert self.guard is not None
+        stop = self.guard.stop_requested
+        return Decision(stop=stop, checkpoint=self.guard.checkpoint_requested,
+                        seconds_left=self.guard.seconds_left() if stop else None,
+                        save_seconds=self._expected_save_seconds(kwargs) if stop else None)
+
+    def _stop(self, step: int, decision: Decision, control: TrainerControl) -> None:
+        assert self.guard is not None
+        self.guard.begin_stop()
+        left = decision.seconds_left
+        if control.should_save:
+            log.warning("stopping at step %d after the scheduled save", step)
+        elif save_fits(decision.save_seconds, left, self.save_margin):
+            log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", step,
+                        decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
+            control.should_save = True
+        else:
+            log.warning("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
+                        "checkpoint stands", step, decision.save_seconds, left)
+        control.should_training_stop = True
+        self.stopped = True
+
+    def _expected_save_seconds(self, kwargs: Mapping[str, Any]) -> float | None:
+        """The last save's measured duration, else model + optimizer bytes at an assumed speed."""
+        if self.save_seconds is not None:
+            return self.save_seconds
+        size = _tensor_bytes(kwargs.get("model")) + _tensor_bytes(kwargs.get("optimizer"))
+        return size / ASSUMED_THROUGHPUT if size else None
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj.state_dict()`` (one level of nesting: optimizer state)."""
+    if obj is None or not hasattr(obj, "state_dict"):
+        return 0
+    total, stack = 0, [obj.state_dict()]
+    while stack:
+        value = stack.pop()
+        if hasattr(value, "element_size"):
+            total += value.element_size() * value.nelement()
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+    return total
+
+
+def _commit_info(state: TrainerState, path: Path) -> CommitInfo:
+    files = [p for p in path.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    epoch = int(state.epoch) if state.epoch is not None else None
+    return CommitInfo(state.global_step, epoch, path, size, len(files), time.time())

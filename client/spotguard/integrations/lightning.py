@@ -1,0 +1,183 @@
+"""A PyTorch Lightning callback with the contract of :class:`spotguard.Run`.
+
+::
+
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    guard = SpotguardCallback("checkpoints", save_every=500)   # or a Cadence: Young/Daly
+    trainer = L.Trainer(max_steps=10_000, callbacks=[guard])
+    trainer.fit(model, datamodule)        # resumes from the latest spotguard checkpoint, if any
+    guard.exit_if_stopped()               # SystemExit(75) after a notice: requeue the job
+
+What is saved (one spotguard checkpoint per save, atomic, pickle-free): Lightning's own checkpoint
+dict, ``trainer._checkpoint_connector.dump_checkpoint()``: model weights, optimizer and LR-scheduler
+states, precision-plugin state (the AMP grad scaler), the loops' progress (global step, epoch,
+batch position), callback states (``ModelCheckpoint``, ``EarlyStopping``), a stateful datamodule
+and whatever ``on_save_checkpoint`` adds; plus the Python/NumPy/torch RNG states of every rank.
+Entries the pickle-free format cannot store (hyper-parameters holding arbitrary objects, typically)
+are left out with a warning: the script builds the module with its hyper-parameters anyway.
+
+Why Lightning's dict and not the optimizer and module objects directly: Lightning owns the loop
+state (progress counters, ``restarting`` flags, per-epoch scheduler steps), and only its own restore
+code puts it back consistently. Restoring goes through the same connector methods that
+``trainer.fit(ckpt_path=...)`` uses (``restore_model``, ``restore_datamodule``,
+``restore_callbacks``, ``restore_training_state``), called from ``on_fit_start`` (after the strategy
+set up the optimizers, before the fit loop starts). A spotguard checkpoint, when one exists, wins
+over a ``ckpt_path`` given to ``fit``. Two private names are touched: ``_checkpoint_connector`` and,
+on a stop, ``_signal_connector.received_sigterm`` (so Lightning's own SIGTERM handling does not
+raise its ``SIGTERMException`` after the clean stop). Tested with Lightning 2.6.
+
+Data position: Lightning restores the batch counters, but a plain ``DataLoader`` restarts the epoch
+from its first batch (Lightning warns about it); use a stateful loader (for example one over
+:class:`spotguard.ResumableSampler` or torchdata's ``StatefulDataLoader``) to resume mid-epoch.
+
+Step numbers are ``trainer.global_step``. Boundaries come at ``on_train_batch_end`` of a batch that
+stepped the optimizer (never in the middle of gradient accumulation, whose partial gradients are not
+saved). At each boundary :class:`~spotguard.Run` decides (cadence, notice, ranks' agreement): a due
+save runs asynchronously; on a notice an emergency save is taken when it fits before the deadline,
+the pending save is awaited, the daemon is told the process is safe, ``trainer.should_stop`` is set
+and :attr:`SpotguardCallback.stopped` becomes True. A normal end of training saves the final state.
+
+Exceptions: those of :class:`spotguard.Run` (``CheckpointError`` from a failed save or load).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Mapping
+
+import lightning.pytorch as pl
+
+from spotguard.checkpoint.errors import UnsupportedStateError
+from spotguard.checkpoint.format import encode
+from spotguard.exit_codes import EXIT_PREEMPTED
+from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
+from spotguard.run import Run
+
+__all__ = ["SpotguardCallback"]
+
+log = logging.getLogger(__name__)
+
+_ENDLESS = 2**62
+"""The step budget handed to :meth:`Run.steps`: the trainer, not spotguard, decides when to end."""
+
+
+class SpotguardCallback(pl.Callback):
+    """Checkpoint, resume and stop cleanly inside ``trainer.fit``; see the module docstring.
+
+    The arguments are :class:`spotguard.Run`'s. The :class:`Run` is built in ``on_fit_start``
+    (after Lightning started ``torch.distributed``, so every rank agrees on stops and saves) and
+    is available as :attr:`run` from then on.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep: int = 3,
+        save_every: int | None = None,
+        cadence: Any = None,
+        job_id: str = "",
+        save_margin: float = 2.0,
+        daemon: bool = True,
+        signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
+        on_commit: Callable[[Any], None] | None = None,
+        guard: Guard | None = None,
+    ) -> None:
+        self.root = root
+        self._run_kwargs = dict(keep=keep, save_every=save_every, cadence=cadence, job_id=job_id,
+                                save_margin=save_margin, daemon=daemon, on_commit=on_commit,
+                                signal_deadlines=signal_deadlines, guard=guard, exit_on_stop=False)
+        self.run: Run | None = None
+        self.resumed_from: Any = None
+        self.stopped = False
+        self._steps: Any = None
+        self._last_step: int | None = None
+
+    def exit_if_stopped(self) -> None:
+        """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
+        if self.stopped:
+            raise SystemExit(EXIT_PREEMPTED)
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build the Run and restore the latest spotguard checkpoint, if there is one."""
+        self.stopped = False
+        self.run = Run(self.root, state={"lightning": _TrainerState(trainer)}, **self._run_kwargs)
+        self._steps = self.run.steps(_ENDLESS)  # loads the latest checkpoint on the first next()
+        self._advance(trainer, trainer.global_step)
+        self.resumed_from = self.run.resumed_from
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        """A step boundary when the optimizer stepped: save if due, stop on a notice."""
+        if self._steps is None or trainer.global_step == self._last_step:
+            return
+        self._last_step = trainer.global_step
+        assert self.run is not None
+        self.run.step = trainer.global_step - 1  # keep Run's count on Lightning's (multi-optimizer)
+        self._advance(trainer, trainer.global_step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Training ended without a notice: save the final state and close."""
+        if self.run is not None and not self.stopped:
+            self.run.finish()
+        self._steps = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """Fit failed or was interrupted: close without saving (the last commit stands)."""
+        if self.run is not None:
+            self.run.close(exiting=isinstance(exception, SystemExit))
+        self._steps = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _advance(self, trainer: pl.Trainer, step: int) -> None:
+        """Let the Run act on the boundary after ``step``; it ends its iteration on a stop."""
+        if next(self._steps, None) is None:
+            log.warning("spotguard stopped training at step %d", step)
+            self.stopped = True
+            self._steps = None
+            trainer.should_stop = True
+            connector = getattr(trainer, "_signal_connector", None)
+            if connector is not None:  # the stop is clean: no SIGTERMException after it
+                connector.received_sigterm = False
+
+
+class _TrainerState:
+    """Lightning's checkpoint dict as one stateful entry of the spotguard checkpoint."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self._dropped: set[str] = set()
+
+    def state_dict(self) -> dict[str, Any]:
+        checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        return {key: value for key, value in checkpoint.items() if self._storable(key, value)}
+
+    def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restore through Lightning's own connector, as ``fit(ckpt_path=...)`` would."""
+        connector = self.trainer._checkpoint_connector
+        connector._loaded_checkpoint = dict(checkpoint)
+        try:
+            connector.restore_model()
+            connector.restore_datamodule()
+            connector.restore_callbacks()
+            connector.restore_training_state()
+        finally:
+            connector._loaded_checkpoint = {}
+
+    def _storable(self, key: str, value: Any) -> bool:
+        """Whether the pickle-free format stores ``value`` (a dry-run encode; no copy is made)."""
+        try:
+            encode(value, [], key)
+            return True
+        except UnsupportedStateError as exc:
+            if key not in self._dropped:
+                self._dropped.add(key)
+                log.warning("not checkpointing Lightning entry %r: %s", key, exc)
+            return False

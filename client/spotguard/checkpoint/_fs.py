@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spotguard._fsync import fsync_dir
+
 __all__ = [
     "CHUNK_BYTES",
     "fsync_dir",
@@ -34,15 +36,6 @@ __all__ = [
 
 CHUNK_BYTES = 16 << 20
 """Largest single ``os.write``/``readinto``: big enough to stream, small enough to stay interruptible."""
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of ``path`` (creations, renames, removals) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def mkdir_private(path: Path) -> None:

@@ -16,20 +16,12 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
+from spotguard._fsync import fsync_dir
 from spotguard.storage.base import NotFound, StoreError, check_key
 
 __all__ = ["FileStore", "TMP_PREFIX", "atomic_write", "fsync_dir", "make_private_dirs"]
 
 TMP_PREFIX = ".tmp-"
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_private_dirs(path: Path) -> None:

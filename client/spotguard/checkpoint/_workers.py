@@ -8,7 +8,6 @@ queue: they live as long as the non-daemon save thread that owns them needs them
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -16,16 +15,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from spotguard._priority import lower_priority
+
 __all__ = ["Workers", "Throttle", "lower_priority"]
-
-
-def lower_priority(nice: int | None) -> None:
-    """Renice the calling thread (Linux: per thread) so a background save yields to training."""
-    if nice:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except OSError:
-            pass
 
 
 class Throttle:

@@ -24,11 +24,14 @@ duration of the Trainer's last save, measured from ``on_step_end`` to ``on_save`
 save an estimate from the model and optimizer bytes), and ``control.should_training_stop``; the
 Trainer saves, then leaves its loop. An advisory notice (AWS rebalance) asks for one early save.
 Each save is reported to the daemon (``report_commit``) from ``on_save``; at ``on_train_end`` after
-a stop the daemon is told the process is safe.
+a stop the daemon is told the process is safe. After a stop the process is expected to exit: a
+guard the callback made is closed as ``Run`` closes it (forced-exit watchdog armed, SIGTERM/SIGUSR1
+ignored), so call :meth:`~SpotguardTrainerCallback.exit_if_stopped` (75) right after ``train``.
+The measured save duration includes an evaluation the Trainer runs at the same step, if any.
 
 Distributed (``torchrun``/``accelerate``): the flags are agreed across ranks with one
 ``all_reduce`` (:class:`spotguard.distributed.Agreement`), so every rank saves and stops at the
-same step even when only one received the notice.
+same step even when only one received the notice (not tested across processes yet).
 
 Exceptions: none of its own.
 """

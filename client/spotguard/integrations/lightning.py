@@ -37,6 +37,13 @@ saved). At each boundary :class:`~spotguard.Run` decides (cadence, notice, ranks
 save runs asynchronously; on a notice an emergency save is taken when it fits before the deadline,
 the pending save is awaited, the daemon is told the process is safe, ``trainer.should_stop`` is set
 and :attr:`SpotguardCallback.stopped` becomes True. A normal end of training saves the final state.
+After a stop the process is expected to exit (as with ``Run``): the forced-exit watchdog stays
+armed and SIGTERM/SIGUSR1 stay ignored, so call :meth:`~SpotguardCallback.exit_if_stopped` (75)
+right after ``fit``.
+
+Distributed: DDP works as with ``Run`` (flags agreed across ranks, rank 0 writes the model, every
+rank its RNG). Sharded strategies (FSDP, DeepSpeed) are not supported: their optimizer state is
+gathered with collectives that only rank 0 would call here. Not tested across processes yet.
 
 Exceptions: those of :class:`spotguard.Run` (``CheckpointError`` from a failed save or load).
 """
@@ -66,7 +73,8 @@ _ENDLESS = 2**62
 class SpotguardCallback(pl.Callback):
     """Checkpoint, resume and stop cleanly inside ``trainer.fit``; see the module docstring.
 
-    The arguments are :class:`spotguard.Run`'s. The :class:`Run` is built in ``on_fit_start``
+    The arguments are :class:`spotguard.Run`'s (``durable``: the store a fresh node restores
+    from). The :class:`Run` is built in ``on_fit_start``
     (after Lightning started ``torch.distributed``, so every rank agrees on stops and saves) and
     is available as :attr:`run` from then on.
     """
@@ -84,11 +92,13 @@ class SpotguardCallback(pl.Callback):
         signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
         on_commit: Callable[[Any], None] | None = None,
         guard: Guard | None = None,
+        durable: str | None = None,
     ) -> None:
         self.root = root
         self._run_kwargs = dict(keep=keep, save_every=save_every, cadence=cadence, job_id=job_id,
                                 save_margin=save_margin, daemon=daemon, on_commit=on_commit,
-                                signal_deadlines=signal_deadlines, guard=guard, exit_on_stop=False)
+                                signal_deadlines=signal_deadlines, guard=guard, durable=durable,
+                                exit_on_stop=False)
         self.run: Run | None = None
         self.resumed_from: Any = None
         self.stopped = False

@@ -17,10 +17,13 @@ from _fake_daemon import FakeDaemon, make_notice, wait_for
 
 from spotguard import EXIT_PREEMPTED, Guard
 
-pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed (extra: lightning)")
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra: hf)")
+pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (extra: lightning)")
+transformers = pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
 
-from spotguard.integrations.huggingface import SpotguardTrainerCallback, latest_checkpoint  # noqa: E402
+from spotguard.integrations.huggingface import (  # noqa: E402
+    SpotguardTrainerCallback,
+    latest_checkpoint,
+)
 from spotguard.integrations.lightning import SpotguardCallback  # noqa: E402
 
 MAX_STEPS = 20
@@ -41,7 +44,8 @@ def quiet_guard(**kwargs) -> Guard:
 
 def dataset() -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
 
 
 # ---------------------------------------------------------------------- Lightning
@@ -135,7 +139,7 @@ def test_lightning_saves_on_cadence_and_keeps_the_newest(tmp_path):
 
 
 class TinyModel(torch.nn.Module):
-    """A Trainer-compatible model (returns ``{"loss": ...}``); signals itself at call ``signal_at``."""
+    """A model the Trainer accepts (it returns ``{"loss": ...}``); signals itself at ``signal_at``."""
 
     def __init__(self, signal_at: int | None = None) -> None:
         super().__init__()

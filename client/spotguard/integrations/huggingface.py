@@ -61,7 +61,7 @@ _STATE_FILE = "trainer_state.json"
 
 
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
-    """The newest complete ``checkpoint-N`` directory under ``output_dir``; None if there is none."""
+    """The newest complete ``checkpoint-N`` directory under ``output_dir``; None if none is."""
     found = []
     for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
         suffix = path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
@@ -159,12 +159,12 @@ class SpotguardTrainerCallback(TrainerCallback):
         if control.should_save:
             log.warning("stopping at step %d after the scheduled save", step)
         elif save_fits(decision.save_seconds, left, self.save_margin):
-            log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", step,
-                        decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
+            log.warning("stopping at step %d: asking the Trainer for a save (about %.2f s; %s)",
+                        step, decision.save_seconds or 0.0, _describe(left))
             control.should_save = True
         else:
-            log.warning("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
-                        "checkpoint stands", step, decision.save_seconds, left)
+            log.warning("stopping at step %d without a save (%s s needed; %s): the last checkpoint "
+                        "stands", step, decision.save_seconds, _describe(left))
         control.should_training_stop = True
         self.stopped = True
 
@@ -174,6 +174,10 @@ class SpotguardTrainerCallback(TrainerCallback):
             return self.save_seconds
         size = _tensor_bytes(kwargs.get("model")) + _tensor_bytes(kwargs.get("optimizer"))
         return size / ASSUMED_THROUGHPUT if size else None
+
+
+def _describe(left: float | None) -> str:
+    return "no deadline" if left is None else f"{left:.1f} s left"
 
 
 def _tensor_bytes(obj: Any) -> int:

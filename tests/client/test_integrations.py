@@ -139,7 +139,7 @@ def test_lightning_saves_on_cadence_and_keeps_the_newest(tmp_path):
 
 
 class TinyModel(torch.nn.Module):
-    """A model the Trainer accepts (it returns ``{"loss": ...}``); signals itself at ``signal_at``."""
+    """A model the Trainer accepts (it returns ``{"loss": ...}``); signals at call ``signal_at``."""
 
     def __init__(self, signal_at: int | None = None) -> None:
         super().__init__()

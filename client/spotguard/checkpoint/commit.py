@@ -8,7 +8,8 @@ Protocol (a SIGKILL at any instant leaves the previous checkpoint loadable)::
 
 Large tensors (``>= large_bytes``) get a file each, written straight from the staging buffer, so an
 unchanged tensor produces a byte-identical file (same sha256: the uploader skips it). Small tensors
-are packed, 64-byte aligned, into ``small.bin``; the structure goes to ``tree.json``. sha256 runs in
+are packed, 64-byte aligned, into ``small.bin``; the structure goes to ``tree.json``; the DTensors of
+sharded entries go to ``dcp/`` through ``torch.distributed.checkpoint`` (see :mod:`.sharded`). sha256 runs in
 a thread pool beside the writes and fsyncs run in their own thread, overlapping write-back.
 """
 
@@ -127,6 +128,10 @@ def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None
         writer.abort()
         raise
     files = writer.finish()
+    if getattr(snap, "dtensors", None):  # sharded entries (see .sharded): DCP files beside ours
+        from spotguard.checkpoint.sharded import write_dcp
+
+        files.update(write_dcp(dest, snap, throttle))
     for sub in (dest / "tensors", dest):
         if sub.is_dir():
             _fs.fsync_dir(sub)

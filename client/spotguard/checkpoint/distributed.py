@@ -5,8 +5,12 @@ agree on its name and on progress with ``all_reduce`` of small int64 tensors onl
 ``gather_object``/``broadcast_object_list``, which unpickle what arrives). Steps of one save::
 
     rank 0 mkdir tmp ─ all_reduce(pid, fail)  -> everyone knows .tmp-step-N-<pid0>
-    each rank: rank-<r>/ data + part.json ─ all_reduce(fail)   (barrier 1: all parts durable)
+    each rank: rank-<r>/ data (+ dcp/) + part.json ─ all_reduce(fail)  (barrier 1: parts durable)
     rank 0: merge parts into manifest.json, rename, latest ─ all_reduce(ok) (barrier 2, timeout)
+
+A rank's DTensor shards go to ``rank-<r>/dcp/`` through DCP with ``no_dist`` (see :mod:`.sharded`):
+DCP's own planning collectives would ``gather_object``, so every rank writes its own DCP metadata
+and the files are hashed into ``part.json`` like the rest.
 
 Collectives run on a private gloo group created at construction, so the background thread never
 interleaves with the training loop's own collectives on the user's group.

@@ -1,9 +1,10 @@
 """Verify and read a committed checkpoint, then restore it into a live state in place.
 
 Verification before anything is restored: the manifest parses and names this format; every listed
-file is a regular file (no symlink) inside the checkpoint, has an allowed suffix (``.bin``/``.json``:
-nothing is ever unpickled) and the listed size; with ``verify`` its sha256 matches, computed in a
-thread pool while the next file is read. Only then are values decoded and handed to
+file is a regular file (no symlink) inside the checkpoint, has an allowed name (``.bin``/``.json``,
+or DCP's ``.metadata``/``__r_i.distcp`` in a part's ``dcp/``, whose pickle :mod:`.sharded` reads
+restricted: nothing is unpickled freely) and the listed size; with ``verify`` its sha256 matches,
+computed in a thread pool while the next file is read. Only then are values decoded and handed to
 ``load_state_dict`` / ``copy_``, so a corrupt checkpoint never half-overwrites a live state.
 """
 
@@ -13,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from pathlib import Path, PurePosixPath
@@ -31,6 +33,7 @@ __all__ = ["read_manifest", "check", "read_entries", "restore"]
 
 logger = logging.getLogger(__name__)
 _SUFFIXES = (".bin", ".json")
+_DCP_NAMES = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")  # DCP's files, only in a part's dcp/
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -50,8 +53,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def _check_file(path: Path, relpath: str, meta: Any) -> None:
     rel = PurePosixPath(relpath)
-    if rel.is_absolute() or ".." in rel.parts or rel.suffix not in _SUFFIXES or rel.name == MANIFEST:
-        raise CheckpointCorruptError(f"{path}: refusing file {relpath!r} (only .bin/.json inside)")
+    dcp_file = len(rel.parts) == 3 and rel.parts[1] == "dcp" and _DCP_NAMES.match(rel.name)
+    allowed = rel.suffix in _SUFFIXES or dcp_file
+    if rel.is_absolute() or ".." in rel.parts or not allowed or rel.name == MANIFEST:
+        raise CheckpointCorruptError(f"{path}: refusing file {relpath!r} (only .bin/.json and DCP's files)")
     try:
         st = os.lstat(path / rel)
     except OSError:

@@ -6,11 +6,17 @@ training loop waits for, see :attr:`SaveStats.blocking_seconds`), then serialise
 and commits in one background thread at lowered CPU priority, so training keeps its cores. Failures
 of a background save surface at the next named wait point (:meth:`wait`, :meth:`save`,
 :meth:`close`) as :class:`CheckpointError`; the previous checkpoint stays loadable throughout.
+
+Sharded entries (a ``state_dict`` holding DTensors, e.g. FSDP2 ``fully_shard`` models and their
+optimizers) are saved by every rank: the loop waits for a copy of each local shard into a reusable
+CPU buffer; the background thread writes them with ``torch.distributed.checkpoint`` into the same
+tmp dir and commit (see :mod:`.sharded`). Loading them needs the same world size and mesh.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -81,6 +87,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             layout.remove_stale(self.root)
         self._stager = Stager(pin_memory)
+        self._shards: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last: CommitInfo | None = None
@@ -105,8 +112,7 @@ class Checkpointer:
             self._throttle.share = None  # an emergency: let the save in flight run at full speed
         self.wait()
         started = time.perf_counter()
-        names = None if self.rank == 0 else [n for n in state if n in self._per_rank]
-        snap = self._stager.snapshot(state, names)
+        snap = self._snapshot(state)
         stalled = time.perf_counter() - started
         meta = {"step": int(step), "epoch": epoch, "created": time.time(), "job_id": self.job_id,
                 "world_size": self.world_size, "torch_version": torch.__version__,
@@ -120,6 +126,24 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._run_background, args=(job,),
                                             name="spotguard-ckpt-persist")
             self._thread.start()
+
+    def _snapshot(self, state: Mapping[str, Any]) -> Any:
+        """Stage ``state``; entries holding DTensors are split off to DCP (see :mod:`.sharded`) and,
+        like ``per_rank`` ones, saved by every rank."""
+        dtensors: dict[str, Any] = {}
+        if "torch.distributed.tensor" in sys.modules:  # no DTensor can exist before it is imported
+            if self._shards is None:
+                from spotguard.checkpoint.sharded import ShardStager
+
+                self._shards = ShardStager()
+            state, dtensors = self._shards.split(state)
+        own = self._per_rank | {key.rsplit("/", 1)[0] for key in dtensors}
+        snap = self._stager.snapshot(state, None if self.rank == 0 else [n for n in state if n in own])
+        if not dtensors:
+            return snap
+        from spotguard.checkpoint.sharded import mark
+
+        return mark(snap, dtensors)
 
     def _persist(self, snap: Any, meta: dict[str, Any], stalled: float, throttle: Throttle) -> CommitInfo:
         """Write and commit; a background save is reniced and CPU-capped, a blocking one is not."""
@@ -189,7 +213,7 @@ class Checkpointer:
         candidates = self._candidates()
         count = self._coord.agree(len(candidates), "max") if self._coord else len(candidates)
         for i in range(count):
-            entries = self._try_read(candidates[i]) if i < len(candidates) else None
+            entries = self._try_read(candidates[i], state) if i < len(candidates) else None
             ok = entries is not None
             if self._coord:
                 ok = bool(self._coord.agree(int(ok), "min"))
@@ -201,7 +225,7 @@ class Checkpointer:
                                          "(see the warnings); move them away to start fresh")
         return None
 
-    def _try_read(self, path: Path) -> dict[str, Any] | None:
+    def _try_read(self, path: Path, state: Mapping[str, Any]) -> dict[str, Any] | None:
         try:
             manifest = read_manifest(path)
             entries = read_entries(path, manifest, "rank-0", verify=self.verify)
@@ -209,6 +233,10 @@ class Checkpointer:
                 entries = {k: v for k, v in entries.items() if k not in self._per_rank}
                 if f"rank-{self.rank}/{commit.TREE}" in manifest["files"]:
                     entries.update(read_entries(path, manifest, f"rank-{self.rank}", verify=self.verify))
+            if any(kind == "sharded" for kind, _ in entries.values()):
+                from spotguard.checkpoint.sharded import load_entries
+
+                load_entries(path, manifest, f"rank-{self.rank}", entries, state, verify=self.verify)
             return entries
         except CheckpointCorruptError as exc:
             logger.warning("skipping checkpoint %s: %s", path, exc)
@@ -221,6 +249,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._stager.release()
+            if self._shards is not None:
+                self._shards.release()
 
     def __enter__(self) -> Checkpointer:
         return self

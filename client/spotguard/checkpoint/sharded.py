@@ -1,0 +1,297 @@
+"""Sharded state (FSDP2 / DTensor) through ``torch.distributed.checkpoint``, without trusting pickle.
+
+An entry whose ``state_dict()`` holds DTensors is split at snapshot time: its structure and plain
+values go through the JSON tree like any entry (kind ``"sharded"``, value ``{"tree", "dcp"}``, the
+tree holding ``None`` where a DTensor was and ``dcp`` listing those key paths), while each DTensor's
+local shard is copied into a reusable staging buffer (the only part the loop waits for) and
+re-wrapped as a DTensor with the same mesh and placements. The background save then writes them
+with ``dcp.save(no_dist=True)`` into ``rank-<r>/dcp/`` of the engine's tmp dir, hashes each file
+into the rank's part, and the usual commit protocol (manifest with every rank's sizes and sha256,
+rank 0 renames) applies. ``no_dist`` because DCP's planning collectives (``gather_object``) unpickle
+what crosses the wire: each rank writes its own metadata and shards, so a load needs the same world
+size and mesh (no resharding).
+
+Loading verifies the sha256 of every ``dcp/`` file against the manifest, then reads through
+:class:`SafeFileSystemReader`: the ``.metadata`` pickle is unpickled by :class:`_MetadataUnpickler`,
+which resolves only DCP's metadata dataclasses, ``torch.Size``, torch dtypes/layouts and plain
+builtins (anything else is a :class:`CheckpointCorruptError`, so a crafted pickle never runs);
+metadata naming a file outside the verified set, or a non-tensor (``BYTE_IO``) item, which DCP
+would ``torch.load(weights_only=False)``, is refused; tensor payloads are ``torch.load(...,
+weights_only=True)`` by DCP itself. Shards load into fresh DTensors shaped like the live state's,
+so a failing load never touches the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.tensor import DTensor
+
+from spotguard.checkpoint import _fs
+from spotguard.checkpoint._workers import Throttle
+from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from spotguard.checkpoint.staging import Snapshot
+
+__all__ = ["SHARDED", "DCP_DIR", "ShardedSnapshot", "ShardStager", "SafeFileSystemReader", "mark",
+           "write_dcp", "load_entries"]
+
+SHARDED = "sharded"
+DCP_DIR = "dcp"
+_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool",
+             "complex"}
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_CLASSES = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING", "_StorageInfo"}
+_ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+"""Found by unpickling real FSDP2 metadata with a recording ``find_class``; the rest are harmless
+siblings (set, OrderedDict, BytesStorageMetadata) a future DCP may emit."""
+
+
+@dataclass
+class ShardedSnapshot(Snapshot):
+    """A :class:`Snapshot` plus the staged DTensors of its sharded entries, keyed ``<entry>/<i>``."""
+
+    dtensors: dict[str, DTensor] = field(default_factory=dict)
+
+
+class ShardStager:
+    """Splits sharded entries off a state and stages their local shards in reusable CPU buffers
+    (pinned when CUDA is available), as :class:`~.staging.Stager` does for plain tensors."""
+
+    def __init__(self) -> None:
+        self._pin = torch.cuda.is_available()
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def split(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, DTensor]]:
+        """``(plain, dtensors)``: ``plain`` is ``state`` with each sharded entry replaced by its
+        ``{"tree", "dcp"}`` skeleton and each stateful one by its state_dict (taken once here)."""
+        plain, staged = dict(state), {}
+        for name, value in state.items():
+            stateful = hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
+            tree = value.state_dict() if stateful else value
+            found: list[tuple[list[Any], DTensor]] = []
+            skeleton = _strip(tree, [], found)
+            if found:
+                plain[name] = {"tree": skeleton, "dcp": [p for p, _ in found]}
+                for i, (_, t) in enumerate(found):
+                    staged[f"{name}/{i}"] = self._stage(f"{name}/{i}", t)
+            elif stateful:
+                plain[name] = tree
+        if any(t.to_local().is_pinned() for t in staged.values()):
+            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+        return plain, staged
+
+    def _stage(self, key: str, t: DTensor) -> DTensor:
+        """A CPU copy of ``t``'s local shard, wrapped with ``t``'s own spec (mesh, placements,
+        global shape): ``DTensor.from_local`` would move it back to the mesh's device."""
+        local = t.to_local()
+        buf = self._buffers.get(key)
+        if buf is None or buf.dtype != local.dtype or buf.shape != local.shape:
+            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=self._pin and local.is_cuda)
+            self._buffers[key] = buf
+        buf.copy_(local.detach(), non_blocking=local.is_cuda)
+        return DTensor(buf, t._spec, requires_grad=False)  # as torch's own _copy_state_dict does
+
+    def release(self) -> None:
+        self._buffers = {}
+
+
+def _strip(tree: Any, path: list[Any], found: list[tuple[list[Any], DTensor]]) -> Any:
+    """A copy of ``tree`` with every DTensor replaced by None, its key path appended to ``found``."""
+    if isinstance(tree, DTensor):
+        found.append((list(path), tree))
+        return None
+    if isinstance(tree, Mapping):
+        return type(tree)((k, _strip(v, [*path, k], found)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
+        items = [_strip(v, [*path, i], found) for i, v in enumerate(tree)]
+        return items if isinstance(tree, list) else tuple(items)
+    return tree
+
+
+def mark(snap: Snapshot, dtensors: dict[str, DTensor]) -> ShardedSnapshot:
+    """The snapshot with its sharded entries tagged ``"sharded"`` and the staged DTensors attached."""
+    names = {key.rsplit("/", 1)[0] for key in dtensors}
+    for entry in snap.entries:
+        if entry[0] in names:
+            entry[1] = SHARDED
+    locals_ = [t.to_local() for t in dtensors.values()]
+    nbytes = snap.nbytes + sum(t.numel() * t.element_size() for t in locals_)
+    return ShardedSnapshot(snap.entries, snap.tensors, nbytes, dtensors)
+
+
+def write_dcp(part: Path, snap: Snapshot, throttle: Throttle | None = None) -> dict[str, dict]:
+    """Write the snapshot's DTensors into ``part/dcp`` (fsynced, mode 0600); returns
+    ``{relpath: {size, sha256}}`` relative to ``part``, ``{}`` when the snapshot has none. Runs in
+    the background save thread (reniced); DCP's writes are not CPU-capped, our hashing is."""
+    dtensors = getattr(snap, "dtensors", None)
+    if not dtensors:
+        return {}
+    out = part / DCP_DIR
+    _fs.mkdir_private(out)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.save(dtensors, storage_writer=dcp.FileSystemWriter(out, sync_files=True), no_dist=True)
+        except CheckpointException as exc:  # a BaseException: unwrap, so ENOSPC is still recognised
+            raise _unwrap(exc) from exc
+    files = {}
+    for name in sorted(os.listdir(out)):
+        os.chmod(out / name, 0o600)
+        size, digest = _hash_file(out / name, throttle.run if throttle else None)
+        files[f"{DCP_DIR}/{name}"] = {"size": size, "sha256": digest}
+    _fs.fsync_dir(out)
+    return files
+
+
+def _hash_file(path: Path, pace: Any = None) -> tuple[int, str]:
+    """``(size, sha256)`` of a file read back in chunks (from the page cache, just written)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_fs.CHUNK_BYTES):
+            if pace:
+                pace(digest.update, chunk)
+            else:
+                digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the names DCP's ``.metadata`` needs; anything else is refused, never imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _BUILTINS:
+            return super().find_class(module, name)
+        if module in _DCP_MODULES and name in _DCP_CLASSES or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
+        raise CheckpointCorruptError(f"DCP metadata references {module}.{name}, which is not allowed")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """A ``FileSystemReader`` that unpickles ``.metadata`` restrictively, reads only the files in
+    ``allowed`` (names checked against the manifest) and refuses non-tensor items."""
+
+    def __init__(self, path: str | os.PathLike, allowed: set[str]) -> None:
+        super().__init__(path)
+        self.allowed = allowed
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        raw = Path(self.path, ".metadata").read_bytes()
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        except CheckpointCorruptError:
+            raise
+        except Exception as exc:
+            raise CheckpointCorruptError(f"{self.path}: unreadable DCP metadata: {exc!r}") from exc
+        if type(metadata).__name__ != "Metadata" or not isinstance(metadata.storage_data, dict):
+            raise CheckpointCorruptError(f"{self.path}: DCP metadata is not a Metadata object")
+        for info in metadata.storage_data.values():
+            if getattr(info, "relative_path", None) not in self.allowed:
+                raise CheckpointCorruptError(f"{self.path}: DCP metadata names an unverified file")
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)  # as DCP's reader sets it
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
+            raise CheckpointCorruptError(f"{self.path}: DCP metadata holds a non-tensor value (refused)")
+        return super().read_data(plan, planner)
+
+
+class _TensorOnlyPlanner(DefaultLoadPlanner):
+    """Never reached behind SafeFileSystemReader; DCP's own load_bytes would unpickle freely."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise CheckpointCorruptError("DCP checkpoint holds a non-tensor item; refused")
+
+
+def load_entries(path: Path, manifest: dict[str, Any], part: str,
+                 entries: dict[str, tuple[str, Any]], state: Mapping[str, Any], *, verify: bool) -> None:
+    """Replace each ``"sharded"`` entry's skeleton in ``entries`` by its full state_dict, read from
+    ``path/part/dcp`` after checking every file there against the manifest's sha256 (``verify``)."""
+    prefix = f"{part}/{DCP_DIR}/"
+    files = {rel: meta for rel, meta in manifest["files"].items() if rel.startswith(prefix)}
+    if verify:
+        for rel, meta in files.items():
+            if _hash_file(path / rel)[1] != meta.get("sha256"):
+                raise CheckpointCorruptError(f"{path}: sha256 mismatch in {rel}")
+    allowed = {rel.removeprefix(prefix) for rel in files}
+    for name, (kind, value) in list(entries.items()):
+        if kind == SHARDED and name in state:
+            tree = _load_entry(path / part / DCP_DIR, allowed, state[name], value, name)
+            entries[name] = (kind, tree)
+
+
+def _load_entry(directory: Path, allowed: set[str], target: Any, value: Any, name: str) -> Any:
+    """``value`` (``{"tree", "dcp"}``) with its DTensors read into fresh DTensors shaped like the
+    live ``target``'s, so a failed read leaves the live state untouched."""
+    live = target.state_dict() if hasattr(target, "state_dict") else target
+    fresh = {f"{name}/{i}": _empty_like(_lookup(live, p, name)) for i, p in enumerate(value["dcp"])}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(fresh, storage_reader=SafeFileSystemReader(directory, allowed),
+                     planner=_TensorOnlyPlanner(), no_dist=True)
+    except (CheckpointException, Exception) as exc:  # DCP wraps failures in a BaseException
+        cause = _unwrap(exc) if isinstance(exc, CheckpointException) else exc
+        raise CheckpointCorruptError(f"{directory}: cannot load sharded entry {name!r}: {cause}") from exc
+    tree = value["tree"]
+    for i, p in enumerate(value["dcp"]):
+        tree = _put(tree, p, fresh[f"{name}/{i}"])
+    return tree
+
+
+def _unwrap(exc: CheckpointException) -> BaseException:
+    """The first failure a CheckpointException carries (DCP wraps each rank's as (exc, traceback))."""
+    for failure in exc.failures.values():
+        return failure[0] if isinstance(failure, tuple) else failure
+    return CheckpointError(str(exc))
+
+
+def _lookup(tree: Any, path: list[Any], name: str) -> DTensor:
+    node = tree
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            node = None
+            break
+    if not isinstance(node, DTensor):
+        raise CheckpointCorruptError(f"entry {name!r}: the live state has no DTensor at {path} to load "
+                                     "into (initialise optimizer state first: get_state_dict does)")
+    return node
+
+
+def _empty_like(t: DTensor) -> DTensor:
+    local = torch.empty_like(t.to_local(), memory_format=torch.contiguous_format)
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+def _put(tree: Any, path: list[Any], leaf: DTensor) -> Any:
+    if not path:
+        return leaf
+    key, rest = path[0], path[1:]
+    if isinstance(tree, tuple):
+        return tuple(_put(v, rest, leaf) if i == key else v for i, v in enumerate(tree))
+    tree[key] = _put(tree[key], rest, leaf)
+    return tree

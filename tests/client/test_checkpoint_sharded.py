@@ -267,5 +267,23 @@ def test_safe_reader_refuses_non_tensor_items_dcp_would_unpickle(tmp_path):
     assert target["blob"] == {"a": 0}
 
 
+@pytest.mark.parametrize("rel, ok", [("rank-0/dcp/.metadata", True), ("rank-1/dcp/__0_0.distcp", True),
+                                     ("rank-0/.metadata", False), ("rank-0/dcp/x.pkl", False),
+                                     ("rank-0/dcp/sub/__0_0.distcp", False), ("rank-0/x.distcp", False)])
+def test_manifest_admits_dcp_files_only_inside_a_part_s_dcp_dir(tmp_path, rel, ok):
+    from spotguard.checkpoint import CheckpointCorruptError
+    from spotguard.checkpoint.load import read_manifest
+
+    (tmp_path / rel).parent.mkdir(parents=True)
+    (tmp_path / rel).write_bytes(b"data")
+    manifest = {"format": "spotguard-checkpoint", "version": 1, "files": {rel: {"size": 4, "sha256": "x"}}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    if ok:
+        assert rel in read_manifest(tmp_path)["files"]
+    else:
+        with pytest.raises(CheckpointCorruptError, match="refusing file"):
+            read_manifest(tmp_path)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(*sys.argv[2:5])

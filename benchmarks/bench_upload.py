@@ -191,7 +191,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--part-mb", type=int, default=16)
     parser.add_argument("--idle-s", type=float, default=4.0, help="idle training seconds before and after each upload")
-    parser.add_argument("--nice", default="0,10", help="storage.upload_nice values to compare")
+    parser.add_argument("--nice", default="0,10,19", help="storage.upload_nice values to compare")
     parser.add_argument("--backends", default="s3,file", help="stores the daemon uploads to (question 4)")
     parser.add_argument("--parts", default=",".join(PARTS), help="which questions to run; the others' "
                         "figures are kept from --out")

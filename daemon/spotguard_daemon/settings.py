@@ -218,9 +218,9 @@ class StorageSettings(_Section):
     """Upload bandwidth cap in megabytes per second; unset for no cap."""
     finish_superseded: bool = False
     """Finish uploading an older checkpoint when a newer one is committed meanwhile."""
-    upload_nice: int = Field(10, ge=0, le=19)
+    upload_nice: int = Field(19, ge=0, le=19)
     """CPU niceness of the upload threads (Linux, per thread; 0: normal priority): uploads are
-    background work and yield to training on the same cores."""
+    background work and yield to training on the same cores; lower it if uploads lag on busy CPUs."""
     endpoint_url: str | None = None
     """S3-compatible (or emulator) endpoint; GCS and Azure emulators too."""
     azure_account: str | None = None

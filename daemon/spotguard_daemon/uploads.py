@@ -13,10 +13,13 @@
 * **Journaled.** Every accepted commit is written to ``<state_dir>/uploads.json`` (atomically) before
   the request is answered and removed only once durable, so a daemon killed mid-upload resumes on
   restart; content addressing means objects already in the bucket are not sent again.
-* **Background.** The worker thread lowers its CPU priority (``storage.upload_nice``, default 10)
+* **Background.** The worker thread lowers its CPU priority (``storage.upload_nice``, default 19)
   before it starts; the file pool and the SDKs' transfer threads it creates inherit that niceness
   (Linux niceness is per thread), so hashing and sending a checkpoint yields to a training
-  process on the same cores while the daemon's notice loop keeps its normal priority.
+  process on the same cores while the daemon's notice loop keeps its normal priority. On 2 cores
+  (benchmarks/bench_upload.py, 1 GB) a one-thread training loop slowed by several times at nice 0
+  (eight runnable hashing/copy threads), by more than 10 % at nice 10, and by less at nice 19. The
+  price: on cores saturated by training an upload progresses slowly, until a notice stops it.
 * **Bounded.** File-level concurrency is the store's (``storage.concurrency``); bandwidth is capped on
   average per file (``storage.bandwidth_mbps``); transient store errors are retried with exponential
   backoff, forever but never faster than ``retry_max`` seconds apart, because a checkpoint that is
@@ -84,7 +87,7 @@ class UploadQueue:
     """Serialises uploads of committed checkpoints to one :class:`Durable` store."""
 
     def __init__(self, durable: Durable, journal: Path, *, keep: int = 3,
-                 finish_superseded: bool = False, bandwidth_mbps: float | None = None, nice: int = 10,
+                 finish_superseded: bool = False, bandwidth_mbps: float | None = None, nice: int = 19,
                  on_durable: Callable[[str, int, str], None] | None = None,
                  registry: CollectorRegistry | None = None, retry_max: float = 30.0,
                  url: str = "") -> None:

@@ -20,7 +20,7 @@ import zmq
 from _common import DaemonProcess, Subscriber
 from spotguard.protocol import CommitRequest, decode_reply, encode
 
-__all__ = ["CpuMeter", "Inflation", "TrainLoop", "cpu_seconds", "threads_by_nice"]
+__all__ = ["CpuMeter", "Inflation", "TrainLoop", "cpu_seconds", "renice", "threads_by_nice"]
 
 MB = 1024 * 1024
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -42,6 +42,15 @@ def threads_by_nice(pid: int) -> dict[str, int]:
             continue  # the thread ended
         counts[nice] = counts.get(nice, 0) + 1
     return counts
+
+
+def renice(pid: int, nice: int) -> None:
+    """Set the niceness of every thread of ``pid`` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+        except (OSError, ValueError):
+            continue  # the thread ended
 
 
 class CpuMeter:

@@ -43,7 +43,8 @@ def test_inflation_runs_the_real_daemon_on_both_backends(quick):
     data, stdout = quick
     result = data["step_time_inflation"]
     assert result["target_max_inflation_pct"] == 10 and result["checkpoint_MB"] == 32
-    assert list(result["runs"]) == ["s3_nice0", "file_nice0", "s3_nice10", "file_nice10"]
+    assert list(result["runs"]) == ["s3_nice0", "file_nice0", "s3_nice10", "file_nice10",
+                                    "s3_nice10_emulator_nice19"]
     for name, run in result["runs"].items():
         assert run["steps_idle"] > 10 and run["steps_during_upload"] >= 1, (name, run)
         assert 0 < run["idle_p50_ms"] < 1000 and run["upload_s"] > 0 and run["daemon_cpu_s"] > 0

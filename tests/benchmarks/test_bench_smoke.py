@@ -66,7 +66,8 @@ def test_idle_quick(tmp_path):
     data, stdout = run_script("bench_idle.py", tmp_path / "idle.json", "--seconds", "2.5", "--warmup", "1.5")
     assert list(data["results"]) == ["aws", "aws_spot_only", "no_watcher"]
     aws, spot_only, none = data["results"].values()
-    assert aws["metadata_requests"] > spot_only["metadata_requests"] >= 2, "the watchers must have polled"
+    # The advisory paths poll every aws.advisory_interval (5 s): a 2.5 s window may see none of them.
+    assert aws["metadata_requests"] >= spot_only["metadata_requests"] >= 2, "the watchers must have polled"
     assert none["metadata_requests"] == 0
     for results in (aws, spot_only, none):
         assert 5 < results["rss_mb_min"] <= results["rss_mb_max"] < 1000

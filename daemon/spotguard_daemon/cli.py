@@ -134,6 +134,22 @@ def status(config: str | None, as_json: bool, timeout: float) -> None:
         click.echo(_human_status(reply.data))
 
 
+def _human_uploads(uploads: dict[str, Any]) -> list[str]:
+    """The upload queue: store, what waits, bytes pending, and the last durable step of each job."""
+    import time
+
+    queued = [u for u in (uploads.get("pending") or [])]
+    if uploads.get("uploading"):
+        queued.insert(0, uploads["uploading"])
+    lines = [f"durable store: {uploads.get('store') or '-'}; queued: "
+             + (", ".join(f"{u['job_id']} step {u['step']}" for u in queued) or "none")
+             + f"; bytes pending: {uploads.get('bytes_pending', 0)}"]
+    for job, durable in sorted((uploads.get("durable") or {}).items()):
+        age = time.time() - durable.get("at", time.time())
+        lines.append(f"  job {job}: step {durable.get('step')} durable, {age:.0f} s ago")
+    return lines
+
+
 def _human_status(data: dict[str, Any]) -> str:
     from spotguard.protocol import Notice
 
@@ -150,6 +166,7 @@ def _human_status(data: dict[str, Any]) -> str:
     clients = data.get("clients", [])
     lines.append(f"clients: {len(clients) or 'none'}")
     lines += [f"  pid {c['pid']} rank {c['rank']} job {c['job_id'] or '-'}" for c in clients]
+    lines += _human_uploads(data.get("uploads") or {})
     lines.append(f"metrics: {data.get('metrics') or 'off'}")
     return "\n".join(lines)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 
 import zmq
@@ -60,6 +62,11 @@ def test_a_commit_becomes_durable_and_is_announced(daemon_factory, tmp_path):
     assert Durable(FileStore(bucket)).latest("job") == 10
     status = daemon.request(StatusRequest()).data
     assert status["uploads"]["durable"]["job"]["step"] == 10
+    human = subprocess.run([sys.executable, "-m", "spotguard_daemon", "status"], capture_output=True,
+                           text=True, env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)})
+    assert human.returncode == 0, human.stderr
+    assert f"durable store: file://{bucket}; queued: none; bytes pending: 0" in human.stdout
+    assert "job job: step 10 durable" in human.stdout
 
 
 def test_a_daemon_killed_mid_upload_finishes_after_restart_without_resending(daemon_factory, tmp_path):

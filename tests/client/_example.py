@@ -67,7 +67,8 @@ class Proc:
         return "\n".join(self.lines)
 
     def grab(self, pattern: str) -> list[re.Match]:
-        return [m for line in self.lines if (m := re.search(pattern, line))]
+        """Every match in the whole output: ranks share one pipe, so their lines may interleave."""
+        return list(re.finditer(pattern, self.output))
 
 
 def final(proc: Proc) -> tuple[int, str]:

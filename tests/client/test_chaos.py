@@ -22,8 +22,10 @@ from _example import Proc, final, isolated_env, run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-STEPS = 400
+STEPS = 2000
+"""Long enough that 25 kills, each at most KILL_WITHIN seconds into a life, never finish the job."""
 KILLS_PER_CHAIN = 25
+KILL_WITHIN = 0.3
 ARGS = ("--save-every", "2", "--step-sleep", "0.003")
 
 
@@ -33,9 +35,11 @@ def chain(root: Path, seed: int, report: dict) -> None:
     floor, starts, torn = 0, [], 0
     for _ in range(KILLS_PER_CHAIN):
         proc = Proc.example(ckpt, STEPS, *ARGS, env=env)
-        start = int(proc.wait_line(r"start step=(\d+)", 60)[1])
+        started = proc.wait_line(r"start step=(\d+)|final step=", 60)
+        assert started[1] is not None, f"the job finished before its {len(starts) + 1}th kill"
+        start = int(started[1])
         assert start >= floor, f"resumed at {start}, but step {floor} was committed:\n{proc.output}"
-        threading.Event().wait(rng.uniform(0.0, 0.5))
+        threading.Event().wait(rng.uniform(0.0, KILL_WITHIN))
         proc.popen.send_signal(signal.SIGKILL)
         proc.finish(30)
         assert "Traceback" not in proc.output and "skipping checkpoint" not in proc.output, proc.output

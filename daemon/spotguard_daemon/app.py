@@ -40,8 +40,10 @@ from spotguard_daemon.metrics import Metrics
 from spotguard_daemon.server import Server, ServerError, lock_runtime_dir
 from spotguard_daemon.settings import Settings
 from spotguard_daemon.store import NoticeStore
+from spotguard_daemon.watchers import detect
 from spotguard_daemon.watchers import manual as manual_source
 from spotguard_daemon.watchers import signal as signal_source
+from spotguard_daemon.watchers.runner import Runner
 
 __all__ = ["Daemon"]
 
@@ -137,19 +139,11 @@ class Daemon:
 
     def _start_watching(self, http: httpx.AsyncClient) -> list:
         """Resolve ``auto`` to a platform and build its watchers (unless given to the constructor)."""
-        try:
-            from spotguard_daemon.watchers import detect
-        except ImportError as exc:  # the watchers package is optional for --platform none
-            detect = None
-            log.debug("no platform detection available: %s", exc)
-        if detect is not None:
-            self.platform = detect.detect_platform(self.settings)
-        elif self.platform == "auto":
-            self.platform = "none"
+        self.platform = detect.detect_platform(self.settings)
         self.handler.platform = self.platform
         watchers = self._watchers
         if watchers is None:
-            watchers = detect.build_watchers(self.settings, http, self.platform) if detect else []
+            watchers = detect.build_watchers(self.settings, http, self.platform)
         if self.settings.azure.acknowledge:
             self._ackable = {w.name: w for w in watchers if hasattr(w, "acknowledge")}
         return watchers
@@ -173,8 +167,6 @@ class Daemon:
             self._restoring = False
 
     def _runner(self, watcher) -> Awaitable[None]:
-        from spotguard_daemon.watchers.runner import Runner
-
         def sink(source, notices) -> None:
             self.store.reconcile(source.name, notices)
 

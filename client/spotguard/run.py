@@ -28,7 +28,9 @@ At each step boundary (after the loop body, before the next step):
 Leaving the loop with ``break`` ends training at the current step without counting it: put the
 ``break`` before the optimizer step, or the final save repeats that step's update on resume.
 
-Every commit is reported to the daemon (``CommitRequest``). Nothing needs a daemon.
+Every commit is reported to the daemon (``CommitRequest``). Nothing needs a daemon. With
+``$SPOTGUARD_RECORD`` set, the run's start, progress, commits, stop and final state digest are
+appended to that file (:mod:`spotguard._record`) for ``spotguard drill`` and ``spotguard run``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from spotguard import rng
+from spotguard._record import Recorder
 from spotguard.checkpoint import Checkpointer, CheckpointError
 from spotguard.distributed import Agreement, Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
@@ -112,6 +115,8 @@ class Run:
         self.guard = guard or Guard(job_id=job_id, rank=_rank(), daemon=daemon,
                                     signal_deadlines=signal_deadlines)
         self._job_id, self._durable = job_id, durable
+        self.record = Recorder(rank=_rank(), job=job_id)
+        self._save_kinds: dict[int, str] = {}
         self._fixed_cadence = save_every is not None
         self._due_latched = False
         self.step = self.start_step = 0
@@ -132,6 +137,9 @@ class Run:
         self.start_step = self.step
         if self.resumed_from is not None:
             log.info("resumed from step %d (%s)", self.step, self.resumed_from.path)
+        self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
+                          resumed_from=self.start_step if self.resumed_from else None,
+                          skipped=self.checkpointer.skipped, total=total)
         if self._boundary(self.step):
             return
         while self.step < total:
@@ -165,9 +173,11 @@ class Run:
         if self._closed:
             return
         if not self.stopped and self._saved_step != self.step:
-            self._save(self.step)
-        self.checkpointer.wait(None)
+            self._save(self.step, "final")
+        last = self.checkpointer.wait(None)
         self.close()
+        if not self.stopped and last is not None and last.step == self.step:
+            self.record.emit("finish", step=self.step, digest=last.digest)
 
     def close(self, *, exiting: bool = False) -> None:
         """Close the checkpointer (waiting for its save in flight) and the guard, without saving.
@@ -196,6 +206,7 @@ class Run:
     def _boundary(self, done: int) -> bool:
         """Act on the agreed decision after ``done`` steps; True when the loop must end."""
         self._observe()
+        self.record.progress(done)
         due = self.cadence.due(done)  # asked at every boundary so its count moves alike everywhere
         if due and self._fixed_cadence:
             self._save(done)  # a fixed step count is due at the same step on every rank
@@ -208,7 +219,7 @@ class Run:
         if decision.stop:
             return self._stop(done, decision)
         if decision.checkpoint and self._saved_step != done:
-            self._save(done)
+            self._save(done, "requested")
             self.guard.clear_checkpoint_request()
         return False
 
@@ -224,12 +235,14 @@ class Run:
     def _stop(self, done: int, decision: Decision) -> bool:
         self.guard.begin_stop()
         left = decision.seconds_left
+        saved = False
         if self._saved_step == done:
             log.warning("stopping at step %d, already saved", done)
         elif save_fits(decision.save_seconds, left, self.save_margin):
             log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", done,
                         decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
-            self._save(done)
+            self._save(done, "emergency")
+            saved = True
         else:
             log.warning("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
                         "committed checkpoint stands", done, decision.save_seconds, left)
@@ -239,12 +252,16 @@ class Run:
             log.error("the last save failed (%s); the previous checkpoint stands", exc)
         self.guard.report_safe()
         self.stopped = True
+        notice = self.guard.notice
+        self.record.emit("stop", step=done, saved=saved, seconds_left=left,
+                         notice=None if notice is None else {"id": notice.id, "kind": notice.kind.value})
         self.close(exiting=True)
         if self.exit_on_stop:
             raise SystemExit(EXIT_PREEMPTED)
         return True
 
-    def _save(self, done: int) -> None:
+    def _save(self, done: int, kind: str = "periodic") -> None:
+        self._save_kinds[done] = kind
         self.checkpointer.save(done, self.state, blocking=False)
         self._saved_step = done
         self.cadence.mark_saved(done)
@@ -252,6 +269,10 @@ class Run:
     def _on_commit(self, info: Any) -> None:
         """Runs in the checkpointer's persist thread: report, and let the main thread observe."""
         self._pending_observation = True
+        stats = self.checkpointer.stats
+        self.record.emit("commit", step=info.step, kind=self._save_kinds.pop(info.step, "periodic"),
+                         digest=info.digest, path=str(info.path), bytes=stats.bytes,
+                         blocking_s=round(stats.blocking_seconds, 6), persist_s=round(stats.persist_seconds, 6))
         self.guard.report_commit(info)
         if self._user_on_commit is not None:
             self._user_on_commit(info)

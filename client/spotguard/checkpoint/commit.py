@@ -15,6 +15,7 @@ a thread pool beside the writes and fsyncs run in their own thread, overlapping 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from concurrent.futures import Future
@@ -27,12 +28,13 @@ from spotguard.checkpoint import _fs
 from spotguard.checkpoint._workers import Throttle, Workers
 from spotguard.checkpoint.errors import CheckpointDiskFullError, CheckpointError
 from spotguard.checkpoint.format import dtype_name
-from spotguard.checkpoint.layout import CommitInfo, MANIFEST, committed_dirs, remove_checkpoint, step_name
+from spotguard.checkpoint.layout import (VOLATILE, CommitInfo, MANIFEST, committed_dirs, remove_checkpoint,
+                                         step_name)
 from spotguard.checkpoint.layout import tmp_name, write_latest
 from spotguard.checkpoint.staging import Snapshot
 
-__all__ = ["FORMAT", "VERSION", "TREE", "write_part", "write_manifest", "publish", "apply_retention",
-           "persist_local"]
+__all__ = ["FORMAT", "VERSION", "TREE", "write_part", "part_digest", "write_manifest", "publish",
+           "apply_retention", "persist_local"]
 
 FORMAT = "spotguard-checkpoint"
 VERSION = 1
@@ -108,9 +110,10 @@ def _fsync_close(fd: int) -> None:
 
 
 def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None,
-               throttle: Throttle | None = None) -> dict[str, dict]:
-    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}``. ``nice``
-    applies to the hashing and fsync threads, ``throttle`` to writing and hashing."""
+               throttle: Throttle | None = None) -> tuple[dict[str, dict], str]:
+    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}`` and the part's
+    :func:`part_digest`. ``nice`` applies to the hashing and fsync threads, ``throttle`` to writing
+    and hashing."""
     index, small_size = _layout(snap, large_bytes)
     _fs.mkdir_private(dest)
     writer = _Writer(nice, throttle)
@@ -135,7 +138,26 @@ def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None
     for sub in (dest / "tensors", dest):
         if sub.is_dir():
             _fs.fsync_dir(sub)
-    return files
+    return files, part_digest(snap, index, files)
+
+
+def part_digest(snap: Snapshot, index: list[dict[str, Any]], files: dict[str, dict]) -> str:
+    """sha256 of a part's training state: each entry's structure and its tensors' dtype, shape and
+    bytes, in order, entries in :data:`~.layout.VOLATILE` excluded. Large tensors are hashed
+    already (a file each); small ones are hashed here, which costs little since they are small.
+    DCP files of sharded entries count whole."""
+    sha, start = hashlib.sha256(), 0
+    for (name, kind, tree), end in zip(snap.entries, snap.ends):
+        if name not in VOLATILE:
+            sha.update(json.dumps([name, kind, tree], separators=(",", ":")).encode())
+            for entry, t in zip(index[start:end], snap.tensors[start:end]):
+                body = files[entry["file"]]["sha256"] if entry["file"] != SMALL else \
+                    hashlib.sha256(_bytes_view(t)).hexdigest()
+                sha.update(f"{entry['dtype']}{entry['shape']}{body}".encode())
+        start = end
+    for relpath in sorted(k for k in files if k.startswith("dcp/")):
+        sha.update(f"{relpath}{files[relpath]['sha256']}".encode())
+    return sha.hexdigest()
 
 
 def _pack_small(index: list[dict[str, Any]], tensors: list[torch.Tensor], size: int) -> bytearray:
@@ -178,8 +200,10 @@ def persist_local(root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int
     tmp = root / tmp_name(meta["step"], os.getpid())
     try:
         _fs.mkdir_private(tmp)
-        files = write_part(tmp / "rank-0", snap, large_bytes=large_bytes, nice=nice, throttle=throttle)
+        files, digest = write_part(tmp / "rank-0", snap, large_bytes=large_bytes, nice=nice,
+                                   throttle=throttle)
         files = {f"rank-0/{k}": v for k, v in files.items()}
+        meta = {**meta, "digest": digest}
         write_manifest(tmp, meta, files)
         final = publish(root, tmp, meta["step"])
     except BaseException as exc:
@@ -202,4 +226,5 @@ def translate_error(exc: BaseException, root: Path, nbytes: int) -> BaseExceptio
 
 def commit_info(final: Path, meta: dict[str, Any], files: dict[str, dict]) -> CommitInfo:
     size = sum(f["size"] for f in files.values()) + (final / MANIFEST).stat().st_size
-    return CommitInfo(meta["step"], meta.get("epoch"), final, size, len(files) + 1, meta["created"])
+    return CommitInfo(meta["step"], meta.get("epoch"), final, size, len(files) + 1, meta["created"],
+                      meta.get("digest", ""))

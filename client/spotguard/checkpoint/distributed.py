@@ -30,7 +30,7 @@ import torch.distributed as dist
 from spotguard.checkpoint import _fs, commit
 from spotguard.checkpoint._workers import Throttle
 from spotguard.checkpoint.errors import CheckpointError
-from spotguard.checkpoint.layout import CommitInfo, step_name, tmp_name
+from spotguard.checkpoint.layout import CommitInfo, combine_digests, step_name, tmp_name
 from spotguard.checkpoint.load import check
 from spotguard.checkpoint.staging import Snapshot
 
@@ -105,18 +105,20 @@ class Coordinator:
     def _write_part(self, tmp: Path, snap: Snapshot, large_bytes: int, nice: int | None,
                     throttle: Throttle | None) -> None:
         part = tmp / f"rank-{self.rank}"
-        files = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice, throttle=throttle)
-        _fs.write_file(part / PART, json.dumps({"rank": self.rank, "files": files}).encode())
+        files, digest = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice, throttle=throttle)
+        _fs.write_file(part / PART, json.dumps({"rank": self.rank, "files": files, "digest": digest}).encode())
         _fs.fsync_dir(part)
 
     def _commit(self, root: Path, tmp: Path, meta: dict[str, Any]) -> None:
         files: dict[str, dict] = {}
+        digests = []
         for r in range(self.world_size):
             raw = (tmp / f"rank-{r}" / PART).read_bytes()
             part = json.loads(raw)
             files.update({f"rank-{r}/{k}": v for k, v in part["files"].items()})
             files[f"rank-{r}/{PART}"] = {"size": len(raw), "sha256": _fs.sha256_of(raw)}
-        commit.write_manifest(tmp, meta, files)
+            digests.append(part["digest"])
+        commit.write_manifest(tmp, {**meta, "digest": combine_digests(digests)}, files)
         commit.publish(root, tmp, meta["step"])
 
     def _abort(self, root: Path, tmp: Path, snap: Snapshot, exc: BaseException | None, what: str) -> Any:

@@ -13,6 +13,7 @@ pointer falls back to scanning ``step-*`` directories, newest step first.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -23,6 +24,8 @@ from spotguard.checkpoint import _fs
 
 __all__ = [
     "CommitInfo",
+    "VOLATILE",
+    "combine_digests",
     "LATEST",
     "MANIFEST",
     "step_name",
@@ -52,6 +55,21 @@ class CommitInfo:
     size_bytes: int
     files: int
     created: float
+    digest: str = ""
+    """sha256 of the training state it holds, ``rng`` excluded ("" when unknown): equal digests
+    mean bit-identical states (see :func:`spotguard.checkpoint.commit.part_digest`)."""
+
+
+VOLATILE = frozenset({"rng"})
+"""Entries left out of a state digest: an RNG a job never seeded starts from OS entropy in every
+process, so two equally correct runs would differ there without differing in anything trained."""
+
+
+def combine_digests(parts: list[str]) -> str:
+    """The state digest of a checkpoint from its parts' digests, in rank order."""
+    if len(parts) == 1:
+        return parts[0]
+    return hashlib.sha256("".join(f"{d}\n" for d in parts).encode()).hexdigest()
 
 
 def step_name(step: int) -> str:

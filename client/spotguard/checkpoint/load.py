@@ -71,7 +71,9 @@ def check(path: Path) -> CommitInfo:
     """Cheap validity check (manifest, names, sizes; no hashing) and the checkpoint's CommitInfo."""
     m = read_manifest(path)
     size = sum(f["size"] for f in m["files"].values()) + (path / MANIFEST).stat().st_size
-    return CommitInfo(int(m["step"]), m.get("epoch"), path, size, len(m["files"]) + 1, float(m["created"]))
+    digest = m.get("digest") if isinstance(m.get("digest"), str) else ""
+    return CommitInfo(int(m["step"]), m.get("epoch"), path, size, len(m["files"]) + 1, float(m["created"]),
+                      digest)
 
 
 def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: bool) -> dict[str, Any]:

@@ -93,6 +93,8 @@ class Checkpointer:
         self._last: CommitInfo | None = None
         self._stats = SaveStats()
         self._closed = False
+        self.skipped: list[dict[str, str]] = []
+        """Checkpoints :meth:`load_latest` passed over as corrupt: ``{"path", "reason"}`` each."""
 
     @property
     def stats(self) -> SaveStats:
@@ -202,7 +204,7 @@ class Checkpointer:
             try:
                 return check(path)
             except CheckpointCorruptError as exc:
-                logger.warning("skipping checkpoint %s: %s", path, exc)
+                self._skip(path, exc)
         return None
 
     def load_latest(self, state: Mapping[str, Any]) -> CommitInfo | None:
@@ -239,8 +241,12 @@ class Checkpointer:
                 load_entries(path, manifest, f"rank-{self.rank}", entries, state, verify=self.verify)
             return entries
         except CheckpointCorruptError as exc:
-            logger.warning("skipping checkpoint %s: %s", path, exc)
+            self._skip(path, exc)
             return None
+
+    def _skip(self, path: Path, exc: Exception) -> None:
+        logger.warning("skipping checkpoint %s: %s", path, exc)
+        self.skipped.append({"path": str(path), "reason": str(exc)})
 
     def close(self) -> None:
         """Wait for the save in flight (raising its failure) and release the staging buffers."""

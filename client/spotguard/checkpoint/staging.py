@@ -11,7 +11,7 @@ asynchronous. The caller must not snapshot again before the previous snapshot ha
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ class Snapshot:
     entries: list[list[Any]]
     tensors: list[torch.Tensor]
     nbytes: int
+    ends: list[int] = field(default_factory=list)
+    """``ends[k]``: one past the index of entry k's last tensor (entries own contiguous runs)."""
 
 
 def entry_kind(value: Any) -> str:
@@ -49,17 +51,18 @@ class Stager:
         """Copy the entries of ``state`` (all, or only ``names``) into the staging buffers."""
         wanted = None if names is None else set(names)
         sources: list[torch.Tensor] = []
-        entries = []
+        entries, ends = [], []
         for name, value in state.items():
             if wanted is None or name in wanted:
                 kind = entry_kind(value)
                 tree = value.state_dict() if kind == "stateful" else value
                 entries.append([str(name), kind, encode(tree, sources, str(name))])
+                ends.append(len(sources))
         staged = [self._stage(i, t) for i, t in enumerate(sources)]
         del self._buffers[len(sources) :]
         if any(t.is_cuda for t in sources):
             torch.cuda.synchronize()
-        return Snapshot(entries, staged, sum(t.numel() * t.element_size() for t in staged))
+        return Snapshot(entries, staged, sum(t.numel() * t.element_size() for t in staged), ends)
 
     def _stage(self, index: int, src: torch.Tensor) -> torch.Tensor:
         if index < len(self._buffers):

@@ -30,7 +30,8 @@ from typing import Any, Awaitable, Callable
 import httpx
 from pydantic import BaseModel
 from spotguard import __version__
-from spotguard.protocol import CancelEvent, CommitRequest, DurableEvent, Notice, NoticeEvent, utcnow
+from spotguard.protocol import (TERMINATING_KINDS, CancelEvent, CommitRequest, DurableEvent, Notice,
+                                NoticeEvent, utcnow)
 from spotguard.storage.base import StoreError
 
 from spotguard_daemon import systemd, uploads
@@ -151,6 +152,7 @@ class Daemon:
     def _start_serving(self) -> None:
         self.metrics.set_info(__version__, self.platform)
         self.metrics.track_deadline(self.store.pending)
+        self.metrics.track_notices(self.store.pending, self._clients_safe)
         if self.settings.metrics.enabled:
             host, port = self.settings.metrics.host, self.settings.metrics.port
             try:
@@ -238,6 +240,16 @@ class Daemon:
         for notice in self.store.pending():
             if notice.source == manual_source.SOURCE and self._all_safe(notice.id, need_one=True):
                 self.store.cancel(notice.id, "every registered client reported safe")
+
+    def _clients_safe(self) -> int:
+        """Registered clients safe for every pending terminating notice (all of them when none is
+        pending). Read by the metrics thread, so it only takes snapshots and unregisters nobody."""
+        pids = [c.pid for c in list(self.handler.clients.values())]
+        for notice in self.store.pending():
+            if notice.kind in TERMINATING_KINDS:
+                safe = self.store.safe_pids(notice.id)
+                pids = [pid for pid in pids if pid in safe]
+        return len(pids)
 
     def _all_safe(self, notice_id: str, *, need_one: bool = False) -> bool:
         clients = self.handler.live_clients()

@@ -4,6 +4,11 @@ Names carry their unit and counters end in ``_total``; labels take small fixed v
 a kind, a watcher name, a poll outcome), never a notice id. :class:`Metrics` also implements the
 watchers' :class:`~spotguard_daemon.watchers.base.PollObserver`, so the runner reports every poll here.
 
+``spotguard_notices_pending`` (by kind and whether the kind terminates) and
+``spotguard_clients_safe`` (registered clients that reported safe for every pending terminating notice)
+are computed at scrape time too: the alert rules in ``deploy/prometheus/`` need "pending now", which a
+counter of announcements cannot say.
+
 ``spotguard_notice_deadline_seconds`` is computed at scrape time from the pending notices: seconds
 until the nearest deadline, negative once passed, NaN when nothing with a deadline is pending (so an
 alert such as ``spotguard_notice_deadline_seconds < 60`` stays quiet).
@@ -18,7 +23,9 @@ import math
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from spotguard.protocol import Notice, utcnow
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from spotguard.protocol import TERMINATING_KINDS, Notice, utcnow
 
 __all__ = ["Metrics"]
 
@@ -67,6 +74,11 @@ class Metrics:
             return min(left) if left else math.nan
         self.deadline.set_function(nearest)
 
+    def track_notices(self, pending: Callable[[], Iterable[Notice]],
+                      clients_safe: Callable[[], int]) -> None:
+        """Expose the pending notices by kind and the count of safe clients, read at every scrape."""
+        self.registry.register(_PendingCollector(pending, clients_safe))
+
     # ------------------------------------------------------------------ observers
 
     def poll_done(self, watcher: object, outcome: str, seconds: float) -> None:
@@ -102,3 +114,26 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _PendingCollector(Collector):
+    """``spotguard_notices_pending{kind,terminating}`` and ``spotguard_clients_safe`` at scrape time."""
+
+    def __init__(self, pending: Callable[[], Iterable[Notice]], clients_safe: Callable[[], int]) -> None:
+        self._pending, self._clients_safe = pending, clients_safe
+
+    def describe(self) -> list:
+        return []  # values exist only at scrape time; nothing to check for name clashes up front
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        pending = GaugeMetricFamily("spotguard_notices_pending", "Notices pending now, by kind.",
+                                    labels=["kind", "terminating"])
+        counts: dict[tuple[str, str], int] = {}
+        for notice in self._pending():
+            key = (notice.kind.value, str(notice.kind in TERMINATING_KINDS).lower())
+            counts[key] = counts.get(key, 0) + 1
+        for (kind, terminating), count in sorted(counts.items()):
+            pending.add_metric([kind, terminating], count)
+        yield pending
+        yield GaugeMetricFamily("spotguard_clients_safe", "Registered clients that reported safe "
+                                "for every pending terminating notice.", value=self._clients_safe())

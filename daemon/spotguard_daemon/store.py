@@ -174,8 +174,8 @@ class NoticeStore:
     # ------------------------------------------------------------------ queries
 
     def pending(self) -> list[Notice]:
-        """Pending notices, oldest first."""
-        return sorted((e.notice for e in self._entries.values()), key=lambda n: n.received_at)
+        """Pending notices, oldest first (a snapshot: the metrics thread calls this too)."""
+        return sorted((e.notice for e in list(self._entries.values())), key=lambda n: n.received_at)
 
     def get(self, notice_id: str) -> Notice | None:
         entry = self._entries.get(notice_id)

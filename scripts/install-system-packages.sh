@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install the Debian packages that end-to-end tests drive for real. Idempotent; needs root to install.
+#
+#   prometheus   the server and promtool (tests/daemon/test_prometheus.py)
+#
+# Without root, missing packages are reported loudly and the tests that need them skip.
+set -euo pipefail
+
+declare -A command_of=([prometheus]=promtool)
+missing=()
+for package in "${!command_of[@]}"; do
+    command -v "${command_of[$package]}" >/dev/null || missing+=("$package")
+done
+[[ ${#missing[@]} -eq 0 ]] && { echo "system packages ready"; exit 0; }
+
+if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null; then
+    echo "WARNING: cannot install ${missing[*]} (needs root and apt-get): the tests that drive them WILL SKIP" >&2
+    exit 0
+fi
+echo "installing ${missing[*]} from Debian"
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "system packages ready"

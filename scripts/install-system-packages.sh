@@ -2,14 +2,18 @@
 # Install the Debian packages that end-to-end tests drive for real. Idempotent; needs root to install.
 #
 #   prometheus   the server and promtool (tests/daemon/test_prometheus.py)
+#   podman, runc, catatonit, mmdebstrap   build and run the image, play Kubernetes pods
+#                (tests/daemon/test_container.py)
 #
 # Without root, missing packages are reported loudly and the tests that need them skip.
 set -euo pipefail
 
-declare -A command_of=([prometheus]=promtool)
+declare -A command_of=([prometheus]=promtool [podman]=podman [runc]=runc [catatonit]=catatonit
+                       [mmdebstrap]=mmdebstrap)
 missing=()
 for package in "${!command_of[@]}"; do
-    command -v "${command_of[$package]}" >/dev/null || missing+=("$package")
+    PATH="$PATH:/usr/sbin:/usr/libexec/podman" command -v "${command_of[$package]}" >/dev/null \
+        || missing+=("$package")
 done
 [[ ${#missing[@]} -eq 0 ]] && { echo "system packages ready"; exit 0; }
 

@@ -1,5 +1,5 @@
-"""Deployment files: the systemd unit passes ``systemd-analyze verify``; the Dockerfile is checked
-statically (no Docker engine here: it is parsed, not built)."""
+"""Deployment files: the systemd unit passes ``systemd-analyze verify``; the Dockerfile's shape is
+checked statically here (test_container.py builds and runs it with podman)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_dockerfile_runs_the_daemon_as_non_root_with_a_status_healthcheck():
     instructions = dockerfile_instructions()
     names = [name for name, _ in instructions]
     froms = [args for name, args in instructions if name == "FROM"]
-    assert all(re.match(r"python:3\.\d+-slim", f) for f in froms) and len(froms) == 2  # multi-stage
+    assert froms == ["${BASE}"] and "BASE=python:3.11-slim" in [a for n, a in instructions if n == "ARG"]
     users = [args for name, args in instructions if name == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
     assert names.index("USER") > max(i for i, n in enumerate(names) if n == "RUN")
@@ -80,16 +80,14 @@ def test_dockerfile_runs_the_daemon_as_non_root_with_a_status_healthcheck():
     assert json.loads(dict(instructions)["ENTRYPOINT"]) == ["spotguard", "daemon"]
     assert "EXPOSE" not in names
     runs = " ".join(args for name, args in instructions if name == "RUN")
-    assert "pip install --no-cache-dir" in runs and "pip wheel --no-cache-dir" in runs
+    assert "pip install --no-cache-dir --no-index --find-links=/wheels" in runs  # offline build
 
 
 def test_dockerfile_copies_only_what_exists_and_sets_private_dirs():
     instructions = dockerfile_instructions()
     for name, args in instructions:
-        if name == "COPY" and not args.startswith("--from"):
-            for source in args.split()[:-1]:
-                if source != "README.md":  # the lead's file; pyproject names it as the readme
-                    assert (ROOT / source).exists(), source
+        if name == "COPY":  # the context is scripts/build-image.sh's wheelhouse: wheels/ only
+            assert args.split()[:-1] == ["wheels"], args
     runs = " ".join(args for name, args in instructions if name == "RUN")
     assert "chmod 0700 /run/spotguard /var/lib/spotguard" in runs
     env = " ".join(args for name, args in instructions if name == "ENV")

@@ -216,11 +216,11 @@ class Daemon:
 
     async def _check_storage(self) -> None:
         """Report a missing bucket or a refused credential at start-up, in one line, not at the
-        first upload. The daemon keeps serving notices either way; uploads retry."""
+        first upload. Whatever the check raises, the daemon keeps serving notices; uploads retry."""
         try:
             await asyncio.to_thread(self.queue.durable.store.check)
-        except StoreError as exc:
-            log.error("durable storage unusable: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - any SDK's transport error: never fatal
+            log.error("durable storage unusable: %s", exc if isinstance(exc, StoreError) else repr(exc))
         else:
             log.info("durable storage %s ready", self.settings.storage_url)
 

@@ -41,14 +41,19 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from spotguard._priority import lower_priority
-from spotguard.storage.base import StoreError, StoreOptions, open_store
+from spotguard.storage._local import ManifestError
+from spotguard.storage.base import IntegrityError, StoreOptions, open_store
 from spotguard.storage.durable import Durable, DurableInfo
 from spotguard.storage.file import atomic_write
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
+from spotguard_daemon import confine
+
 __all__ = ["UploadQueue", "Upload", "from_settings"]
 
 log = logging.getLogger(__name__)
+
+JOURNAL_RETRY_SECONDS = 2.0
 
 
 class Superseded(Exception):
@@ -63,6 +68,8 @@ class Upload:
     size_bytes: int = 0
     submitted: float = field(default_factory=time.time)
     attempts: int = 0
+    not_before: float = 0.0
+    """Unix time before which a failed upload is not retried (other jobs' go first meanwhile)."""
 
 
 class _UploadMetrics:
@@ -81,19 +88,30 @@ class _UploadMetrics:
         self.durable_age = Gauge("spotguard_upload_last_durable_age_seconds",
                                  "Seconds since the newest checkpoint became durable (NaN: none yet).",
                                  registry=r)
+        self.restarts = Counter("spotguard_upload_worker_restarts_total",
+                                "Times the upload worker failed and was restarted (a bug).", registry=r)
+        self.refused = Counter("spotguard_upload_refused_total",
+                               "Committed checkpoints refused as unsafe or inconsistent.", registry=r)
+        self.journal_errors = Counter("spotguard_upload_journal_errors_total",
+                                      "Failed writes of the upload journal (full or read-only disk).",
+                                      registry=r)
 
 
 class UploadQueue:
-    """Serialises uploads of committed checkpoints to one :class:`Durable` store."""
+    """Serialises uploads of committed checkpoints to one :class:`Durable` store.
+
+    ``root`` confines what may be read (:mod:`.confine`; default: each checkpoint's parent);
+    ``staging`` is where the confined views live (default: next to the journal)."""
 
     def __init__(self, durable: Durable, journal: Path, *, keep: int = 3,
                  finish_superseded: bool = False, bandwidth_mbps: float | None = None, nice: int = 19,
                  on_durable: Callable[[str, int, str], None] | None = None,
                  registry: CollectorRegistry | None = None, retry_max: float = 30.0,
-                 url: str = "") -> None:
+                 url: str = "", root: Path | None = None, staging: Path | None = None) -> None:
         self.durable, self.journal, self.keep = durable, journal, keep
         self.url = url.split("?", 1)[0]
         """Where checkpoints go, as clients may restore from it (a query string may hold a token)."""
+        self.root, self.staging = root, staging or journal.parent / "upload-staging"
         self.finish_superseded, self.retry_max = finish_superseded, retry_max
         self.bytes_per_second = bandwidth_mbps * 1e6 if bandwidth_mbps else None
         self.nice = nice
@@ -105,6 +123,9 @@ class UploadQueue:
         self._current: Upload | None = None
         self._progress = (0, 0)
         self._durable: dict[str, dict[str, Any]] = {}
+        self._refused: dict[str, dict[str, Any]] = {}
+        self._journal_ok, self._journal_dirty = True, False
+        self._restarts = 0
         self._stop = False
         self._thread: threading.Thread | None = None
         self._load_journal()
@@ -112,25 +133,23 @@ class UploadQueue:
     # ------------------------------------------------------------------ public
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="spotguard-uploads", daemon=True)
-        self._thread.start()
+        """Start the worker; it first queues what was committed while no daemon ran (:meth:`reconcile`)."""
+        with self._cond:
+            self._spawn(reconcile=True)
 
     def submit(self, job_id: str, path: Path, step: int, size_bytes: int = 0) -> None:
-        """Queue ``path`` (a committed checkpoint directory) for upload; journaled before return.
+        """Queue ``path`` (a committed checkpoint directory) for upload, journaled when the state
+        directory allows (a journal write that fails is retried; the commit is uploaded from memory).
 
         A commit without a job id belongs to the job ``default``, as for the client's restore."""
         job_id = job_id or DEFAULT_JOB
         with self._cond:
-            queued = self._queue.get(job_id)
-            if queued is not None and queued.step >= step:
+            if not self._enqueue(Upload(job_id, str(path), step, size_bytes)):
                 return
-            done = self._durable.get(job_id, {}).get("step", -1)
-            if step <= done:
-                return
-            self._queue[job_id] = Upload(job_id, str(path), step, size_bytes)
             self._save_journal()
             self._cond.notify_all()
-        log.info("queued %s step %d for upload", job_id or "(default job)", step)
+            self._ensure_worker()
+        log.info("queued %s step %d for upload", job_id, step)
 
     def durable_step(self, job_id: str) -> int | None:
         with self._cond:
@@ -153,12 +172,17 @@ class UploadQueue:
 
     def status(self) -> dict[str, Any]:
         with self._cond:
+            self._ensure_worker()
             pending = [asdict(u) for u in self._queue.values()]
             current = asdict(self._current) if self._current else None
             done, total = self._progress
+            alive = self._thread is not None and self._thread.is_alive()
             return {"store": self.url, "pending": pending,
                     "uploading": current, "bytes_pending": sum(u["size_bytes"] for u in pending) + (total - done),
-                    "durable": {job: dict(d) for job, d in self._durable.items()}}
+                    "durable": {job: dict(d) for job, d in self._durable.items()},
+                    "refused": {job: dict(r) for job, r in self._refused.items()},
+                    "worker": {"alive": alive, "restarts": self._restarts},
+                    "journal_ok": self._journal_ok}
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -167,38 +191,122 @@ class UploadQueue:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    # ------------------------------------------------------------------ worker life
+
+    def _spawn(self, reconcile: bool = False) -> None:
+        self._thread = threading.Thread(target=self._run, args=(reconcile,), name="spotguard-uploads",
+                                        daemon=True)
+        self._thread.start()
+
+    def _ensure_worker(self) -> None:
+        """Restart a worker thread that is gone (it should never be); called with the lock held."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stop:
+            log.error("the upload worker had stopped; restarting it")
+            self._restarted()
+            self._spawn()
+
+    def _restarted(self) -> None:
+        self._restarts += 1
+        self.metrics.restarts.inc()
+        if self._current is not None:
+            self._enqueue(self._current)
+            self._current = None
+
+    def _run(self, reconcile: bool) -> None:
+        """The thread: never ends before :meth:`close`, whatever an upload or a store raises."""
+        lower_priority(self.nice)  # before any pool thread exists: they inherit it
+        if reconcile:
+            self._guarded(self.reconcile)
+        while not self._guarded(self._work):
+            time.sleep(1.0)
+
+    def _guarded(self, step: Callable[[], None]) -> bool:
+        try:
+            step()
+            return True
+        except BaseException as exc:  # noqa: BLE001 - the worker must outlive every bug below it
+            log.critical("upload worker failed (%r); restarting it", exc, exc_info=exc)
+            with self._cond:
+                self._restarted()
+            return False
+
+    def reconcile(self) -> None:
+        """Queue each job's committed checkpoint under ``root`` that is newer than its durable one:
+        it was committed while no daemon listened (down, restarting) or its journal entry was lost."""
+        if self.root is None:
+            return
+        for job_id, step, path in confine.committed(self.root):
+            with self._cond:
+                known = max(self._durable.get(job_id, {}).get("step", -1),
+                            self._queue[job_id].step if job_id in self._queue else -1)
+            if step > known and step > self._store_latest(job_id):
+                log.info("found %s step %d committed but not durable; queueing it", job_id, step)
+                self.submit(job_id, path, step)
+
+    def _store_latest(self, job_id: str) -> int:
+        try:
+            latest = self.durable.latest(job_id)
+        except Exception as exc:  # noqa: BLE001 - unreachable store: upload, objects are deduplicated
+            log.info("cannot read durable latest of %s (%s); uploading its local checkpoint", job_id, exc)
+            return -1
+        return -1 if latest is None else latest
+
     # ------------------------------------------------------------------ worker
 
     def _work(self) -> None:
-        lower_priority(self.nice)  # before any pool thread exists: they inherit it
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
-                    self._cond.wait()
+                upload = self._next()
+                while upload is None and not self._stop:
+                    self._cond.wait(self._wait_time())
+                    self._retry_journal()
+                    upload = self._next()
                 if self._stop:
                     return
-                upload = self._next()
             self._attempt(upload)
 
-    def _next(self) -> Upload:
-        """The newest commit across jobs goes first (on a termination notice it is the one that
-        matters); called with the lock held."""
-        job = max(self._queue, key=lambda j: self._queue[j].submitted)
+    def _enqueue(self, upload: Upload) -> bool:
+        """Queue ``upload`` unless a newer one of its job is queued or durable; lock held."""
+        queued = self._queue.get(upload.job_id)
+        done = self._durable.get(upload.job_id, {}).get("step", -1)
+        if (queued is not None and queued.step >= upload.step) or upload.step <= done:
+            return False
+        self._queue[upload.job_id] = upload
+        self.metrics.depth.set(len(self._queue) + (self._current is not None))
+        return True
+
+    def _next(self) -> Upload | None:
+        """The newest commit across jobs whose retry delay is over goes first (on a termination
+        notice it is the one that matters); a failing one never holds up the others. Lock held."""
+        now = time.time()
+        ready = [j for j, u in self._queue.items() if u.not_before <= now]
+        if not ready:
+            return None
+        job = max(ready, key=lambda j: self._queue[j].submitted)
         self._current = self._queue.pop(job)
         self._progress = (0, 0)
-        self.metrics.depth.set(len(self._queue) + 1)
         return self._current
+
+    def _wait_time(self) -> float | None:
+        waits = [u.not_before - time.time() for u in self._queue.values()]
+        if self._journal_dirty:
+            waits.append(JOURNAL_RETRY_SECONDS)
+        return max(0.05, min(waits)) if waits else None
 
     def _attempt(self, upload: Upload) -> None:
         upload.attempts += 1
         started = time.monotonic()
         try:
-            info = self.durable.upload(Path(upload.path), upload.job_id,
-                                       progress=self._progress_hook(upload, started))
+            with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
+                                self.staging) as ckpt:
+                info = self.durable.upload(ckpt, upload.job_id,
+                                           progress=self._progress_hook(upload, started))
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
             self._finish(upload, None)
-        except (StoreError, OSError) as exc:
+        except (confine.UnsafeCheckpoint, ManifestError, IntegrityError) as exc:
+            self._refuse(upload, exc)
+        except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
             self._failed(upload, exc)
         else:
             self.metrics.bytes.inc(info.bytes_uploaded)
@@ -222,8 +330,16 @@ class UploadQueue:
     def _prune(self, job_id: str) -> None:
         try:
             self.durable.prune(job_id, self.keep)
-        except StoreError as exc:  # retention is retried after the next upload
+        except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
             log.warning("retention of %s failed: %s", job_id, exc)
+
+    def _refuse(self, upload: Upload, exc: Exception) -> None:
+        """A checkpoint that cannot be uploaded as committed: say so once, drop it, go on."""
+        self.metrics.refused.inc()
+        log.error("not uploading %s step %d (%s): %s", upload.job_id, upload.step, upload.path, exc)
+        with self._cond:
+            self._refused[upload.job_id] = {"step": upload.step, "path": upload.path, "error": str(exc)}
+        self._finish(upload, None)
 
     def _failed(self, upload: Upload, exc: Exception) -> None:
         self.metrics.failures.inc()
@@ -232,10 +348,9 @@ class UploadQueue:
                     upload.job_id, upload.step, upload.attempts, exc, delay)
         with self._cond:
             self._current = None
-            if upload.job_id not in self._queue:
-                self._queue[upload.job_id] = upload
+            upload.not_before = time.time() + delay
+            self._enqueue(upload)
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._stop, timeout=delay)
 
     def _finish(self, upload: Upload, info: DurableInfo | None) -> None:
         with self._cond:
@@ -257,17 +372,35 @@ class UploadQueue:
         return time.time() - max(times) if times else float("nan")
 
     def _save_journal(self) -> None:
+        """Write the journal atomically (the previous one stays whole if this fails); a failure is
+        logged once, counted, and retried by the worker: uploads go on from memory meanwhile."""
         entries = list(self._queue.values()) + ([self._current] if self._current else [])
         body = {"version": 1, "pending": [asdict(u) for u in entries], "durable": self._durable}
-        self.journal.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        data = json.dumps(body, indent=1).encode()
-        atomic_write(self.journal, lambda out: out.write(data))
+        try:
+            self.journal.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            data = json.dumps(body, indent=1).encode()
+            atomic_write(self.journal, lambda out: out.write(data))
+        except OSError as exc:
+            self.metrics.journal_errors.inc()
+            if self._journal_ok:
+                log.error("cannot write the upload journal %s (%s); uploading from memory and retrying",
+                          self.journal, exc.strerror or exc)
+            self._journal_ok, self._journal_dirty = False, True
+            return
+        if not self._journal_ok:
+            log.warning("upload journal %s written again", self.journal)
+        self._journal_ok, self._journal_dirty = True, False
+
+    def _retry_journal(self) -> None:
+        if self._journal_dirty:
+            self._save_journal()
 
     def _load_journal(self) -> None:
         try:
             body = json.loads(self.journal.read_bytes())
             for entry in body.get("pending", []):
                 upload = Upload(**entry)
+                upload.not_before = 0.0
                 if os.path.isdir(upload.path):
                     self._queue[upload.job_id] = upload
                 else:
@@ -275,7 +408,7 @@ class UploadQueue:
             self._durable = {str(k): dict(v) for k, v in body.get("durable", {}).items()}
         except FileNotFoundError:
             return
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, OSError) as exc:
             log.error("upload journal %s is unreadable (%s); starting with an empty queue",
                       self.journal, exc)
         if self._queue:
@@ -294,4 +427,5 @@ def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,
                        settings.state_dir / "uploads.json", keep=storage.keep,
                        finish_superseded=storage.finish_superseded, nice=storage.upload_nice,
                        bandwidth_mbps=storage.bandwidth_mbps, on_durable=on_durable, registry=registry,
-                       url=settings.storage_url)
+                       url=settings.storage_url, root=settings.checkpoint_root,
+                       staging=settings.runtime_dir / "upload-staging")

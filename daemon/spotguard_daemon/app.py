@@ -206,8 +206,10 @@ class Daemon:
     # ------------------------------------------------------------------ durability
 
     def _committed(self, request: CommitRequest, path: Path) -> None:
-        """A client committed a checkpoint inside the checkpoint root: make it durable."""
-        self.queue.submit(request.job_id, path, request.step, request.size_bytes)
+        """A client committed a checkpoint inside the checkpoint root: make it durable. The queue gets
+        the path as named, not as resolved, so that it can refuse a symlinked checkpoint directory."""
+        named = Path(os.path.abspath(Path(self.settings.checkpoint_root or path.parent) / request.path))
+        self.queue.submit(request.job_id, named, request.step, request.size_bytes)
 
     def _durable(self, job_id: str, step: int, location: str) -> None:
         """Called from the upload thread once a checkpoint is durable."""

@@ -53,6 +53,10 @@ def _parts(rel: str, what: str) -> list[str]:
     parts = rel.split("/")
     if rel.startswith("/") or any(p in ("", ".", "..") or "\0" in p for p in parts):
         raise UnsafeCheckpoint(f"{what} {rel!r}: not a plain relative path")
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsafeCheckpoint(f"{what} {rel!r}: not UTF-8 (object stores and restores need it)") from None
     return parts
 
 
@@ -114,10 +118,11 @@ def _fd_budget(files: int) -> None:
 
 def relative_to_root(root: Path, path: Path) -> list[str]:
     """``path``'s components below ``root`` (both as the daemon resolved them); refused when not below."""
-    rel = os.path.relpath(os.path.abspath(path), os.path.realpath(root))
-    if rel == "." or rel == ".." or rel.startswith("../"):
-        raise UnsafeCheckpoint(f"{path}: not a directory below the checkpoint root {root}")
-    return _parts(rel, "checkpoint path")
+    for base in (os.path.realpath(root), os.path.abspath(root)):
+        rel = os.path.relpath(os.path.abspath(path), base)
+        if rel not in (".", "..") and not rel.startswith("../"):
+            return _parts(rel, "checkpoint path")
+    raise UnsafeCheckpoint(f"{path}: not a directory below the checkpoint root {root}")
 
 
 @contextlib.contextmanager
@@ -129,7 +134,7 @@ def staged(root: Path, path: Path, step: int, staging: Path) -> Iterator[Path]:
     try:
         parts = relative_to_root(root, path)
         try:
-            fds.append(os.open(os.path.realpath(root), _DIR & ~os.O_NOFOLLOW))
+            fds.append(os.open(os.path.realpath(root), _DIR & ~os.O_NOFOLLOW))  # the admin's choice
         except OSError as exc:
             raise UnsafeCheckpoint(f"checkpoint root {root}: {exc.strerror}") from None
         ckpt_fd = _open_dirs(fds[0], parts, fds)

@@ -64,7 +64,8 @@ class Daemon:
         self.metrics_port: int | None = None
         self.store = NoticeStore(settings.state_dir / "notices.json")
         self.queue = uploads.from_settings(settings, registry=self.metrics.registry,
-                                           on_durable=self._durable)
+                                           on_durable=self._durable,
+                                           urgent=lambda: bool(self.store.pending()))
         self.handler = RequestHandler(self.store, platform=self.platform,
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
                                       on_change=self._clients_changed, on_commit=self._committed)

@@ -6,7 +6,9 @@
                                                                        \\--> on_durable(job, step)
 
 * **One job, one checkpoint in flight, newest first.** A newer commit of a job supersedes an older
-  one still queued; one already uploading is abandoned at the next file boundary unless
+  one still queued; while a notice is pending (``urgent``), another job's newer commit pre-empts the
+  upload in flight at the next file boundary (it is queued again and resumes, reusing the objects
+  already sent). One already uploading is abandoned at the next file boundary unless
   ``finish_superseded`` (its objects stay in the bucket and the newer checkpoint reuses them, so the
   abandoned work is not lost). Uploads and retention of one prefix run one at a time, as
   :mod:`spotguard.storage.durable` requires.
@@ -60,6 +62,11 @@ class Superseded(Exception):
     """Raised inside an upload's progress callback to abandon it for a newer checkpoint."""
 
 
+class Preempted(Exception):
+    """Raised inside an upload's progress callback to let another job's newer checkpoint go first
+    while a notice is pending; the pre-empted upload is queued again (its objects are reused)."""
+
+
 @dataclass
 class Upload:
     job_id: str
@@ -107,12 +114,13 @@ class UploadQueue:
                  finish_superseded: bool = False, bandwidth_mbps: float | None = None, nice: int = 19,
                  on_durable: Callable[[str, int, str], None] | None = None,
                  registry: CollectorRegistry | None = None, retry_max: float = 30.0,
-                 url: str = "", root: Path | None = None, staging: Path | None = None) -> None:
+                 url: str = "", root: Path | None = None, staging: Path | None = None,
+                 urgent: Callable[[], bool] = lambda: False) -> None:
         self.durable, self.journal, self.keep = durable, journal, keep
         self.url = url.split("?", 1)[0]
         """Where checkpoints go, as clients may restore from it (a query string may hold a token)."""
         self.root, self.staging = root, staging or journal.parent / "upload-staging"
-        self.finish_superseded, self.retry_max = finish_superseded, retry_max
+        self.finish_superseded, self.retry_max, self.urgent = finish_superseded, retry_max, urgent
         self.bytes_per_second = bandwidth_mbps * 1e6 if bandwidth_mbps else None
         self.nice = nice
         self.on_durable = on_durable or (lambda job, step, key: None)
@@ -304,6 +312,12 @@ class UploadQueue:
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
             self._finish(upload, None)
+        except Preempted:
+            log.info("upload of %s step %d paused for a newer checkpoint (notice pending)",
+                     upload.job_id, upload.step)
+            with self._cond:
+                self._current = None
+                self._enqueue(upload)
         except (confine.UnsafeCheckpoint, ManifestError, IntegrityError) as exc:
             self._refuse(upload, exc)
         except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
@@ -321,11 +335,19 @@ class UploadQueue:
                 newer = self._queue.get(upload.job_id)
                 if newer is not None and not self.finish_superseded and not self._stop:
                     raise Superseded()
+                if any(u.submitted > upload.submitted for u in self._queue.values()) and self._urgent():
+                    raise Preempted()
             if self.bytes_per_second:
                 ahead = done / self.bytes_per_second - (time.monotonic() - started)
                 if ahead > 0:
                     time.sleep(ahead)
         return progress
+
+    def _urgent(self) -> bool:
+        try:
+            return bool(self.urgent())
+        except Exception:  # noqa: BLE001 - read from another thread without a lock: a guess is enough
+            return False
 
     def _prune(self, job_id: str) -> None:
         try:
@@ -417,7 +439,8 @@ class UploadQueue:
 
 
 def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,
-                  on_durable: Callable[[str, int, str], None] | None = None) -> UploadQueue:
+                  on_durable: Callable[[str, int, str], None] | None = None,
+                  urgent: Callable[[], bool] = lambda: False) -> UploadQueue:
     """The queue for the daemon's ``storage`` settings (``file://<state_dir>/durable`` by default).
 
     Opening a store does no I/O: :meth:`Store.check` reports a bad bucket or credential later."""
@@ -428,4 +451,4 @@ def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,
                        finish_superseded=storage.finish_superseded, nice=storage.upload_nice,
                        bandwidth_mbps=storage.bandwidth_mbps, on_durable=on_durable, registry=registry,
                        url=settings.storage_url, root=settings.checkpoint_root,
-                       staging=settings.runtime_dir / "upload-staging")
+                       staging=settings.runtime_dir / "upload-staging", urgent=urgent)

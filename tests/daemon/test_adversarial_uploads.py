@@ -23,6 +23,7 @@ from spotguard.storage.durable import Durable
 from spotguard.storage.file import FileStore
 
 DURABLE_WITHIN = 30.0
+pytestmark = pytest.mark.slow  # each starts a daemon and a store
 
 
 def write_ckpt(where: Path, step: int, files: dict[str, bytes], *, job: str, latest: bool = True,
@@ -330,7 +331,27 @@ def test_s3_a_fifo_is_refused_and_the_next_checkpoint_is_durable(daemon_factory,
     ckpt = write_ckpt(root, 1, {"w.bin": b"w" * 1000}, job="job")
     _fifo(ckpt, tmp_path)
     commit(daemon, "job", ckpt, 1)
+    refused = wait_until(lambda: uploads(daemon)["refused"].get("job"), "the refusal", daemon)
+    assert "not a regular file" in refused["error"]
     commit(daemon, "job", write_ckpt(root, 2, {"w.bin": b"good"}, job="job"), 2)
     wait_until(lambda: uploads(daemon)["durable"].get("job", {}).get("step") == 2, "step 2 in S3", daemon)
-    assert "not a regular file" in uploads(daemon)["refused"]["job"]["error"]
     assert moto_s3.durable().latest("job") == 2
+
+
+def test_during_a_notice_another_jobs_newer_checkpoint_preempts_the_upload_in_flight(daemon_factory,
+                                                                                      tmp_path):
+    from spotguard.protocol import NotifyRequest
+
+    bucket = tmp_path / "bucket"
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{bucket}",
+                                 "SPOTGUARD_STORAGE__BANDWIDTH_MBPS": "1",
+                                 "SPOTGUARD_STORAGE__CONCURRENCY": "1"})
+    root = daemon.checkpoint_root
+    slow = write_ckpt(root / "slow", 1, {f"{i}.bin": bytes([i]) * 400_000 for i in range(10)}, job="slow")
+    commit(daemon, "slow", slow, 1)
+    wait_until(lambda: uploads(daemon)["uploading"], "the slow upload to start", daemon)
+    assert daemon.request(NotifyRequest(deadline_seconds=120)).ok
+    commit(daemon, "urgent", write_ckpt(root / "urgent", 7, {"w.bin": b"final"}, job="urgent"), 7)
+    wait_until(lambda: durable_latest(bucket, "urgent") == 7, "the urgent checkpoint", daemon)
+    assert durable_latest(bucket, "slow") is None  # it was pre-empted, not finished first
+    wait_until(lambda: durable_latest(bucket, "slow") == 1, "the pre-empted upload, resumed", daemon)

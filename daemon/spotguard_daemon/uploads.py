@@ -32,24 +32,22 @@ Exceptions: none escape the worker; failures are logged once per attempt and ret
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from spotguard._priority import lower_priority
 from spotguard.storage._local import ManifestError
 from spotguard.storage.base import IntegrityError, StoreOptions, open_store
 from spotguard.storage.durable import Durable, DurableInfo
-from spotguard.storage.file import atomic_write
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
 from spotguard_daemon import confine
+from spotguard_daemon.upload_journal import Journal, Upload, UploadMetrics
 
 __all__ = ["UploadQueue", "Upload", "from_settings"]
 
@@ -67,43 +65,6 @@ class Preempted(Exception):
     while a notice is pending; the pre-empted upload is queued again (its objects are reused)."""
 
 
-@dataclass
-class Upload:
-    job_id: str
-    path: str
-    step: int
-    size_bytes: int = 0
-    submitted: float = field(default_factory=time.time)
-    attempts: int = 0
-    not_before: float = 0.0
-    """Unix time before which a failed upload is not retried (other jobs' go first meanwhile)."""
-
-
-class _UploadMetrics:
-    def __init__(self, registry: CollectorRegistry | None) -> None:
-        r = registry or CollectorRegistry()
-        self.bytes = Counter("spotguard_upload_bytes_total", "Bytes sent to the durable store.",
-                             registry=r)
-        self.seconds = Histogram("spotguard_upload_duration_seconds",
-                                 "Duration of one checkpoint upload.", registry=r,
-                                 buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
-        self.failures = Counter("spotguard_upload_failures_total", "Failed upload attempts.", registry=r)
-        self.depth = Gauge("spotguard_upload_queue_depth", "Checkpoints waiting to become durable.",
-                           registry=r)
-        self.durable_step = Gauge("spotguard_upload_last_durable_step",
-                                  "Step of the newest durable checkpoint (any job).", registry=r)
-        self.durable_age = Gauge("spotguard_upload_last_durable_age_seconds",
-                                 "Seconds since the newest checkpoint became durable (NaN: none yet).",
-                                 registry=r)
-        self.restarts = Counter("spotguard_upload_worker_restarts_total",
-                                "Times the upload worker failed and was restarted (a bug).", registry=r)
-        self.refused = Counter("spotguard_upload_refused_total",
-                               "Committed checkpoints refused as unsafe or inconsistent.", registry=r)
-        self.journal_errors = Counter("spotguard_upload_journal_errors_total",
-                                      "Failed writes of the upload journal (full or read-only disk).",
-                                      registry=r)
-
-
 class UploadQueue:
     """Serialises uploads of committed checkpoints to one :class:`Durable` store.
 
@@ -116,7 +77,7 @@ class UploadQueue:
                  registry: CollectorRegistry | None = None, retry_max: float = 30.0,
                  url: str = "", root: Path | None = None, staging: Path | None = None,
                  urgent: Callable[[], bool] = lambda: False) -> None:
-        self.durable, self.journal, self.keep = durable, journal, keep
+        self.durable, self.keep = durable, keep
         self.url = url.split("?", 1)[0]
         """Where checkpoints go, as clients may restore from it (a query string may hold a token)."""
         self.root, self.staging = root, staging or journal.parent / "upload-staging"
@@ -124,7 +85,7 @@ class UploadQueue:
         self.bytes_per_second = bandwidth_mbps * 1e6 if bandwidth_mbps else None
         self.nice = nice
         self.on_durable = on_durable or (lambda job, step, key: None)
-        self.metrics = _UploadMetrics(registry)
+        self.metrics = UploadMetrics(registry)
         self.metrics.durable_age.set_function(self._age)
         self._cond = threading.Condition()
         self._queue: dict[str, Upload] = {}
@@ -132,11 +93,12 @@ class UploadQueue:
         self._progress = (0, 0)
         self._durable: dict[str, dict[str, Any]] = {}
         self._refused: dict[str, dict[str, Any]] = {}
-        self._journal_ok, self._journal_dirty = True, False
         self._restarts = 0
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._load_journal()
+        self.journal = Journal(journal, self.metrics.journal_errors)
+        self._queue, self._durable = self.journal.load()
+        self.metrics.depth.set(len(self._queue))
 
     # ------------------------------------------------------------------ public
 
@@ -190,7 +152,7 @@ class UploadQueue:
                     "durable": {job: dict(d) for job, d in self._durable.items()},
                     "refused": {job: dict(r) for job, r in self._refused.items()},
                     "worker": {"alive": alive, "restarts": self._restarts},
-                    "journal_ok": self._journal_ok}
+                    "journal_ok": self.journal.ok}
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -297,7 +259,7 @@ class UploadQueue:
 
     def _wait_time(self) -> float | None:
         waits = [u.not_before - time.time() for u in self._queue.values()]
-        if self._journal_dirty:
+        if self.journal.dirty:
             waits.append(JOURNAL_RETRY_SECONDS)
         return max(0.05, min(waits)) if waits else None
 
@@ -394,48 +356,13 @@ class UploadQueue:
         return time.time() - max(times) if times else float("nan")
 
     def _save_journal(self) -> None:
-        """Write the journal atomically (the previous one stays whole if this fails); a failure is
-        logged once, counted, and retried by the worker: uploads go on from memory meanwhile."""
+        """Journal what is queued, uploading and durable; never raises (see :class:`Journal`)."""
         entries = list(self._queue.values()) + ([self._current] if self._current else [])
-        body = {"version": 1, "pending": [asdict(u) for u in entries], "durable": self._durable}
-        try:
-            self.journal.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            data = json.dumps(body, indent=1).encode()
-            atomic_write(self.journal, lambda out: out.write(data))
-        except OSError as exc:
-            self.metrics.journal_errors.inc()
-            if self._journal_ok:
-                log.error("cannot write the upload journal %s (%s); uploading from memory and retrying",
-                          self.journal, exc.strerror or exc)
-            self._journal_ok, self._journal_dirty = False, True
-            return
-        if not self._journal_ok:
-            log.warning("upload journal %s written again", self.journal)
-        self._journal_ok, self._journal_dirty = True, False
+        self.journal.save(entries, self._durable)
 
     def _retry_journal(self) -> None:
-        if self._journal_dirty:
+        if self.journal.dirty:
             self._save_journal()
-
-    def _load_journal(self) -> None:
-        try:
-            body = json.loads(self.journal.read_bytes())
-            for entry in body.get("pending", []):
-                upload = Upload(**entry)
-                upload.not_before = 0.0
-                if os.path.isdir(upload.path):
-                    self._queue[upload.job_id] = upload
-                else:
-                    log.warning("journaled checkpoint %s is gone; not uploading it", upload.path)
-            self._durable = {str(k): dict(v) for k, v in body.get("durable", {}).items()}
-        except FileNotFoundError:
-            return
-        except (ValueError, TypeError, AttributeError, OSError) as exc:
-            log.error("upload journal %s is unreadable (%s); starting with an empty queue",
-                      self.journal, exc)
-        if self._queue:
-            log.info("resuming %d journaled upload(s)", len(self._queue))
-        self.metrics.depth.set(len(self._queue))
 
 
 def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,

@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry
 from spotguard._priority import lower_priority
 from spotguard.storage._local import ManifestError
 from spotguard.storage.base import IntegrityError, StoreOptions, open_store
-from spotguard.storage.durable import Durable, DurableInfo
+from spotguard.storage.durable import Durable, DurableInfo, manifest_key
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
 from spotguard_daemon import confine
@@ -54,6 +54,8 @@ __all__ = ["UploadQueue", "Upload", "from_settings"]
 log = logging.getLogger(__name__)
 
 JOURNAL_RETRY_SECONDS = 2.0
+INTEGRITY_ATTEMPTS = 3
+"""A checkpoint whose files disagree with its manifest this many times in a row is refused."""
 
 
 class Superseded(Exception):
@@ -267,6 +269,7 @@ class UploadQueue:
         upload.attempts += 1
         started = time.monotonic()
         try:
+            _check_job(upload.job_id)
             with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
                                 self.staging) as ckpt:
                 info = self.durable.upload(ckpt, upload.job_id,
@@ -280,8 +283,10 @@ class UploadQueue:
             with self._cond:
                 self._current = None
                 self._enqueue(upload)
-        except (confine.UnsafeCheckpoint, ManifestError, IntegrityError) as exc:
+        except (confine.UnsafeCheckpoint, ManifestError) as exc:
             self._refuse(upload, exc)
+        except IntegrityError as exc:  # files changed since the commit, or a corrupt transfer
+            self._refuse(upload, exc) if upload.attempts >= INTEGRITY_ATTEMPTS else self._failed(upload, exc)
         except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
             self._failed(upload, exc)
         else:
@@ -363,6 +368,13 @@ class UploadQueue:
     def _retry_journal(self) -> None:
         if self.journal.dirty:
             self._save_journal()
+
+
+def _check_job(job_id: str) -> None:
+    try:
+        manifest_key(job_id, 0)
+    except ValueError as exc:
+        raise confine.UnsafeCheckpoint(str(exc)) from None
 
 
 def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,

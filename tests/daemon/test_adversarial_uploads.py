@@ -102,6 +102,15 @@ def _symlinked_parent(ckpt: Path, outside: Path) -> None:
     os.symlink(outside.parent / "subdir", ckpt / "sub")
 
 
+def _symlinked_checkpoint_dir(ckpt: Path, outside: Path) -> Path:
+    """``step-0000000001`` is a symlink to a sound checkpoint elsewhere below the root; the commit
+    names the link (the daemon resolves it inside the root, so only the upload can refuse it)."""
+    real = ckpt.parent / ".real"
+    os.rename(ckpt, real)
+    os.symlink(real.name, ckpt)
+    return ckpt
+
+
 def _manifest_names(entry: str):
     def edit(ckpt: Path, outside: Path) -> None:
         manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -122,6 +131,7 @@ HOSTILE = {
     "symout": (_symlink_out_of_root, "not a regular file"),
     "hardlink": (_hard_link, "hard-linked"),
     "symparent": (_symlinked_parent, "not a directory below the root"),
+    "symdir": (_symlinked_checkpoint_dir, "not a directory below the root"),
     "proc": (_manifest_names("/proc/self/environ"), "unusable manifest"),
     "dotdot": (_manifest_names("../../../../proc/self/environ"), "unusable manifest"),
     "nonutf8": (_non_utf8_name, "not UTF-8"),
@@ -143,8 +153,7 @@ def test_hostile_checkpoints_are_refused_and_block_nobody(daemon_factory, tmp_pa
         ckpt = write_ckpt(root / job, 1, files, job=job)
         if job == "symparent":
             os.rename(ckpt / "sub", tmp_path / "discard")
-        make_hostile(ckpt, outside)
-        commit(daemon, job, ckpt, 1)
+        commit(daemon, job, make_hostile(ckpt, outside) or ckpt, 1)
     wait_until(lambda: set(uploads(daemon)["refused"]) >= set(HOSTILE), "every refusal", daemon)
     for job in HOSTILE:
         commit(daemon, job, write_ckpt(root / job, 2, {"w.bin": job.encode()}, job=job), 2)

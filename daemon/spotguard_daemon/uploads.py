@@ -80,6 +80,9 @@ class UploadQueue:
                  url: str = "", root: Path | None = None, staging: Path | None = None,
                  urgent: Callable[[], bool] = lambda: False) -> None:
         self.durable, self.keep = durable, keep
+        self._abandon: type[Exception] | None = None
+        """Why the upload in flight is being abandoned (Superseded or Preempted), decided once, so
+        that every file still in flight raises the same: one drops the upload, the other requeues it."""
         self.url = url.split("?", 1)[0]
         """Where checkpoints go, as clients may restore from it (a query string may hold a token)."""
         self.root, self.staging = root, staging or journal.parent / "upload-staging"
@@ -268,6 +271,7 @@ class UploadQueue:
     def _attempt(self, upload: Upload) -> None:
         upload.attempts += 1
         started = time.monotonic()
+        self._abandon = None
         try:
             _check_job(upload.job_id)
             with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
@@ -299,16 +303,26 @@ class UploadQueue:
         def progress(done: int, total: int) -> None:
             with self._cond:
                 self._progress = (done, total)
-                newer = self._queue.get(upload.job_id)
-                if newer is not None and not self.finish_superseded and not self._stop:
-                    raise Superseded()
-                if any(u.submitted > upload.submitted for u in self._queue.values()) and self._urgent():
-                    raise Preempted()
+                if self._abandon is None:
+                    self._abandon = self._why_abandon(upload)
+                if self._abandon is not None:
+                    raise self._abandon()
             if self.bytes_per_second:
                 ahead = done / self.bytes_per_second - (time.monotonic() - started)
                 if ahead > 0:
                     time.sleep(ahead)
         return progress
+
+    def _why_abandon(self, upload: Upload) -> type[Exception] | None:
+        """Superseded by a newer commit of its job, or pre-empted by another job's newer commit
+        (ready to go) while a notice is pending; lock held."""
+        if upload.job_id in self._queue and not self.finish_superseded and not self._stop:
+            return Superseded
+        now = time.time()
+        if any(u.submitted > upload.submitted and u.not_before <= now for u in self._queue.values()) \
+                and self._urgent():
+            return Preempted
+        return None
 
     def _urgent(self) -> bool:
         try:

@@ -363,4 +363,6 @@ def test_during_a_notice_another_jobs_newer_checkpoint_preempts_the_upload_in_fl
     commit(daemon, "urgent", write_ckpt(root / "urgent", 7, {"w.bin": b"final"}, job="urgent"), 7)
     wait_until(lambda: durable_latest(bucket, "urgent") == 7, "the urgent checkpoint", daemon)
     assert durable_latest(bucket, "slow") is None  # it was pre-empted, not finished first
+    sent = list((bucket / "objects" / "sha256").iterdir())
+    assert len(sent) < 10 + 1, "the pre-empted upload sent every file before the urgent one"
     wait_until(lambda: durable_latest(bucket, "slow") == 1, "the pre-empted upload, resumed", daemon)

@@ -14,7 +14,12 @@
   :mod:`spotguard.storage.durable` requires.
 * **Journaled.** Every accepted commit is written to ``<state_dir>/uploads.json`` (atomically) before
   the request is answered and removed only once durable, so a daemon killed mid-upload resumes on
-  restart; content addressing means objects already in the bucket are not sent again.
+  restart; content addressing means objects already in the bucket are not sent again. A journal
+  that cannot be written (full disk) is retried while uploads go on from memory
+  (:mod:`.upload_journal`), and on start :meth:`UploadQueue.reconcile` queues every job's committed
+  checkpoint under ``root`` that is newer than its durable one.
+* **Confined.** Files are read only through :func:`.confine.staged`; a checkpoint that fails its
+  checks is refused for good (``refused`` in status), never retried, never blocking another.
 * **Background.** The worker thread lowers its CPU priority (``storage.upload_nice``, default 19)
   before it starts; the file pool and the SDKs' transfer threads it creates inherit that niceness
   (Linux niceness is per thread), so hashing and sending a checkpoint yields to a training
@@ -24,10 +29,12 @@
   price: on cores saturated by training an upload progresses slowly, until a notice stops it.
 * **Bounded.** File-level concurrency is the store's (``storage.concurrency``); bandwidth is capped on
   average per file (``storage.bandwidth_mbps``); transient store errors are retried with exponential
-  backoff, forever but never faster than ``retry_max`` seconds apart, because a checkpoint that is
-  not durable yet is exactly what must not be dropped.
+  backoff, forever but never slower than ``retry_max`` seconds apart, because a checkpoint that is
+  not durable yet is exactly what must not be dropped; a failed upload waits without holding up
+  other jobs'.
 
-Exceptions: none escape the worker; failures are logged once per attempt and retried.
+Exceptions: none escape the worker; failures are logged once per attempt and retried, and an error
+that escapes anyway restarts the worker (``spotguard_upload_worker_restarts_total``).
 """
 
 from __future__ import annotations

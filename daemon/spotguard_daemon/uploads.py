@@ -40,6 +40,7 @@ that escapes anyway restarts the worker (``spotguard_upload_worker_restarts_tota
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from dataclasses import asdict
@@ -116,6 +117,7 @@ class UploadQueue:
 
     def start(self) -> None:
         """Start the worker; it first queues what was committed while no daemon ran (:meth:`reconcile`)."""
+        shutil.rmtree(self.staging, ignore_errors=True)  # a killed daemon's views: dangling links
         with self._cond:
             self._spawn(reconcile=True)
 
@@ -155,8 +157,8 @@ class UploadQueue:
     def status(self) -> dict[str, Any]:
         with self._cond:
             self._ensure_worker()
-            pending = [asdict(u) for u in self._queue.values()]
-            current = asdict(self._current) if self._current else None
+            pending = [_shown(u) for u in self._queue.values()]
+            current = _shown(self._current) if self._current else None
             done, total = self._progress
             alive = self._thread is not None and self._thread.is_alive()
             return {"store": self.url, "pending": pending,
@@ -348,7 +350,8 @@ class UploadQueue:
         self.metrics.refused.inc()
         log.error("not uploading %s step %d (%s): %s", upload.job_id, upload.step, upload.path, exc)
         with self._cond:
-            self._refused[upload.job_id] = {"step": upload.step, "path": upload.path, "error": str(exc)}
+            self._refused[upload.job_id] = {"step": upload.step, "path": _printable(upload.path),
+                                            "error": _printable(str(exc))}
         self._finish(upload, None)
 
     def _failed(self, upload: Upload, exc: Exception) -> None:
@@ -389,6 +392,15 @@ class UploadQueue:
     def _retry_journal(self) -> None:
         if self.journal.dirty:
             self._save_journal()
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates (undecodable path bytes) escaped: replies must be UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _shown(upload: Upload) -> dict[str, Any]:
+    return {**asdict(upload), "path": _printable(upload.path)}
 
 
 def _check_job(job_id: str) -> None:

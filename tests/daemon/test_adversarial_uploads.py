@@ -41,7 +41,7 @@ def write_ckpt(where: Path, step: int, files: dict[str, bytes], *, job: str, lat
         "job_id": job, "world_size": 1, "files": table}))
     os.rename(tmp, where / name)
     if latest:
-        (where / "latest").write_text(name + "\n")
+        (where / "latest").write_bytes(os.fsencode(name) + b"\n")
     return where / name
 
 
@@ -366,3 +366,19 @@ def test_during_a_notice_another_jobs_newer_checkpoint_preempts_the_upload_in_fl
     sent = list((bucket / "objects" / "sha256").iterdir())
     assert len(sent) < 10 + 1, "the pre-empted upload sent every file before the urgent one"
     wait_until(lambda: durable_latest(bucket, "slow") == 1, "the pre-empted upload, resumed", daemon)
+
+
+def test_a_checkpoint_directory_with_a_non_utf8_name_is_refused_and_status_still_encodes(daemon_factory,
+                                                                                          tmp_path, ask):
+    bucket = tmp_path / "bucket"
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{bucket}"})
+    root = daemon.checkpoint_root
+    ckpt = write_ckpt(root / "j", 1, {"w.bin": b"w"}, job="j", name=os.fsdecode(b"step-\xff"))
+    raw = json.dumps({"type": "commit", "pid": os.getpid(), "job_id": "j", "path": str(ckpt), "step": 1})
+    reply = ask(daemon.request_endpoint, raw.encode())
+    assert reply is not None and daemon.proc.poll() is None, daemon.output()[-2000:]
+    if reply.ok:  # the daemon may refuse it already at the request; if not, the upload must
+        refused = wait_until(lambda: uploads(daemon)["refused"].get("j"), "the refusal", daemon)
+        assert "not UTF-8" in refused["error"] and "\\udcff" in refused["path"]
+    commit(daemon, "j", write_ckpt(root / "j", 2, {"w.bin": b"good"}, job="j"), 2)
+    wait_until(lambda: durable_latest(bucket, "j") == 2, "the next checkpoint", daemon)

@@ -219,13 +219,20 @@ class Daemon:
 
     async def _check_storage(self) -> None:
         """Report a missing bucket or a refused credential at start-up, in one line, not at the
-        first upload. Whatever the check raises, the daemon keeps serving notices; uploads retry."""
-        try:
-            await asyncio.to_thread(self.queue.durable.store.check)
-        except Exception as exc:  # noqa: BLE001 - any SDK's transport error: never fatal
-            log.error("durable storage unusable: %s", exc if isinstance(exc, StoreError) else repr(exc))
-        else:
+        first upload. Whatever the check raises, the daemon keeps serving notices; uploads retry, and
+        so does the check (backing off to 5 minutes), saying once when the store is usable again."""
+        delay = 1.0
+        while True:
+            try:
+                await asyncio.to_thread(self.queue.durable.store.check)
+            except Exception as exc:  # noqa: BLE001 - any SDK's transport error: never fatal
+                if delay == 1.0:
+                    log.error("durable storage unusable: %s", exc if isinstance(exc, StoreError) else repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 300.0)
+                continue
             log.info("durable storage %s ready", self.settings.storage_url)
+            return
 
     def _clients_changed(self) -> None:
         self.metrics.clients.set(len(self.handler.clients))

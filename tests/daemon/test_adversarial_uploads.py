@@ -382,3 +382,18 @@ def test_a_checkpoint_directory_with_a_non_utf8_name_is_refused_and_status_still
         assert "not UTF-8" in refused["error"] and "\\udcff" in refused["path"]
     commit(daemon, "j", write_ckpt(root / "j", 2, {"w.bin": b"good"}, job="j"), 2)
     wait_until(lambda: durable_latest(bucket, "j") == 2, "the next checkpoint", daemon)
+
+
+def test_a_store_unusable_at_start_up_is_retried_and_the_daemon_keeps_serving(daemon_factory, tmp_path):
+    blocker = tmp_path / "not-yet"
+    blocker.write_text("a plain file where the store's directory must go")
+    bucket = blocker / "bucket"
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{bucket}"})
+    ckpt = write_ckpt(daemon.checkpoint_root, 1, {"w.bin": b"w"}, job="job")
+    commit(daemon, "job", ckpt, 1)
+    wait_until(lambda: "durable storage unusable" in daemon.output(), "the start-up error", daemon)
+    wait_until(lambda: uploads(daemon)["pending"], "the failed upload queued again", daemon)
+    blocker.unlink()  # the store heals
+    wait_until(lambda: durable_latest(bucket, "job") == 1, "the upload after the store healed", daemon)
+    wait_until(lambda: "durable storage file://" in daemon.output(), "the ready line", daemon)
+    assert daemon.output().count("durable storage unusable") == 1 and daemon.proc.poll() is None

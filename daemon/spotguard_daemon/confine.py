@@ -24,6 +24,7 @@ it sends exactly the inodes that were checked. Raises :class:`UnsafeCheckpoint`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -129,6 +130,8 @@ def relative_to_root(root: Path, path: Path) -> list[str]:
 def staged(root: Path, path: Path, step: int, staging: Path) -> Iterator[Path]:
     """Open checkpoint ``path`` (below ``root``, committed as ``step``) safely and yield a private
     directory that :meth:`Durable.upload` can read; everything is closed and removed afterwards."""
+    if not os.path.isdir("/proc/self/fd"):
+        raise OSError(errno.ENOENT, "/proc is not mounted: checkpoints cannot be read safely")
     fds: list[int] = []
     work = staging / uuid.uuid4().hex
     try:

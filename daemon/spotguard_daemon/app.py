@@ -65,7 +65,8 @@ class Daemon:
         self.metrics_port: int | None = None
         self.store = NoticeStore(settings.state_dir / "notices.json")
         self.queue = uploads.from_settings(settings, registry=self.metrics.registry,
-                                           on_durable=self._durable)
+                                           on_durable=self._durable,
+                                           urgent=lambda: bool(self.store.pending()))
         self.handler = RequestHandler(self.store, platform=self.platform,
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
                                       on_change=self._clients_changed, on_commit=self._committed)
@@ -208,8 +209,10 @@ class Daemon:
     # ------------------------------------------------------------------ durability
 
     def _committed(self, request: CommitRequest, path: Path) -> None:
-        """A client committed a checkpoint inside the checkpoint root: make it durable."""
-        self.queue.submit(request.job_id, path, request.step, request.size_bytes)
+        """A client committed a checkpoint inside the checkpoint root: make it durable. The queue gets
+        the path as named, not as resolved, so that it can refuse a symlinked checkpoint directory."""
+        named = Path(os.path.abspath(Path(self.settings.checkpoint_root or path.parent) / request.path))
+        self.queue.submit(request.job_id, named, request.step, request.size_bytes)
 
     def _durable(self, job_id: str, step: int, location: str) -> None:
         """Called from the upload thread once a checkpoint is durable."""
@@ -218,13 +221,20 @@ class Daemon:
 
     async def _check_storage(self) -> None:
         """Report a missing bucket or a refused credential at start-up, in one line, not at the
-        first upload. The daemon keeps serving notices either way; uploads retry."""
-        try:
-            await asyncio.to_thread(self.queue.durable.store.check)
-        except StoreError as exc:
-            log.error("durable storage unusable: %s", exc)
-        else:
+        first upload. Whatever the check raises, the daemon keeps serving notices; uploads retry, and
+        so does the check (backing off to 5 minutes), saying once when the store is usable again."""
+        delay = 1.0
+        while True:
+            try:
+                await asyncio.to_thread(self.queue.durable.store.check)
+            except Exception as exc:  # noqa: BLE001 - any SDK's transport error: never fatal
+                if delay == 1.0:
+                    log.error("durable storage unusable: %s", exc if isinstance(exc, StoreError) else repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 300.0)
+                continue
             log.info("durable storage %s ready", self.settings.storage_url)
+            return
 
     def _clients_changed(self) -> None:
         self.metrics.clients.set(len(self.handler.clients))

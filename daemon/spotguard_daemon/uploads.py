@@ -6,13 +6,20 @@
                                                                        \\--> on_durable(job, step)
 
 * **One job, one checkpoint in flight, newest first.** A newer commit of a job supersedes an older
-  one still queued; one already uploading is abandoned at the next file boundary unless
+  one still queued; while a notice is pending (``urgent``), another job's newer commit pre-empts the
+  upload in flight at the next file boundary (it is queued again and resumes, reusing the objects
+  already sent). One already uploading is abandoned at the next file boundary unless
   ``finish_superseded`` (its objects stay in the bucket and the newer checkpoint reuses them, so the
   abandoned work is not lost). Uploads and retention of one prefix run one at a time, as
   :mod:`spotguard.storage.durable` requires.
 * **Journaled.** Every accepted commit is written to ``<state_dir>/uploads.json`` (atomically) before
   the request is answered and removed only once durable, so a daemon killed mid-upload resumes on
-  restart; content addressing means objects already in the bucket are not sent again.
+  restart; content addressing means objects already in the bucket are not sent again. A journal
+  that cannot be written (full disk) is retried while uploads go on from memory
+  (:mod:`.upload_journal`), and on start :meth:`UploadQueue.reconcile` queues every job's committed
+  checkpoint under ``root`` that is newer than its durable one.
+* **Confined.** Files are read only through :func:`.confine.staged`; a checkpoint that fails its
+  checks is refused for good (``refused`` in status), never retried, never blocking another.
 * **Background.** The worker thread lowers its CPU priority (``storage.upload_nice``, default 19)
   before it starts; the file pool and the SDKs' transfer threads it creates inherit that niceness
   (Linux niceness is per thread), so hashing and sending a checkpoint yields to a training
@@ -22,115 +29,111 @@
   price: on cores saturated by training an upload progresses slowly, until a notice stops it.
 * **Bounded.** File-level concurrency is the store's (``storage.concurrency``); bandwidth is capped on
   average per file (``storage.bandwidth_mbps``); transient store errors are retried with exponential
-  backoff, forever but never faster than ``retry_max`` seconds apart, because a checkpoint that is
-  not durable yet is exactly what must not be dropped.
+  backoff, forever but never slower than ``retry_max`` seconds apart, because a checkpoint that is
+  not durable yet is exactly what must not be dropped; a failed upload waits without holding up
+  other jobs'.
 
-Exceptions: none escape the worker; failures are logged once per attempt and retried.
+Exceptions: none escape the worker; failures are logged once per attempt and retried, and an error
+that escapes anyway restarts the worker (``spotguard_upload_worker_restarts_total``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
+import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from spotguard._priority import lower_priority
-from spotguard.storage.base import StoreError, StoreOptions, open_store
-from spotguard.storage.durable import Durable, DurableInfo
-from spotguard.storage.file import atomic_write
+from spotguard.storage._local import ManifestError
+from spotguard.storage.base import IntegrityError, StoreOptions, open_store
+from spotguard.storage.durable import Durable, DurableInfo, manifest_key
 from spotguard.storage.fresh_node import DEFAULT_JOB
+
+from spotguard_daemon import confine
+from spotguard_daemon.upload_journal import Journal, Upload, UploadMetrics
 
 __all__ = ["UploadQueue", "Upload", "from_settings"]
 
 log = logging.getLogger(__name__)
+
+JOURNAL_RETRY_SECONDS = 2.0
+INTEGRITY_ATTEMPTS = 3
+"""A checkpoint whose files disagree with its manifest this many times in a row is refused."""
 
 
 class Superseded(Exception):
     """Raised inside an upload's progress callback to abandon it for a newer checkpoint."""
 
 
-@dataclass
-class Upload:
-    job_id: str
-    path: str
-    step: int
-    size_bytes: int = 0
-    submitted: float = field(default_factory=time.time)
-    attempts: int = 0
-
-
-class _UploadMetrics:
-    def __init__(self, registry: CollectorRegistry | None) -> None:
-        r = registry or CollectorRegistry()
-        self.bytes = Counter("spotguard_upload_bytes_total", "Bytes sent to the durable store.",
-                             registry=r)
-        self.seconds = Histogram("spotguard_upload_duration_seconds",
-                                 "Duration of one checkpoint upload.", registry=r,
-                                 buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
-        self.failures = Counter("spotguard_upload_failures_total", "Failed upload attempts.", registry=r)
-        self.depth = Gauge("spotguard_upload_queue_depth", "Checkpoints waiting to become durable.",
-                           registry=r)
-        self.durable_step = Gauge("spotguard_upload_last_durable_step",
-                                  "Step of the newest durable checkpoint (any job).", registry=r)
-        self.durable_age = Gauge("spotguard_upload_last_durable_age_seconds",
-                                 "Seconds since the newest checkpoint became durable (NaN: none yet).",
-                                 registry=r)
+class Preempted(Exception):
+    """Raised inside an upload's progress callback to let another job's newer checkpoint go first
+    while a notice is pending; the pre-empted upload is queued again (its objects are reused)."""
 
 
 class UploadQueue:
-    """Serialises uploads of committed checkpoints to one :class:`Durable` store."""
+    """Serialises uploads of committed checkpoints to one :class:`Durable` store.
+
+    ``root`` confines what may be read (:mod:`.confine`; default: each checkpoint's parent);
+    ``staging`` is where the confined views live (default: next to the journal)."""
 
     def __init__(self, durable: Durable, journal: Path, *, keep: int = 3,
                  finish_superseded: bool = False, bandwidth_mbps: float | None = None, nice: int = 19,
                  on_durable: Callable[[str, int, str], None] | None = None,
                  registry: CollectorRegistry | None = None, retry_max: float = 30.0,
-                 url: str = "") -> None:
-        self.durable, self.journal, self.keep = durable, journal, keep
+                 url: str = "", root: Path | None = None, staging: Path | None = None,
+                 urgent: Callable[[], bool] = lambda: False) -> None:
+        self.durable, self.keep = durable, keep
+        self._abandon: type[Exception] | None = None
+        """Why the upload in flight is being abandoned (Superseded or Preempted), decided once, so
+        that every file still in flight raises the same: one drops the upload, the other requeues it."""
         self.url = url.split("?", 1)[0]
         """Where checkpoints go, as clients may restore from it (a query string may hold a token)."""
-        self.finish_superseded, self.retry_max = finish_superseded, retry_max
+        self.root, self.staging = root, staging or journal.parent / "upload-staging"
+        self.finish_superseded, self.retry_max, self.urgent = finish_superseded, retry_max, urgent
         self.bytes_per_second = bandwidth_mbps * 1e6 if bandwidth_mbps else None
         self.nice = nice
         self.on_durable = on_durable or (lambda job, step, key: None)
-        self.metrics = _UploadMetrics(registry)
+        self.metrics = UploadMetrics(registry)
         self.metrics.durable_age.set_function(self._age)
         self._cond = threading.Condition()
         self._queue: dict[str, Upload] = {}
         self._current: Upload | None = None
         self._progress = (0, 0)
         self._durable: dict[str, dict[str, Any]] = {}
+        self._refused: dict[str, dict[str, Any]] = {}
+        self._restarts = 0
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._load_journal()
+        self.journal = Journal(journal, self.metrics.journal_errors)
+        self._queue, self._durable = self.journal.load()
+        self.metrics.depth.set(len(self._queue))
 
     # ------------------------------------------------------------------ public
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="spotguard-uploads", daemon=True)
-        self._thread.start()
+        """Start the worker; it first queues what was committed while no daemon ran (:meth:`reconcile`)."""
+        shutil.rmtree(self.staging, ignore_errors=True)  # a killed daemon's views: dangling links
+        with self._cond:
+            self._spawn(reconcile=True)
 
     def submit(self, job_id: str, path: Path, step: int, size_bytes: int = 0) -> None:
-        """Queue ``path`` (a committed checkpoint directory) for upload; journaled before return.
+        """Queue ``path`` (a committed checkpoint directory) for upload, journaled when the state
+        directory allows (a journal write that fails is retried; the commit is uploaded from memory).
 
         A commit without a job id belongs to the job ``default``, as for the client's restore."""
         job_id = job_id or DEFAULT_JOB
         with self._cond:
-            queued = self._queue.get(job_id)
-            if queued is not None and queued.step >= step:
+            if not self._enqueue(Upload(job_id, str(path), step, size_bytes)):
                 return
-            done = self._durable.get(job_id, {}).get("step", -1)
-            if step <= done:
-                return
-            self._queue[job_id] = Upload(job_id, str(path), step, size_bytes)
             self._save_journal()
             self._cond.notify_all()
-        log.info("queued %s step %d for upload", job_id or "(default job)", step)
+            self._ensure_worker()
+        log.info("queued %s step %d for upload", job_id, step)
 
     def durable_step(self, job_id: str) -> int | None:
         with self._cond:
@@ -153,12 +156,17 @@ class UploadQueue:
 
     def status(self) -> dict[str, Any]:
         with self._cond:
-            pending = [asdict(u) for u in self._queue.values()]
-            current = asdict(self._current) if self._current else None
+            self._ensure_worker()
+            pending = [_shown(u) for u in self._queue.values()]
+            current = _shown(self._current) if self._current else None
             done, total = self._progress
+            alive = self._thread is not None and self._thread.is_alive()
             return {"store": self.url, "pending": pending,
                     "uploading": current, "bytes_pending": sum(u["size_bytes"] for u in pending) + (total - done),
-                    "durable": {job: dict(d) for job, d in self._durable.items()}}
+                    "durable": {job: dict(d) for job, d in self._durable.items()},
+                    "refused": {job: dict(r) for job, r in self._refused.items()},
+                    "worker": {"alive": alive, "restarts": self._restarts},
+                    "journal_ok": self.journal.ok}
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -167,38 +175,132 @@ class UploadQueue:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    # ------------------------------------------------------------------ worker life
+
+    def _spawn(self, reconcile: bool = False) -> None:
+        self._thread = threading.Thread(target=self._run, args=(reconcile,), name="spotguard-uploads",
+                                        daemon=True)
+        self._thread.start()
+
+    def _ensure_worker(self) -> None:
+        """Restart a worker thread that is gone (it should never be); called with the lock held."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stop:
+            log.error("the upload worker had stopped; restarting it")
+            self._restarted()
+            self._spawn()
+
+    def _restarted(self) -> None:
+        self._restarts += 1
+        self.metrics.restarts.inc()
+        if self._current is not None:
+            self._enqueue(self._current)
+            self._current = None
+
+    def _run(self, reconcile: bool) -> None:
+        """The thread: never ends before :meth:`close`, whatever an upload or a store raises."""
+        lower_priority(self.nice)  # before any pool thread exists: they inherit it
+        if reconcile:
+            self._guarded(self.reconcile)
+        while not self._guarded(self._work):
+            time.sleep(1.0)
+
+    def _guarded(self, step: Callable[[], None]) -> bool:
+        try:
+            step()
+            return True
+        except BaseException as exc:  # noqa: BLE001 - the worker must outlive every bug below it
+            log.critical("upload worker failed (%r); restarting it", exc, exc_info=exc)
+            with self._cond:
+                self._restarted()
+            return False
+
+    def reconcile(self) -> None:
+        """Queue each job's committed checkpoint under ``root`` that is newer than its durable one:
+        it was committed while no daemon listened (down, restarting) or its journal entry was lost."""
+        if self.root is None:
+            return
+        for job_id, step, path in confine.committed(self.root):
+            with self._cond:
+                known = max(self._durable.get(job_id, {}).get("step", -1),
+                            self._queue[job_id].step if job_id in self._queue else -1)
+            if step > known and step > self._store_latest(job_id):
+                log.info("found %s step %d committed but not durable; queueing it", job_id, step)
+                self.submit(job_id, path, step)
+
+    def _store_latest(self, job_id: str) -> int:
+        try:
+            latest = self.durable.latest(job_id)
+        except Exception as exc:  # noqa: BLE001 - unreachable store: upload, objects are deduplicated
+            log.info("cannot read durable latest of %s (%s); uploading its local checkpoint", job_id, exc)
+            return -1
+        return -1 if latest is None else latest
+
     # ------------------------------------------------------------------ worker
 
     def _work(self) -> None:
-        lower_priority(self.nice)  # before any pool thread exists: they inherit it
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
-                    self._cond.wait()
+                upload = self._next()
+                while upload is None and not self._stop:
+                    self._cond.wait(self._wait_time())
+                    self._retry_journal()
+                    upload = self._next()
                 if self._stop:
                     return
-                upload = self._next()
             self._attempt(upload)
 
-    def _next(self) -> Upload:
-        """The newest commit across jobs goes first (on a termination notice it is the one that
-        matters); called with the lock held."""
-        job = max(self._queue, key=lambda j: self._queue[j].submitted)
+    def _enqueue(self, upload: Upload) -> bool:
+        """Queue ``upload`` unless a newer one of its job is queued or durable; lock held."""
+        queued = self._queue.get(upload.job_id)
+        done = self._durable.get(upload.job_id, {}).get("step", -1)
+        if (queued is not None and queued.step >= upload.step) or upload.step <= done:
+            return False
+        self._queue[upload.job_id] = upload
+        self.metrics.depth.set(len(self._queue) + (self._current is not None))
+        return True
+
+    def _next(self) -> Upload | None:
+        """The newest commit across jobs whose retry delay is over goes first (on a termination
+        notice it is the one that matters); a failing one never holds up the others. Lock held."""
+        now = time.time()
+        ready = [j for j, u in self._queue.items() if u.not_before <= now]
+        if not ready:
+            return None
+        job = max(ready, key=lambda j: self._queue[j].submitted)
         self._current = self._queue.pop(job)
         self._progress = (0, 0)
-        self.metrics.depth.set(len(self._queue) + 1)
         return self._current
+
+    def _wait_time(self) -> float | None:
+        waits = [u.not_before - time.time() for u in self._queue.values()]
+        if self.journal.dirty:
+            waits.append(JOURNAL_RETRY_SECONDS)
+        return max(0.05, min(waits)) if waits else None
 
     def _attempt(self, upload: Upload) -> None:
         upload.attempts += 1
         started = time.monotonic()
+        self._abandon = None
         try:
-            info = self.durable.upload(Path(upload.path), upload.job_id,
-                                       progress=self._progress_hook(upload, started))
+            _check_job(upload.job_id)
+            with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
+                                self.staging) as ckpt:
+                info = self.durable.upload(ckpt, upload.job_id,
+                                           progress=self._progress_hook(upload, started))
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
             self._finish(upload, None)
-        except (StoreError, OSError) as exc:
+        except Preempted:
+            log.info("upload of %s step %d paused for a newer checkpoint (notice pending)",
+                     upload.job_id, upload.step)
+            with self._cond:
+                self._current = None
+                self._enqueue(upload)
+        except (confine.UnsafeCheckpoint, ManifestError) as exc:
+            self._refuse(upload, exc)
+        except IntegrityError as exc:  # files changed since the commit, or a corrupt transfer
+            self._refuse(upload, exc) if upload.attempts >= INTEGRITY_ATTEMPTS else self._failed(upload, exc)
+        except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
             self._failed(upload, exc)
         else:
             self.metrics.bytes.inc(info.bytes_uploaded)
@@ -210,20 +312,47 @@ class UploadQueue:
         def progress(done: int, total: int) -> None:
             with self._cond:
                 self._progress = (done, total)
-                newer = self._queue.get(upload.job_id)
-                if newer is not None and not self.finish_superseded and not self._stop:
-                    raise Superseded()
+                if self._abandon is None:
+                    self._abandon = self._why_abandon(upload)
+                if self._abandon is not None:
+                    raise self._abandon()
             if self.bytes_per_second:
                 ahead = done / self.bytes_per_second - (time.monotonic() - started)
                 if ahead > 0:
                     time.sleep(ahead)
         return progress
 
+    def _why_abandon(self, upload: Upload) -> type[Exception] | None:
+        """Superseded by a newer commit of its job, or pre-empted by another job's newer commit
+        (ready to go) while a notice is pending; lock held."""
+        if upload.job_id in self._queue and not self.finish_superseded and not self._stop:
+            return Superseded
+        now = time.time()
+        if any(u.submitted > upload.submitted and u.not_before <= now for u in self._queue.values()) \
+                and self._urgent():
+            return Preempted
+        return None
+
+    def _urgent(self) -> bool:
+        try:
+            return bool(self.urgent())
+        except Exception:  # noqa: BLE001 - read from another thread without a lock: a guess is enough
+            return False
+
     def _prune(self, job_id: str) -> None:
         try:
             self.durable.prune(job_id, self.keep)
-        except StoreError as exc:  # retention is retried after the next upload
+        except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
             log.warning("retention of %s failed: %s", job_id, exc)
+
+    def _refuse(self, upload: Upload, exc: Exception) -> None:
+        """A checkpoint that cannot be uploaded as committed: say so once, drop it, go on."""
+        self.metrics.refused.inc()
+        log.error("not uploading %s step %d (%s): %s", upload.job_id, upload.step, upload.path, exc)
+        with self._cond:
+            self._refused[upload.job_id] = {"step": upload.step, "path": _printable(upload.path),
+                                            "error": _printable(str(exc))}
+        self._finish(upload, None)
 
     def _failed(self, upload: Upload, exc: Exception) -> None:
         self.metrics.failures.inc()
@@ -232,10 +361,9 @@ class UploadQueue:
                     upload.job_id, upload.step, upload.attempts, exc, delay)
         with self._cond:
             self._current = None
-            if upload.job_id not in self._queue:
-                self._queue[upload.job_id] = upload
+            upload.not_before = time.time() + delay
+            self._enqueue(upload)
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._stop, timeout=delay)
 
     def _finish(self, upload: Upload, info: DurableInfo | None) -> None:
         with self._cond:
@@ -257,34 +385,34 @@ class UploadQueue:
         return time.time() - max(times) if times else float("nan")
 
     def _save_journal(self) -> None:
+        """Journal what is queued, uploading and durable; never raises (see :class:`Journal`)."""
         entries = list(self._queue.values()) + ([self._current] if self._current else [])
-        body = {"version": 1, "pending": [asdict(u) for u in entries], "durable": self._durable}
-        self.journal.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        data = json.dumps(body, indent=1).encode()
-        atomic_write(self.journal, lambda out: out.write(data))
+        self.journal.save(entries, self._durable)
 
-    def _load_journal(self) -> None:
-        try:
-            body = json.loads(self.journal.read_bytes())
-            for entry in body.get("pending", []):
-                upload = Upload(**entry)
-                if os.path.isdir(upload.path):
-                    self._queue[upload.job_id] = upload
-                else:
-                    log.warning("journaled checkpoint %s is gone; not uploading it", upload.path)
-            self._durable = {str(k): dict(v) for k, v in body.get("durable", {}).items()}
-        except FileNotFoundError:
-            return
-        except (ValueError, TypeError, AttributeError) as exc:
-            log.error("upload journal %s is unreadable (%s); starting with an empty queue",
-                      self.journal, exc)
-        if self._queue:
-            log.info("resuming %d journaled upload(s)", len(self._queue))
-        self.metrics.depth.set(len(self._queue))
+    def _retry_journal(self) -> None:
+        if self.journal.dirty:
+            self._save_journal()
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates (undecodable path bytes) escaped: replies must be UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _shown(upload: Upload) -> dict[str, Any]:
+    return {**asdict(upload), "path": _printable(upload.path)}
+
+
+def _check_job(job_id: str) -> None:
+    try:
+        manifest_key(job_id, 0)
+    except ValueError as exc:
+        raise confine.UnsafeCheckpoint(str(exc)) from None
 
 
 def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,
-                  on_durable: Callable[[str, int, str], None] | None = None) -> UploadQueue:
+                  on_durable: Callable[[str, int, str], None] | None = None,
+                  urgent: Callable[[], bool] = lambda: False) -> UploadQueue:
     """The queue for the daemon's ``storage`` settings (``file://<state_dir>/durable`` by default).
 
     Opening a store does no I/O: :meth:`Store.check` reports a bad bucket or credential later."""
@@ -294,4 +422,5 @@ def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,
                        settings.state_dir / "uploads.json", keep=storage.keep,
                        finish_superseded=storage.finish_superseded, nice=storage.upload_nice,
                        bandwidth_mbps=storage.bandwidth_mbps, on_durable=on_durable, registry=registry,
-                       url=settings.storage_url)
+                       url=settings.storage_url, root=settings.checkpoint_root,
+                       staging=settings.runtime_dir / "upload-staging", urgent=urgent)

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 CommitHook = Callable[[CommitRequest, Path], None]
 MAX_CLIENTS = 4096
+MAX_UNPROVEN = 256
 MAX_MANUAL = 32
 MAX_JOBS = 4096
 MAX_MANIFEST_BYTES = 64 << 20
@@ -138,6 +139,8 @@ class RequestHandler:
         self._known_step = known_step or (lambda job: None)
         self._newest: dict[str, int] = {}
         self._sweep: list[int] = []
+        self._unproven: list[int] = []
+        self._causes: set[str] = set()
         self._full_reap_at = 0.0
 
     async def __call__(self, request: Request) -> Reply:
@@ -152,7 +155,7 @@ class RequestHandler:
 
     def signallable_pids(self) -> list[int]:
         """Pids that may be signalled now: checked against ``/proc`` one by one."""
-        return [c.pid for c in self.clients.values() if c.signallable()]
+        return [c.target for c in self.clients.values() if c.signallable()]
 
     def reap(self, budget: int = REAP_BATCH) -> int:
         """Check up to ``budget`` registrations (round robin) and drop dead ones; return the count."""
@@ -167,8 +170,18 @@ class RequestHandler:
                 self._on_change()
         return len(self.clients)
 
-    def _make_room(self) -> bool:
-        """True when one more client fits, after a full reap (at most once a second) if needed."""
+    def _make_room(self, client: Client) -> bool:
+        """True when one more client fits, after a full reap (at most once a second) if needed.
+
+        Unproven clients (never signalled) take at most ``MAX_UNPROVEN`` places: beyond that the
+        oldest of them is forgotten (nothing can tell whether it is still alive).
+        """
+        if not client.proven:
+            self._unproven = [p for p in self._unproven if p in self.clients and
+                              not self.clients[p].proven][-MAX_UNPROVEN:]
+            if len(self._unproven) >= MAX_UNPROVEN:
+                self.clients.pop(self._unproven.pop(0), None)
+            self._unproven.append(client.pid)
         now = time.monotonic()
         if len(self.clients) >= MAX_CLIENTS and now >= self._full_reap_at:
             self._full_reap_at = now + FULL_REAP_SECONDS
@@ -181,13 +194,13 @@ class RequestHandler:
         known = request.pid in self.clients
         if known and not may_act_for(current_peer.get(), request.pid, self.clients[request.pid]):
             return Reply(ok=False, error=f"register refused: pid {request.pid} is registered by another user")
-        if not known and not self._make_room():
-            return Reply(ok=False, error=f"register refused: {MAX_CLIENTS} clients are registered")
         try:
             client = Client.register(request.pid, request.rank, request.job_id, current_peer.get())
         except PermissionError as exc:
-            log.warning("register refused: %s", exc)
+            self._refused("register", exc)
             return Reply(ok=False, error=f"register refused: {exc}")
+        if not known and not self._make_room(client):
+            return Reply(ok=False, error=f"register refused: {MAX_CLIENTS} clients are registered")
         self.clients[request.pid] = client
         log.info("client pid %d registered (rank %d, job %r, signal %s)", request.pid, request.rank,
                  request.job_id, "yes" if client.uid is not None else "no")
@@ -226,7 +239,7 @@ class RequestHandler:
             path = checkpoint_dir(request.path, self._root, request.step)
             self._check_order(request.job_id or DEFAULT_JOB, request.step)
         except ValueError as exc:
-            log.warning("commit refused: %s", exc)
+            self._refused("commit", exc)
             return Reply(ok=False, error=f"commit refused: {exc}")
         self.on_commit(request, path)
         return Reply(ok=True, data={"path": str(path)})
@@ -241,6 +254,16 @@ class RequestHandler:
         if job not in self._newest and len(self._newest) >= MAX_JOBS:
             self._newest.pop(next(iter(self._newest)))
         self._newest[job] = step
+
+    def _refused(self, what: str, exc: Exception) -> None:
+        """Log a refusal loudly once per cause (numbers aside), at debug after that: a flood of
+        bad requests must not flood the log."""
+        cause = re.sub(r"\d+", "N", f"{what}: {exc}")[:160]
+        if cause in self._causes or len(self._causes) >= 1000:
+            log.debug("%s refused: %s", what, exc)
+            return
+        self._causes.add(cause)
+        log.warning("%s refused: %s (further refusals for this cause are logged at debug)", what, exc)
 
     def _notify(self, request: NotifyRequest) -> Reply:
         if sum(n.source == manual.SOURCE for n in self.store.pending()) >= MAX_MANUAL:

@@ -10,9 +10,11 @@ the client died, or belong to someone else entirely. So a registration records
   (real and effective uid both its own); root may name any. The daemon runs with ``CAP_KILL`` under
   the shipped systemd unit, so without this rule any client could have it signal any process.
 
-A client whose pid is not visible (another PID namespace), or that registered over ``tcp://``
-(which cannot prove who the peer is), is kept until it unregisters or goes away and is **never
-signalled**: it learns of notices over the PUB socket only.
+A client in a container (a child PID namespace) that registers itself is known by the pid the
+kernel reports for the peer. A pid that is not a running process is refused. A client that
+registered over ``tcp://`` (which cannot prove who the peer is), or from an unrelated PID namespace,
+is unproven: kept until it unregisters or is evicted by newer unproven ones, and **never
+signalled**; it learns of notices over the PUB socket only.
 
 Exceptions: none; :func:`owner_uid` and :func:`process_start_time` return None for a pid they
 cannot see.
@@ -67,31 +69,50 @@ class Client:
     start_time: int | None = None
     uid: int | None = None
     """The owner's uid, proven by the peer's credentials; None: unproven, never signalled."""
+    target: int | None = None
+    """The process as this daemon sees it: ``pid``, or the peer's pid when a client in a child
+    PID namespace (a container) registered itself under its own pid."""
 
     @classmethod
     def register(cls, pid: int, rank: int, job_id: str, peer: Peer) -> "Client":
         """A client for ``pid`` as ``peer`` may register it; raises ``PermissionError`` otherwise."""
-        start, uid = process_start_time(pid), owner_uid(pid)
-        if peer.uid is None or start is None:
-            return cls(pid, rank, job_id)  # tcp:// or another PID namespace: never signalled
+        if peer.uid is None or not peer.pid:
+            return cls(pid, rank, job_id)  # tcp://, or a peer in an unrelated PID namespace
+        target = peer.pid if pid != peer.pid and _own_view_pid(peer.pid) == pid else pid
+        start, uid = process_start_time(target), owner_uid(target)
+        if start is None:
+            raise PermissionError(f"pid {pid} is not a running process this daemon can see")
         if peer.uid != 0 and uid != peer.uid:
             raise PermissionError(f"pid {pid} is not a process of uid {peer.uid} (the sender); "
                                   "a client may register only its own processes")
-        return cls(pid, rank, job_id, start_time=start, uid=uid)
+        return cls(pid, rank, job_id, start_time=start, uid=uid, target=target)
+
+    @property
+    def proven(self) -> bool:
+        return self.start_time is not None and self.uid is not None
 
     def alive(self) -> bool:
         """True unless the process is known to be gone (or its pid reused)."""
-        return self.start_time is None or process_start_time(self.pid) == self.start_time
+        return self.target is None or process_start_time(self.target) == self.start_time
 
     def signallable(self) -> bool:
         """Proven owner, same process as registered, and still owned by that uid."""
-        return (self.start_time is not None and self.uid is not None and self.alive()
-                and owner_uid(self.pid) == self.uid)
+        return self.proven and self.alive() and owner_uid(self.target) == self.uid
 
     def public(self) -> dict:
         return {"pid": self.pid, "rank": self.rank, "job_id": self.job_id,
-                "registered_at": self.registered_at, "signal": self.start_time is not None
-                and self.uid is not None}
+                "registered_at": self.registered_at, "signal": self.proven}
+
+
+def _own_view_pid(pid: int) -> int | None:
+    """The pid a process has in its own PID namespace (the last ``NSpid`` entry), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def may_act_for(peer: Peer, pid: int, client: Client | None) -> bool:
@@ -103,6 +124,6 @@ def may_act_for(peer: Peer, pid: int, client: Client | None) -> bool:
     """
     if peer.uid == 0:
         return True
-    if client is not None and client.uid is not None:
+    if client is not None and client.proven:
         return client.uid == peer.uid
     return peer.uid is None or owner_uid(pid) in (None, peer.uid)

@@ -65,19 +65,21 @@ _STEP_DIR = re.compile(r"^step-(\d{10})$")
 def confine(path: str, root: Path) -> Path:
     """Resolve ``path`` (relative ones against ``root``) and return it if it lies inside ``root``.
 
-    Raises ``ValueError`` naming the problem otherwise (a NUL byte, a name that is not UTF-8 too).
+    Raises ``ValueError`` naming the problem otherwise (a NUL byte, a name that is not UTF-8 or
+    too long too).
     """
     real_root = Path(os.path.realpath(root))
     try:
         resolved = Path(os.path.realpath(root / path))
-        os.fsencode(resolved).decode("utf-8")
         str(resolved).encode("utf-8")
+        if not resolved.is_relative_to(real_root):
+            raise ValueError(f"path {_show(path)} resolves outside the checkpoint root {str(real_root)!r}")
+        os.stat(resolved)
+    except FileNotFoundError:
+        raise ValueError(f"path {_show(path)} does not exist") from None
     except (OSError, UnicodeError) as exc:
-        raise ValueError(f"path {path!r} cannot be resolved to a UTF-8 name: {exc}") from None
-    if not resolved.is_relative_to(real_root):
-        raise ValueError(f"path {path!r} resolves outside the checkpoint root {str(real_root)!r}")
-    if not resolved.exists():
-        raise ValueError(f"path {path!r} does not exist")
+        reason = exc.strerror if isinstance(exc, OSError) else "not a UTF-8 name"
+        raise ValueError(f"path {_show(path)} cannot be used: {reason}") from None
     return resolved
 
 
@@ -86,7 +88,7 @@ def checkpoint_dir(path: str, root: Path, step: int) -> Path:
     resolved = confine(path, root)
     match = _STEP_DIR.match(resolved.name)
     if resolved == Path(os.path.realpath(root)) or not match or not resolved.is_dir():
-        raise ValueError(f"path {path!r} is not a committed checkpoint directory "
+        raise ValueError(f"path {_show(path)} is not a committed checkpoint directory "
                          "(step-NNNNNNNNNN below the checkpoint root)")
     if int(match.group(1)) != step:
         raise ValueError(f"step {step} does not match the directory {resolved.name}")
@@ -94,6 +96,11 @@ def checkpoint_dir(path: str, root: Path, step: int) -> Path:
     if manifest_step != step:
         raise ValueError(f"step {step} does not match the manifest's step {manifest_step!r}")
     return resolved
+
+
+def _show(path: str) -> str:
+    """``path`` for a message: quoted, escaped, at most about 200 characters."""
+    return repr(path if len(path) <= 200 else path[:200] + "...")
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

@@ -21,15 +21,19 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import zmq
 from spotguard.protocol import (
-    CommitRequest, NotifyRequest, RegisterRequest, Reply, SafeRequest, StatusRequest, decode_event,
-    decode_reply, encode,
+    CommitRequest, Notice, NotifyRequest, RegisterRequest, Reply, SafeRequest, StatusRequest, decode_event, decode_reply,
+    encode, utcnow,
 )
+from spotguard_daemon.handlers import MAX_MANUAL
 from spotguard_daemon.server import Server
+from spotguard_daemon.store import NoticeStore
+from spotguard_daemon.watchers.manual import manual_notice
 
 LIMIT = 4096
 NO_SIGNAL = {"SPOTGUARD_DELIVERY__SIGNAL": "none", "SPOTGUARD_ZMQ__MAX_MESSAGE_BYTES": str(LIMIT)}
@@ -343,3 +347,106 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+def test_manual_notices_are_capped_and_dead_pids_refused(daemon_factory):
+    daemon = daemon_factory(env=NO_SIGNAL)
+    replies = pipelined(daemon.request_endpoint,
+                        [[b"", encode(NotifyRequest(kind="drill", detail="d" * 1024))] for _ in range(40)])
+    assert sum(r.ok for r in replies) == MAX_MANUAL
+    assert {r.error for r in replies if not r.ok} == {f"notify refused: {MAX_MANUAL} manual notices are pending"}
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = daemon.request(RegisterRequest(pid=gone.pid))
+    assert not dead.ok and "not a running process" in dead.error
+    status = daemon.request(StatusRequest())
+    assert len(status.data["notices"]) == MAX_MANUAL and len(encode(status)) < 1024 * 1024
+
+
+def test_a_drill_without_a_deadline_expires_and_a_platform_notice_does_not():
+    now = [utcnow()]
+    store = NoticeStore(None, stale_after=60, clock=lambda: now[0])
+    drill = manual_notice(NotifyRequest(), platform="none", now=now[0])
+    platform = Notice(id="gcp:preempted", platform="gcp", kind="preempt", source="gcp",
+                      received_at=now[0])
+    store.add(drill)
+    store.reconcile("gcp", [platform])
+    now[0] += timedelta(seconds=59)
+    assert store.expire() == []
+    now[0] += timedelta(seconds=2)
+    assert store.expire() == [drill.id]
+    assert [n.id for n in store.pending()] == [platform.id]
+
+
+@pytest.mark.slow
+def test_a_flood_and_a_peer_that_never_reads_keep_memory_bounded(daemon_factory):
+    """20,000 status requests whose replies are never read, and a subscriber that never reads:
+    the daemon's memory stays bounded (high-water marks) and a valid request is still answered."""
+    daemon = daemon_factory(env=NO_SIGNAL)
+    for _ in range(MAX_MANUAL):
+        assert daemon.request(NotifyRequest(detail="d" * 512)).ok
+    before = rss_bytes(daemon.proc.pid)
+    with zmq.Context() as ctx, ctx.socket(zmq.SUB) as lazy, ctx.socket(zmq.DEALER) as flood:
+        for sock in (lazy, flood):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 10)
+        lazy.setsockopt(zmq.SUBSCRIBE, b"")
+        lazy.connect(daemon.pub_endpoint)
+        flood.connect(daemon.request_endpoint)
+        request = encode(StatusRequest())
+        for _ in range(20_000):
+            flood.send_multipart([b"", request])
+        assert daemon.request(StatusRequest(), timeout=60).ok
+        grown = rss_bytes(daemon.proc.pid) - before
+    print(f"daemon RSS grew by {grown / 1e6:.1f} MB")
+    assert grown < 100 * 1024 * 1024, f"the daemon grew by {grown / 1e6:.0f} MB"
+    reply = daemon.request(StatusRequest())
+    assert reply.ok and len(reply.data["notices"]) == MAX_MANUAL and daemon.proc.poll() is None
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+# --------------------------------------------------------------------------- directories
+
+
+def start_fails(daemon) -> str:
+    """Run the daemon expecting a refusal at start; return its one-line message (log lines aside)."""
+    result = subprocess.run([sys.executable, "-m", "spotguard_daemon", "daemon", *daemon.args],
+                            env=daemon.env, capture_output=True, text=True, timeout=30)
+    (line,) = [x for x in result.stderr.splitlines() if not x[:4].isdigit()]  # log lines: timestamps
+    assert result.returncode == 1 and line.startswith("spotguard: cannot start: "), result.stderr
+    return line
+
+
+def test_an_ipc_endpoint_in_a_shared_directory_leaves_the_directory_alone(daemon_factory, sock_dir):
+    shared, loose = sock_dir / "shared", sock_dir / "loose"
+    for path, mode in ((shared, 0o1777), (loose, 0o777)):
+        path.mkdir()
+        os.chmod(path, mode)
+    daemon = daemon_factory(env={"SPOTGUARD_ZMQ__REQUEST_ENDPOINT": f"ipc://{shared}/req.sock",
+                                 "SPOTGUARD_ZMQ__PUB_ENDPOINT": f"ipc://{shared}/ev.sock"})
+    assert daemon.request(StatusRequest()).ok
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+    assert stat.S_IMODE(os.stat(shared / "req.sock").st_mode) == 0o600
+    daemon.stop()
+    refused = daemon_factory(start=False, env={"SPOTGUARD_ZMQ__REQUEST_ENDPOINT": f"ipc://{loose}/req.sock"})
+    assert "writable by other users without the sticky bit" in start_fails(refused)
+    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o777
+
+
+def test_a_runtime_dir_owned_by_another_user_is_refused_in_one_line(daemon_factory):
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory away needs root")
+    daemon = daemon_factory(start=False)
+    daemon.runtime_dir.mkdir(mode=0o700)
+    os.chown(daemon.runtime_dir, 65534, 65534)
+    assert "belongs to uid 65534" in start_fails(daemon)
+    assert not (daemon.runtime_dir / "requests.sock").exists()

@@ -235,7 +235,7 @@ class RequestHandler:
         if request.pid not in self.clients and any(self.store.safe_count(i) >= MAX_CLIENTS for i in ids):
             return Reply(ok=False, error=f"safe refused: pid {request.pid} is not registered and "
                                          f"{MAX_CLIENTS} pids already reported safe")
-        unknown = [i for i in ids if not self.store.mark_safe(i, request.pid)]
+        unknown = self.store.mark_safe_all(ids, request.pid)
         self._on_change()
         return Reply(ok=True, data={"unknown": unknown})
 

@@ -265,7 +265,11 @@ class Server:
         if reply_to is None:
             log.debug("dropped a message without a routable envelope (%d frames)", len(frames))
             return
-        token = current_peer.set(Peer.of(frames[-1]))
+        peer = Peer.of(frames[-1])
+        if peer.uid is None and ipc_path(self.request_endpoint) is not None:
+            self._log_once("no peer credentials on ipc://", ServerError(
+                "this libzmq does not report SO_PEERCRED; registrations will not be signalled"))
+        token = current_peer.set(peer)
         try:
             reply = await self._answer(body)
         finally:

@@ -190,13 +190,21 @@ class NoticeStore:
 
     def mark_safe(self, notice_id: str, pid: int) -> bool:
         """Record that ``pid`` is safe for the notice; False when the notice is not pending."""
-        entry = self._entries.get(notice_id)
-        if entry is None:
-            return False
-        if pid not in entry.safe:
-            entry.safe.add(pid)
+        return not self.mark_safe_all([notice_id], pid)
+
+    def mark_safe_all(self, notice_ids: Iterable[str], pid: int) -> list[str]:
+        """Record ``pid`` safe for each notice, writing the state file once; return unknown ids."""
+        unknown, changed = [], False
+        for notice_id in notice_ids:
+            entry = self._entries.get(notice_id)
+            if entry is None:
+                unknown.append(notice_id)
+            elif pid not in entry.safe:
+                entry.safe.add(pid)
+                changed = True
+        if changed:
             self._persist()
-        return True
+        return unknown
 
     def safe_count(self, notice_id: str) -> int:
         entry = self._entries.get(notice_id)

@@ -450,3 +450,36 @@ def test_a_runtime_dir_owned_by_another_user_is_refused_in_one_line(daemon_facto
     os.chown(daemon.runtime_dir, 65534, 65534)
     assert "belongs to uid 65534" in start_fails(daemon)
     assert not (daemon.runtime_dir / "requests.sock").exists()
+
+
+NS_CLIENT = """
+import json, os, signal, sys, time, zmq
+got = []
+signal.signal(signal.SIGWINCH, lambda *a: got.append(1))
+sock = zmq.Context().socket(zmq.REQ)
+sock.connect(sys.argv[1])
+sock.send(json.dumps({"type": "register", "pid": os.getpid()}).encode())
+print(os.getpid(), sock.recv().decode(), flush=True)
+deadline = time.monotonic() + 20
+while not got and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("signalled" if got else "nothing", flush=True)
+"""
+
+
+def test_a_client_in_its_own_pid_namespace_is_signalled_by_its_real_pid(daemon_factory):
+    """A container's client registers its namespace pid (1 here): the daemon signals the process the
+    kernel says sent the request, never the pid 1 of its own namespace. (SIGWINCH: harmless if not.)"""
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace needs root")
+    daemon = daemon_factory(env={"SPOTGUARD_DELIVERY__SIGNAL": "SIGWINCH"})
+    client = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", NS_CLIENT,
+                               daemon.request_endpoint], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, reply = client.stdout.readline().split(" ", 1)
+        assert pid == "1" and json.loads(reply)["data"]["signal"] is True, reply
+        assert daemon.request(NotifyRequest(deadline_seconds=60)).ok
+        assert client.stdout.readline().strip() == "signalled"
+        assert "sent SIGWINCH to 1 of 1 processes" in daemon.output()
+    finally:
+        stop(client)

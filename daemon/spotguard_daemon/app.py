@@ -69,7 +69,8 @@ class Daemon:
                                            urgent=lambda: bool(self.store.pending()))
         self.handler = RequestHandler(self.store, platform=self.platform,
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
-                                      on_change=self._clients_changed, on_commit=self._committed)
+                                      on_change=self._clients_changed, on_commit=self._committed,
+                                      known_step=self.queue.durable_step)
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
                              pending_ids=lambda: [n.id for n in self.store.pending()],
@@ -84,6 +85,7 @@ class Daemon:
         self._force = False
         self._failed = False
         self._restoring = False
+        self._settle_soon = False
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -240,8 +242,14 @@ class Daemon:
         self.metrics.clients.set(len(self.handler.clients))
         if hasattr(self, "_changed"):
             self._changed.set()
-            self._acknowledge_ready()
-            self._complete_manual()
+            if not self._settle_soon:  # once per burst of requests: each pass is notices x clients
+                self._settle_soon = True
+                self._loop.call_soon(self._settle)
+
+    def _settle(self) -> None:
+        self._settle_soon = False
+        self._acknowledge_ready()
+        self._complete_manual()
 
     def _complete_manual(self) -> None:
         """A manual notice (a drill, a scripted stop) has done its job once every registered client
@@ -262,9 +270,12 @@ class Daemon:
         return len(pids)
 
     def _all_safe(self, notice_id: str, *, need_one: bool = False) -> bool:
-        clients = self.handler.live_clients()
+        """O(1) while fewer pids reported safe than are registered (the usual case)."""
+        clients = self.handler.clients
+        if (need_one and not clients) or self.store.safe_count(notice_id) < len(clients):
+            return False
         safe = self.store.safe_pids(notice_id)
-        return (bool(clients) or not need_one) and all(c.pid in safe for c in clients)
+        return all(pid in safe for pid in clients)
 
     def _acknowledge_ready(self) -> None:
         """Start Azure events early once every client is safe (at least one), or at the deadline."""
@@ -294,7 +305,7 @@ class Daemon:
         next_ping = loop.time()
         while True:
             self.store.expire()
-            self.metrics.clients.set(len(self.handler.live_clients()))
+            self.metrics.clients.set(self.handler.reap())
             self._acknowledge_ready()
             if watchdog is not None and loop.time() >= next_ping:
                 systemd.notify("WATCHDOG=1")

@@ -1,90 +1,141 @@
 """Answers to the protocol's requests: the client registry, safe reports, commits, manual notices.
 
-The server validates every request before it gets here; these methods only decide. They are quick
-and do no network I/O (the server answers one request at a time).
+The server validates every request before it gets here; these methods only decide. They are quick,
+do no network I/O (the server answers one request at a time) and cost O(1) amortised: nothing here
+walks every client for every request.
 
-Clients are known by pid. A pid is only a name: it may belong to another PID namespace (a sidecar
-container) or be reused after the client died. So each registration records the process's start
-time from ``/proc/<pid>/stat`` when the pid is visible; a client counts as alive (and may be
-signalled) only while the same process still runs, and a client whose pid was not visible is
-kept until it unregisters and is never signalled.
+Who may do what (the peer's credentials come from :data:`~spotguard_daemon.server.current_peer`;
+the rules are in :mod:`spotguard_daemon.peers`): ``register``, ``unregister`` and ``safe`` only for
+the sender's own processes (root: any); a process is signalled only when its owner was proven.
+``status``, ``commit`` and ``notify`` are open to every peer that can reach the socket.
 
-Commits: ``path`` is joined to ``checkpoint_root`` when relative, resolved with ``realpath`` (``..``
-and symlinks followed) and refused unless the result lies inside the resolved root and exists. An
-accepted commit is passed to ``on_commit(request, resolved_path)``; the storage engine should still
-open the files with care (the tree may change after the check).
+Bounds: at most ``MAX_CLIENTS`` registrations (dead ones are reaped a slice at a time by
+:meth:`RequestHandler.reap`, and all at once when the table is full) and ``MAX_MANUAL`` pending
+manual notices; beyond them a request is refused, so a ``status`` reply stays far below the
+clients' 1 MiB limit.
+
+Commits: ``path`` is joined to ``checkpoint_root`` when relative and resolved with ``realpath``
+(``..`` and symlinks followed). It must be a committed checkpoint directory strictly below the
+resolved root: named ``step-NNNNNNNNNN``, holding a regular ``manifest.json`` whose ``step`` is
+the request's. Steps are ordered per job: a step older than one already accepted (or durable) for the
+job is refused, never answered ``ok`` and dropped. An accepted commit is passed to
+``on_commit(request, resolved_path)``; the storage engine should still open the files with care (the
+tree may change after the check).
 
 Exceptions: none; every refusal is an error :class:`~spotguard.protocol.Reply`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass, field
+import re
+import stat
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from spotguard.protocol import (
     CommitRequest, NotifyRequest, RegisterRequest, Reply, Request, SafeRequest, UnregisterRequest,
-    utcnow,
 )
+from spotguard.storage.fresh_node import DEFAULT_JOB
 
+from spotguard_daemon.peers import Client, may_act_for, process_start_time
+from spotguard_daemon.server import current_peer
 from spotguard_daemon.store import NoticeStore
+from spotguard_daemon.watchers import manual
 from spotguard_daemon.watchers.manual import manual_notice
 
-__all__ = ["Client", "RequestHandler", "confine", "process_start_time"]
+__all__ = ["Client", "RequestHandler", "checkpoint_dir", "confine", "process_start_time"]
 
 log = logging.getLogger(__name__)
 
 CommitHook = Callable[[CommitRequest, Path], None]
-
-
-def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, or None when the pid is not visible."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+MAX_CLIENTS = 4096
+MAX_UNPROVEN = 256
+MAX_MANUAL = 32
+MAX_JOBS = 4096
+MAX_MANIFEST_BYTES = 64 << 20
+REAP_BATCH = 256
+FULL_REAP_SECONDS = 1.0
+_STEP_DIR = re.compile(r"^step-(\d{10})$")
 
 
 def confine(path: str, root: Path) -> Path:
     """Resolve ``path`` (relative ones against ``root``) and return it if it lies inside ``root``.
 
-    Raises ``ValueError`` naming the problem otherwise.
+    Raises ``ValueError`` naming the problem otherwise (a NUL byte, a name that is not UTF-8 or
+    too long too).
     """
     real_root = Path(os.path.realpath(root))
-    resolved = Path(os.path.realpath(root / path))
-    if not resolved.is_relative_to(real_root):
-        raise ValueError(f"path {path!r} resolves outside the checkpoint root {str(real_root)!r}")
-    if not resolved.exists():
-        raise ValueError(f"path {path!r} does not exist")
+    try:
+        resolved = Path(os.path.realpath(root / path))
+        str(resolved).encode("utf-8")
+        if not resolved.is_relative_to(real_root):
+            raise ValueError(f"path {_show(path)} resolves outside the checkpoint root {str(real_root)!r}")
+        os.stat(resolved)
+    except FileNotFoundError:
+        raise ValueError(f"path {_show(path)} does not exist") from None
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not a UTF-8 name"
+        raise ValueError(f"path {_show(path)} cannot be used: {reason}") from None
     return resolved
 
 
-@dataclass
-class Client:
-    pid: int
-    rank: int = 0
-    job_id: str = ""
-    registered_at: str = field(default_factory=lambda: utcnow().isoformat())
-    start_time: int | None = None
+def checkpoint_dir(path: str, root: Path, step: int) -> Path:
+    """The committed checkpoint directory ``path`` names, checked against ``step``; else ValueError."""
+    resolved = confine(path, root)
+    match = _STEP_DIR.match(resolved.name)
+    if resolved == Path(os.path.realpath(root)) or not match or not resolved.is_dir():
+        raise ValueError(f"path {_show(path)} is not a committed checkpoint directory "
+                         "(step-NNNNNNNNNN below the checkpoint root)")
+    if int(match.group(1)) != step:
+        raise ValueError(f"step {step} does not match the directory {resolved.name}")
+    manifest_step = _read_manifest(resolved / "manifest.json").get("step")
+    if manifest_step != step:
+        raise ValueError(f"step {step} does not match the manifest's step {manifest_step!r}")
+    return resolved
 
-    def alive(self) -> bool:
-        """True unless the process is known to be gone (or its pid reused)."""
-        return self.start_time is None or process_start_time(self.pid) == self.start_time
 
-    def signallable(self) -> bool:
-        return self.start_time is not None and self.alive()
+def _show(path: str) -> str:
+    """``path`` for a message: quoted, escaped, at most about 200 characters."""
+    return repr(path if len(path) <= 200 else path[:200] + "...")
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, opened without following links or blocking on a FIFO, size-bounded."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ValueError(f"{path.parent.name} has no readable manifest.json ({exc.strerror}): "
+                         "not a committed checkpoint") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{path.parent.name}/manifest.json is not a regular file of at most "
+                             f"{MAX_MANIFEST_BYTES} bytes")
+        data = handle.read(MAX_MANIFEST_BYTES + 1)
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{path.parent.name}/manifest.json is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path.parent.name}/manifest.json is not a JSON object")
+    return manifest
 
 
 class RequestHandler:
-    """Turns each validated request into a :class:`Reply`; ``info()`` feeds ``status``."""
+    """Turns each validated request into a :class:`Reply`; ``info()`` feeds ``status``.
+
+    ``known_step(job_id)`` reports the newest step already durable for a job (the upload queue's),
+    so the per-job order survives a restart.
+    """
 
     def __init__(self, store: NoticeStore, *, platform: str, checkpoint_root: Path | None,
                  info: Callable[[], dict[str, Any]], on_commit: CommitHook | None = None,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 known_step: Callable[[str], int | None] | None = None) -> None:
         self.store = store
         self.clients: dict[int, Client] = {}
         self.on_commit = on_commit or (lambda request, path: None)
@@ -92,47 +143,99 @@ class RequestHandler:
         self._root = checkpoint_root
         self._info = info
         self._on_change = on_change or (lambda: None)
+        self._known_step = known_step or (lambda job: None)
+        self._newest: dict[str, int] = {}
+        self._sweep: list[int] = []
+        self._unproven: list[int] = []
+        self._causes: set[str] = set()
+        self._full_reap_at = 0.0
 
     async def __call__(self, request: Request) -> Reply:
         method = getattr(self, f"_{request.type}")
         return method(request)
 
+    # ------------------------------------------------------------------ registry
+
     def live_clients(self) -> list[Client]:
-        """Registered clients, after dropping those whose process is gone."""
-        for pid in [p for p, c in self.clients.items() if not c.alive()]:
-            log.info("client pid %d is gone; unregistering it", pid)
-            del self.clients[pid]
-            self._on_change()
+        """Registered clients (dead ones are dropped by :meth:`reap`, not here: this is O(1) I/O)."""
         return list(self.clients.values())
 
     def signallable_pids(self) -> list[int]:
-        return [c.pid for c in self.live_clients() if c.signallable()]
+        """Pids that may be signalled now: checked against ``/proc`` one by one."""
+        return [c.target for c in self.clients.values() if c.signallable()]
+
+    def reap(self, budget: int = REAP_BATCH) -> int:
+        """Check up to ``budget`` registrations (round robin) and drop dead ones; return the count."""
+        for _ in range(min(budget, len(self.clients))):
+            if not self._sweep:
+                self._sweep = list(self.clients)
+            pid = self._sweep.pop()
+            client = self.clients.get(pid)
+            if client is not None and not client.alive():
+                log.info("client pid %d is gone; unregistering it", pid)
+                del self.clients[pid]
+                self._on_change()
+        return len(self.clients)
+
+    def _make_room(self, client: Client) -> bool:
+        """True when one more client fits, after a full reap (at most once a second) if needed.
+
+        Unproven clients (never signalled) take at most ``MAX_UNPROVEN`` places: beyond that the
+        oldest of them is forgotten (nothing can tell whether it is still alive).
+        """
+        if not client.proven:
+            self._unproven = [p for p in self._unproven if p in self.clients and
+                              not self.clients[p].proven][-MAX_UNPROVEN:]
+            if len(self._unproven) >= MAX_UNPROVEN:
+                self.clients.pop(self._unproven.pop(0), None)
+            self._unproven.append(client.pid)
+        now = time.monotonic()
+        if len(self.clients) >= MAX_CLIENTS and now >= self._full_reap_at:
+            self._full_reap_at = now + FULL_REAP_SECONDS
+            self.reap(len(self.clients))
+        return len(self.clients) < MAX_CLIENTS
 
     # ------------------------------------------------------------------ requests
 
     def _register(self, request: RegisterRequest) -> Reply:
-        self.clients[request.pid] = Client(request.pid, request.rank, request.job_id,
-                                           start_time=process_start_time(request.pid))
-        log.info("client pid %d registered (rank %d, job %r)", request.pid, request.rank, request.job_id)
+        known = request.pid in self.clients
+        if known and not may_act_for(current_peer.get(), request.pid, self.clients[request.pid]):
+            return Reply(ok=False, error=f"register refused: pid {request.pid} is registered by another user")
+        try:
+            client = Client.register(request.pid, request.rank, request.job_id, current_peer.get())
+        except PermissionError as exc:
+            self._refused("register", exc)
+            return Reply(ok=False, error=f"register refused: {exc}")
+        if not known and not self._make_room(client):
+            return Reply(ok=False, error=f"register refused: {MAX_CLIENTS} clients are registered")
+        self.clients[request.pid] = client
+        log.info("client pid %d registered (rank %d, job %r, signal %s)", request.pid, request.rank,
+                 request.job_id, "yes" if client.uid is not None else "no")
         self._on_change()
-        return Reply(ok=True, data={"notices": self._notices()})
+        return Reply(ok=True, data={"notices": self._notices(), "signal": client.public()["signal"]})
 
     def _unregister(self, request: UnregisterRequest) -> Reply:
+        client = self.clients.get(request.pid)
+        if client is not None and not may_act_for(current_peer.get(), request.pid, client):
+            return Reply(ok=False, error=f"unregister refused: pid {request.pid} is not the sender's")
         known = self.clients.pop(request.pid, None) is not None
         self._on_change()
         return Reply(ok=True, data={"known": known})
 
     def _status(self, _request: Request) -> Reply:
-        clients = [vars(c).copy() for c in self.live_clients()]
-        for client in clients:
-            client.pop("start_time")
+        self.reap()  # a bounded slice: all of a small table, so a dead client is not reported
         safe = {n.id: sorted(self.store.safe_pids(n.id)) for n in self.store.pending()}
         return Reply(ok=True, data={**self._info(), "notices": self._notices(), "safe": safe,
-                                    "clients": clients})
+                                    "clients": [c.public() for c in self.clients.values()]})
 
     def _safe(self, request: SafeRequest) -> Reply:
+        if not may_act_for(current_peer.get(), request.pid, self.clients.get(request.pid)):
+            return Reply(ok=False, error=f"safe refused: pid {request.pid} is not the sender's")
         ids = request.notice_ids or [n.id for n in self.store.pending()]
-        unknown = [i for i in ids if not self.store.mark_safe(i, request.pid)]
+        if request.pid not in self.clients and any(self.store.safe_count(i) >= MAX_CLIENTS for i in ids):
+            return Reply(ok=False, error=f"safe refused: pid {request.pid} is not registered and "
+                                         f"{MAX_CLIENTS} pids already reported safe")
+        unknown = self.store.mark_safe_all(ids, request.pid)
         self._on_change()
         return Reply(ok=True, data={"unknown": unknown})
 
@@ -140,13 +243,38 @@ class RequestHandler:
         if self._root is None:
             return Reply(ok=False, error="commit refused: the daemon has no checkpoint_root configured")
         try:
-            path = confine(request.path, self._root)
+            path = checkpoint_dir(request.path, self._root, request.step)
+            self._check_order(request.job_id or DEFAULT_JOB, request.step)
         except ValueError as exc:
+            self._refused("commit", exc)
             return Reply(ok=False, error=f"commit refused: {exc}")
         self.on_commit(request, path)
         return Reply(ok=True, data={"path": str(path)})
 
+    def _check_order(self, job: str, step: int) -> None:
+        """Record ``step`` as the job's newest; ValueError when an accepted step is newer."""
+        known = self._known_step(job)
+        newest = max(self._newest.get(job, -1), -1 if known is None else known)
+        if step < newest:
+            raise ValueError(f"step {step} is older than step {newest} already accepted for job "
+                             f"{job!r} (a new run needs a new job_id)")
+        if job not in self._newest and len(self._newest) >= MAX_JOBS:
+            self._newest.pop(next(iter(self._newest)))
+        self._newest[job] = step
+
+    def _refused(self, what: str, exc: Exception) -> None:
+        """Log a refusal loudly once per cause (numbers aside), at debug after that: a flood of
+        bad requests must not flood the log."""
+        cause = re.sub(r"\d+", "N", f"{what}: {exc}")[:160]
+        if cause in self._causes or len(self._causes) >= 1000:
+            log.debug("%s refused: %s", what, exc)
+            return
+        self._causes.add(cause)
+        log.warning("%s refused: %s (further refusals for this cause are logged at debug)", what, exc)
+
     def _notify(self, request: NotifyRequest) -> Reply:
+        if sum(n.source == manual.SOURCE for n in self.store.pending()) >= MAX_MANUAL:
+            return Reply(ok=False, error=f"notify refused: {MAX_MANUAL} manual notices are pending")
         notice = manual_notice(request, platform=self.platform)
         self.store.add(notice)
         return Reply(ok=True, data={"notice": notice.model_dump(mode="json")})

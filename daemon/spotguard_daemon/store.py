@@ -16,7 +16,8 @@ loses only the re-announcement, and polled sources report their notice again on 
 Pending notices are persisted to ``<state_dir>/notices.json`` after every change, written atomically
 (temporary file, fsync, ``os.replace``, fsync of the directory, mode 0600), so a daemon that restarts
 while a notice is pending announces it again to the clients that reconnect. Notices whose deadline
-passed more than ``stale_after`` seconds ago are dropped on load and by :meth:`NoticeStore.expire`.
+passed more than ``stale_after`` seconds ago are dropped on load and by :meth:`NoticeStore.expire`,
+and so are manual notices without a deadline received that long ago.
 
 Listeners are plain callables, called synchronously in the order they were added; one that raises
 is logged and does not stop the others (a broken webhook must not hide a notice from the clients).
@@ -37,6 +38,8 @@ from typing import Callable, Iterable, Sequence
 from pydantic import ValidationError
 from spotguard.protocol import Notice, utcnow
 from spotguard.storage.file import atomic_write, make_private_dirs
+
+from spotguard_daemon.watchers.manual import SOURCE as MANUAL_SOURCE
 
 __all__ = ["NoticeStore", "Entry", "write_private_atomic"]
 
@@ -169,7 +172,11 @@ class NoticeStore:
         return stale
 
     def _is_stale(self, notice: Notice) -> bool:
-        return notice.deadline is not None and notice.deadline + self._stale_after < self._clock()
+        """Deadline passed ``stale_after`` ago; a manual notice without a deadline (a drill) goes
+        ``stale_after`` after it was received (no source would ever withdraw it)."""
+        if notice.deadline is None:
+            return notice.source == MANUAL_SOURCE and notice.received_at + self._stale_after < self._clock()
+        return notice.deadline + self._stale_after < self._clock()
 
     # ------------------------------------------------------------------ queries
 
@@ -183,13 +190,25 @@ class NoticeStore:
 
     def mark_safe(self, notice_id: str, pid: int) -> bool:
         """Record that ``pid`` is safe for the notice; False when the notice is not pending."""
-        entry = self._entries.get(notice_id)
-        if entry is None:
-            return False
-        if pid not in entry.safe:
-            entry.safe.add(pid)
+        return not self.mark_safe_all([notice_id], pid)
+
+    def mark_safe_all(self, notice_ids: Iterable[str], pid: int) -> list[str]:
+        """Record ``pid`` safe for each notice, writing the state file once; return unknown ids."""
+        unknown, changed = [], False
+        for notice_id in notice_ids:
+            entry = self._entries.get(notice_id)
+            if entry is None:
+                unknown.append(notice_id)
+            elif pid not in entry.safe:
+                entry.safe.add(pid)
+                changed = True
+        if changed:
             self._persist()
-        return True
+        return unknown
+
+    def safe_count(self, notice_id: str) -> int:
+        entry = self._entries.get(notice_id)
+        return len(entry.safe) if entry else 0
 
     def safe_pids(self, notice_id: str) -> frozenset[int]:
         entry = self._entries.get(notice_id)

@@ -172,7 +172,8 @@ def test_a_registered_client_that_died_is_dropped(daemon_factory, child):
 def test_commit_paths_are_confined_to_the_checkpoint_root(daemon_factory, tmp_path):
     daemon = daemon_factory()
     root = daemon.checkpoint_root
-    (root / "job" / "step-10").mkdir(parents=True)
+    (root / "job" / "step-0000000010").mkdir(parents=True)
+    (root / "job" / "step-0000000010" / "manifest.json").write_text('{"step": 10}')
     outside = tmp_path / "outside"
     outside.mkdir()
     (root / "escape").symlink_to(outside)
@@ -180,9 +181,9 @@ def test_commit_paths_are_confined_to_the_checkpoint_root(daemon_factory, tmp_pa
     def commit(path: str):
         return daemon.request(CommitRequest(pid=os.getpid(), path=path, step=10))
 
-    ok = commit(str(root / "job" / "step-10"))
-    assert ok.ok and ok.data["path"] == str((root / "job" / "step-10").resolve())
-    assert commit("job/step-10").ok  # relative to the root
+    ok = commit(str(root / "job" / "step-0000000010"))
+    assert ok.ok and ok.data["path"] == str((root / "job" / "step-0000000010").resolve())
+    assert commit("job/step-0000000010").ok  # relative to the root
     for bad in (str(root / ".." / "outside"), "../outside", str(root / "escape"), str(outside), "/etc"):
         reply = commit(bad)
         assert not reply.ok and "outside the checkpoint root" in reply.error, (bad, reply)
@@ -236,21 +237,22 @@ def test_accepted_commits_reach_the_on_commit_hook(sock_dir, tmp_path, ask):
     import asyncio
 
     daemon = in_process_daemon(sock_dir, tmp_path)
-    (tmp_path / "ckpt" / "step-5").mkdir()
+    (tmp_path / "ckpt" / "step-0000000005").mkdir()
+    (tmp_path / "ckpt" / "step-0000000005" / "manifest.json").write_text('{"step": 5}')
     seen = []
     daemon.on_commit = lambda request, path: seen.append((request.step, path))
 
     async def main():
         task = asyncio.create_task(daemon.run())
         endpoint = f"ipc://{sock_dir}/run/requests.sock"
-        ok = await asyncio.to_thread(ask, endpoint, CommitRequest(pid=os.getpid(), path="step-5", step=5))
+        ok = await asyncio.to_thread(ask, endpoint, CommitRequest(pid=os.getpid(), path="step-0000000005", step=5))
         bad = await asyncio.to_thread(ask, endpoint, CommitRequest(pid=os.getpid(), path="../x", step=6))
         daemon.stop()
         return ok, bad, await asyncio.wait_for(task, 10)
 
     ok, bad, status = asyncio.run(main())
     assert ok.ok and not bad.ok and status == 0
-    assert seen == [(5, (tmp_path / "ckpt" / "step-5").resolve())]
+    assert seen == [(5, (tmp_path / "ckpt" / "step-0000000005").resolve())]
 
 
 def test_a_core_loop_that_dies_stops_the_daemon_with_status_1(sock_dir, tmp_path):

@@ -33,12 +33,17 @@ def test_runtime_dir_sockets_and_state_file_are_private(daemon_factory):
     assert mode(daemon.state_dir) == 0o700
 
 
-def test_a_loose_existing_runtime_dir_is_tightened(sock_dir, daemon_factory):
+def test_a_world_writable_existing_runtime_dir_is_refused_in_one_line_and_left_alone(sock_dir, daemon_factory):
     run = sock_dir / "run"
     run.mkdir()
     os.chmod(run, 0o777)
-    daemon_factory()
-    assert mode(run) == 0o700
+    daemon = daemon_factory(start=False)
+    result = subprocess.run([sys.executable, "-m", "spotguard_daemon", "daemon", *daemon.args],
+                            env=daemon.env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "is writable by other users (mode 777)" in result.stderr
+    assert mode(run) == 0o777, "a directory the daemon did not create is not its to chmod"
 
 
 def test_a_second_daemon_on_the_same_runtime_dir_is_refused(daemon_factory):

@@ -1,0 +1,129 @@
+"""Registered client processes, and who may register, signal or speak for a pid.
+
+A pid is only a name: it may belong to another PID namespace (a sidecar container), be reused after
+the client died, or belong to someone else entirely. So a registration records
+
+* the process's start time from ``/proc/<pid>/stat``: a client counts as alive (and may be
+  signalled) only while the same process still runs;
+* the uid that owns it, which must be the uid of the peer that registered it (``SO_PEERCRED`` on
+  ``ipc://``, see :class:`~spotguard_daemon.server.Peer`). A peer may name only its own processes
+  (real and effective uid both its own); root may name any. The daemon runs with ``CAP_KILL`` under
+  the shipped systemd unit, so without this rule any client could have it signal any process.
+
+A client in a container (a child PID namespace) that registers itself is known by the pid the
+kernel reports for the peer. A pid that is not a running process is refused. A client that
+registered over ``tcp://`` (which cannot prove who the peer is), or from an unrelated PID namespace,
+is unproven: kept until it unregisters or is evicted by newer unproven ones, and **never
+signalled**; it learns of notices over the PUB socket only.
+
+Exceptions: none; :func:`owner_uid` and :func:`process_start_time` return None for a pid they
+cannot see.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spotguard.protocol import utcnow
+
+from spotguard_daemon.server import Peer
+
+__all__ = ["Client", "may_act_for", "owner_uid", "process_start_time"]
+
+log = logging.getLogger(__name__)
+
+
+def process_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None when the pid is not visible."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def owner_uid(pid: int) -> int | None:
+    """The uid that fully owns the process (real and effective uid equal), else None.
+
+    None also when the pid is not visible. A setuid program run by a user (real uid the user's,
+    effective uid root's) is owned by no one here, so nobody but root can register it.
+    """
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                real, effective = (int(v) for v in line.split()[1:3])
+                return real if real == effective else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+@dataclass
+class Client:
+    pid: int
+    rank: int = 0
+    job_id: str = ""
+    registered_at: str = field(default_factory=lambda: utcnow().isoformat())
+    start_time: int | None = None
+    uid: int | None = None
+    """The owner's uid, proven by the peer's credentials; None: unproven, never signalled."""
+    target: int | None = None
+    """The process as this daemon sees it: ``pid``, or the peer's pid when a client in a child
+    PID namespace (a container) registered itself under its own pid."""
+
+    @classmethod
+    def register(cls, pid: int, rank: int, job_id: str, peer: Peer) -> "Client":
+        """A client for ``pid`` as ``peer`` may register it; raises ``PermissionError`` otherwise."""
+        if peer.uid is None or not peer.pid:
+            return cls(pid, rank, job_id)  # tcp://, or a peer in an unrelated PID namespace
+        target = peer.pid if pid != peer.pid and _own_view_pid(peer.pid) == pid else pid
+        start, uid = process_start_time(target), owner_uid(target)
+        if start is None:
+            raise PermissionError(f"pid {pid} is not a running process this daemon can see")
+        if peer.uid != 0 and uid != peer.uid:
+            raise PermissionError(f"pid {pid} is not a process of uid {peer.uid} (the sender); "
+                                  "a client may register only its own processes")
+        return cls(pid, rank, job_id, start_time=start, uid=uid, target=target)
+
+    @property
+    def proven(self) -> bool:
+        return self.start_time is not None and self.uid is not None
+
+    def alive(self) -> bool:
+        """True unless the process is known to be gone (or its pid reused)."""
+        return self.target is None or process_start_time(self.target) == self.start_time
+
+    def signallable(self) -> bool:
+        """Proven owner, same process as registered, and still owned by that uid."""
+        return self.proven and self.alive() and owner_uid(self.target) == self.uid
+
+    def public(self) -> dict:
+        return {"pid": self.pid, "rank": self.rank, "job_id": self.job_id,
+                "registered_at": self.registered_at, "signal": self.proven}
+
+
+def _own_view_pid(pid: int) -> int | None:
+    """The pid a process has in its own PID namespace (the last ``NSpid`` entry), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def may_act_for(peer: Peer, pid: int, client: Client | None) -> bool:
+    """Whether ``peer`` may unregister ``pid`` or report it safe.
+
+    Root may act for anyone; a client with a proven owner only a peer of that uid; any other pid
+    a ``tcp://`` peer (unproven, like the clients it may act for) or a peer that owns it (or
+    cannot see it).
+    """
+    if peer.uid == 0:
+        return True
+    if client is not None and client.proven:
+        return client.uid == peer.uid
+    return peer.uid is None or owner_uid(pid) in (None, peer.uid)

@@ -62,7 +62,9 @@ class RunnerSettings(_Section):
     backoff_initial: float = Field(0.5, gt=0, le=60)
     """First delay after a failed poll; doubles per consecutive failure, with full jitter."""
     backoff_max: float = Field(30.0, gt=0, le=600)
-    """Ceiling of the backoff delay."""
+    """Ceiling of the backoff delay of advisory paths; a path that can raise a termination notice
+    backs off at most its interval, so a healed endpoint's notice is seen within one interval plus
+    ``request_timeout``."""
 
     @model_validator(mode="after")
     def _ordered(self) -> "RunnerSettings":

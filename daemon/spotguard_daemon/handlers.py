@@ -90,6 +90,7 @@ class RequestHandler:
         self.on_commit = on_commit or (lambda request, path: None)
         self.platform = platform
         self._root = checkpoint_root
+        self._refusals: set[str] = set()
         self._info = info
         self._on_change = on_change or (lambda: None)
 
@@ -138,13 +139,21 @@ class RequestHandler:
 
     def _commit(self, request: CommitRequest) -> Reply:
         if self._root is None:
-            return Reply(ok=False, error="commit refused: the daemon has no checkpoint_root configured")
+            return self._refused("the daemon has no checkpoint_root; restart it with --checkpoint-root "
+                                 "DIR (or SPOTGUARD_CHECKPOINT_ROOT=DIR) above your checkpoints")
         try:
             path = confine(request.path, self._root)
         except ValueError as exc:
-            return Reply(ok=False, error=f"commit refused: {exc}")
+            return self._refused(f"{exc}; the daemon's --checkpoint-root must be a directory above it")
         self.on_commit(request, path)
         return Reply(ok=True, data={"path": str(path)})
+
+    def _refused(self, cause: str) -> Reply:
+        """An error reply; the first refusal of each cause is a WARNING in the daemon log too."""
+        if cause not in self._refusals and len(self._refusals) < 100:
+            self._refusals.add(cause)
+            log.warning("commit refused: %s", cause)
+        return Reply(ok=False, error=f"commit refused: {cause}")
 
     def _notify(self, request: NotifyRequest) -> Reply:
         notice = manual_notice(request, platform=self.platform)

@@ -8,12 +8,16 @@ line naming the setting (:func:`load_settings` raises :class:`SettingsError`).
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
 import os
 import signal as _signal
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     AnyHttpUrl,
     BaseModel,
     ConfigDict,
@@ -24,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 from spotguard._paths import default_runtime_dir as _default_runtime_dir
+
+from .redact import redact_data, redact_text, register, register_environment, register_url
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -37,6 +43,10 @@ DEFAULT_CONFIG_PATH = Path("/etc/spotguard/spotguard.toml")
 
 Platform = Literal["auto", "aws", "gcp", "azure", "alibaba", "none"]
 
+CLIENT_VARIABLES = frozenset({"SPOTGUARD_RECORD", "SPOTGUARD_VENV"})
+"""``SPOTGUARD_*`` variables that are not daemon settings (read by the client or the scripts); any
+other name that is no setting is a typo, refused at start."""
+
 
 class SettingsError(ValueError):
     """A setting is invalid; the message is one line naming the setting and the problem."""
@@ -48,6 +58,57 @@ def _default_state_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/spotguard")
     return Path.home() / ".local" / "state" / "spotguard"
+
+
+def _http_url(value: str | None) -> str | None:
+    """An ``http://`` or ``https://`` URL with a host: anything else would fail at the first request."""
+    if value is None:
+        return value
+    try:
+        parts = urlsplit(value)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError("must be an http:// or https:// URL with a host, like http://169.254.169.254")
+    return value
+
+
+HttpEndpoint = Annotated[str, AfterValidator(_http_url)]
+
+STORE_SCHEMES = ("file://", "s3://", "gs://", "az://", "https://<account>.blob.core.windows.net/")
+
+
+def _store_url(value: str | None) -> str | None:
+    """A store URL that :func:`spotguard.storage.open_store` accepts (checked here, without the SDKs)."""
+    if value is None:
+        return value
+    parts = urlsplit(value)
+    if parts.scheme == "file" or (not parts.scheme and value.startswith("/")):
+        return value
+    azure_https = parts.scheme == "https" and (parts.hostname or "").endswith(".blob.core.windows.net")
+    if parts.scheme not in ("s3", "gs", "az") and not azure_https:
+        raise ValueError(f"unsupported store URL: use {', '.join(STORE_SCHEMES)}")
+    if not (parts.path.strip("/") if azure_https else parts.hostname):
+        raise ValueError("the store URL names no bucket or container")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, ``[v6]`` or a name) is this machine only: ``localhost`` or a
+    loopback address. ``0.0.0.0``, ``*``, ``[::]`` and every other name are not."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _default_checkpoint_root() -> Path | None:
+    cwd = Path.cwd()
+    return None if cwd == Path(cwd.anchor) else cwd
 
 
 class _Section(BaseModel):
@@ -74,7 +135,7 @@ class RunnerSettings(_Section):
 
 
 class AwsSettings(_Section):
-    endpoint: str = "http://169.254.169.254"
+    endpoint: HttpEndpoint = "http://169.254.169.254"
     """IMDS base URL; point it at ``spotguard simulate aws`` to try the daemon without a cloud."""
     interval: float = Field(1.0, gt=0, le=3600)
     """Seconds between polls of each IMDS path (AWS recommends 5, the notice gives about 120)."""
@@ -92,7 +153,7 @@ class AwsSettings(_Section):
 
 
 class GcpSettings(_Section):
-    endpoint: str = "http://metadata.google.internal/computeMetadata/v1"
+    endpoint: HttpEndpoint = "http://metadata.google.internal/computeMetadata/v1"
     """Metadata server base URL (``http://169.254.169.254/computeMetadata/v1`` works too)."""
     long_poll: bool = True
     """Use ``wait_for_change`` long-polls; falls back to polling at ``interval`` when they fail."""
@@ -109,7 +170,7 @@ class GcpSettings(_Section):
 
 
 class AzureSettings(_Section):
-    endpoint: str = "http://169.254.169.254"
+    endpoint: HttpEndpoint = "http://169.254.169.254"
     """IMDS base URL of Scheduled Events."""
     interval: float = Field(1.0, gt=0, le=3600)
     """Seconds between Scheduled Events polls (Microsoft recommends once per second)."""
@@ -124,7 +185,7 @@ class AzureSettings(_Section):
 
 
 class AlibabaSettings(_Section):
-    endpoint: str = "http://100.100.100.200"
+    endpoint: HttpEndpoint = "http://100.100.100.200"
     """ECS metadata server base URL."""
     interval: float = Field(1.0, gt=0, le=3600)
     """Seconds between polls of ``instance/spot/termination-time``."""
@@ -209,7 +270,7 @@ class MetricsSettings(_Section):
 
 
 class StorageSettings(_Section):
-    url: str | None = None
+    url: Annotated[str | None, AfterValidator(_store_url)] = None
     """Durable store: ``file:///dir``, ``s3://bucket/prefix``, ``gs://bucket/prefix``,
     ``az://container/prefix``. Default ``file://<state_dir>/durable``."""
     keep: int = Field(3, ge=1)
@@ -223,7 +284,7 @@ class StorageSettings(_Section):
     upload_nice: int = Field(19, ge=0, le=19)
     """CPU niceness of the upload threads (Linux, per thread; 0: normal priority): uploads are
     background work and yield to training on the same cores; lower it if uploads lag on busy CPUs."""
-    endpoint_url: str | None = None
+    endpoint_url: Annotated[str | None, AfterValidator(_http_url)] = None
     """S3-compatible (or emulator) endpoint; GCS and Azure emulators too."""
     azure_account: str | None = None
     """Storage account name for ``az://container/prefix`` URLs (credentials from ``DefaultAzureCredential``)."""
@@ -247,8 +308,10 @@ class Settings(BaseSettings):
     """Sockets live here (created mode 0700)."""
     state_dir: Path = Field(default_factory=_default_state_dir)
     """Pending notices and the upload journal live here."""
-    checkpoint_root: Path | None = None
-    """Committed checkpoints must lie under this directory; unset refuses every commit."""
+    checkpoint_root: Path | None = Field(default_factory=_default_checkpoint_root)
+    """Committed checkpoints must lie under this directory. Default: the directory the daemon was
+    started in (where ``Run("checkpoints")`` beside it writes), unless that is ``/`` (systemd, most
+    containers): then none, and every commit is refused with a warning naming this setting."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Daemon log level (the client library never configures logging)."""
     log_format: Literal["text", "json"] = "text"
@@ -291,28 +354,52 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _loopback_only(self) -> "Settings":
+        """tcp:// endpoints and metrics listen on loopback only, unless ``zmq.allow_remote``."""
+        if self.zmq.allow_remote:
+            return self
         for field in ("pub_endpoint", "request_endpoint"):
             endpoint = getattr(self.zmq, field)
-            if endpoint and endpoint.startswith("tcp://") and not self.zmq.allow_remote:
-                host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
-                if host not in ("127.0.0.1", "localhost", "[::1]", "::1"):
-                    raise ValueError(
-                        f"zmq.{field}: {endpoint} is not loopback; set zmq.allow_remote=true to allow it"
-                    )
-        if self.metrics.enabled and self.metrics.host not in ("127.0.0.1", "localhost", "::1") \
-                and not self.zmq.allow_remote:
+            if endpoint and endpoint.startswith("tcp://") and not is_loopback(
+                    endpoint[len("tcp://"):].rsplit(":", 1)[0]):
+                raise ValueError(f"zmq.{field}: {endpoint} is not loopback; set zmq.allow_remote=true to allow it")
+        if self.metrics.enabled and not is_loopback(self.metrics.host):
             raise ValueError(f"metrics.host: {self.metrics.host} is not loopback; set zmq.allow_remote=true to allow it")
         return self
 
+    def register_secrets(self) -> None:
+        """Tell :mod:`~spotguard_daemon.redact` the secret values, so no output shows them."""
+        secrets = (self.delivery.webhook_secret, self.storage.azure_connection_string)
+        register(s.get_secret_value() for s in secrets if s is not None)
+        register_environment()
+        for url in (self.delivery.webhook and str(self.delivery.webhook), self.storage.url,
+                    self.storage.endpoint_url, self.aws.endpoint, self.gcp.endpoint, self.azure.endpoint,
+                    self.alibaba.endpoint):
+            register_url(url)
+
 
 def _one_line(exc: ValidationError) -> str:
+    """``where: problem (got 'value')``, secrets masked; a model-level error names its setting itself."""
     err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "settings"
     msg = err["msg"].removeprefix("Value error, ")
+    where = ".".join(str(p) for p in err["loc"])
     value = err.get("input")
-    shown = "" if isinstance(value, (dict, list)) or value is None else f" (got {str(value)[:80]!r})"
+    shown = "" if isinstance(value, (dict, list)) or value is None or "secret" in where \
+        or "connection_string" in where else f" (got {str(value)[:80]!r})"
     more = f" [and {len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
-    return f"{where}: {msg}{shown}{more}"
+    return redact_text(f"{where + ': ' if where else ''}{msg}{shown}{more}")
+
+
+def _unknown_variables(environ: dict[str, str]) -> str | None:
+    """The first ``SPOTGUARD_*`` variable that names no setting (pydantic-settings ignores those
+    at the top level, so a typo such as ``SPOTGUARD_PLATFROM`` would silently do nothing)."""
+    known = {f"SPOTGUARD_{name.upper()}" for name in Settings.model_fields}
+    for name in sorted(environ):
+        upper = name.upper()
+        if upper.startswith("SPOTGUARD_") and upper not in CLIENT_VARIABLES \
+                and upper.split("__", 1)[0] not in known:
+            close = difflib.get_close_matches(upper.split("__", 1)[0], sorted(known), n=1)
+            return f"{name}: no such setting" + (f" (did you mean {close[0]}?)" if close else "")
+    return None
 
 
 def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
@@ -320,6 +407,9 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
 
     Raises :class:`SettingsError` with one line naming the bad setting.
     """
+    unknown = _unknown_variables(dict(os.environ))
+    if unknown:
+        raise SettingsError(unknown)
     if config is None and DEFAULT_CONFIG_PATH.is_file():
         config = DEFAULT_CONFIG_PATH
     if config is not None:
@@ -335,11 +425,15 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
             raise SettingsError(f"--config: {config}: not valid TOML: {exc}") from None
     cls = type("Settings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": config}})
     try:
-        return cls(**{k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         raise SettingsError(_one_line(exc)) from None
+    settings.register_secrets()
+    return settings
 
 
 def redacted(settings: Settings) -> dict[str, Any]:
-    """The effective settings as JSON-able data, secrets shown as ``**********``."""
-    return settings.model_dump(mode="json")
+    """The effective settings as JSON-able data: ``SecretStr`` fields shown as ``**********``, and
+    passwords, query values and credentials inside URLs and other strings masked (see redact.py)."""
+    settings.register_secrets()
+    return redact_data(settings.model_dump(mode="json"))

@@ -46,6 +46,8 @@ from spotguard.storage.durable import Durable, DurableInfo
 from spotguard.storage.file import atomic_write
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
+from .redact import redact_url
+
 __all__ = ["UploadQueue", "Upload", "from_settings"]
 
 log = logging.getLogger(__name__)
@@ -92,8 +94,8 @@ class UploadQueue:
                  registry: CollectorRegistry | None = None, retry_max: float = 30.0,
                  url: str = "") -> None:
         self.durable, self.journal, self.keep = durable, journal, keep
-        self.url = url.split("?", 1)[0]
-        """Where checkpoints go, as clients may restore from it (a query string may hold a token)."""
+        self.url = redact_url(url.split("?", 1)[0])
+        """Where checkpoints go, as clients may restore from it (a query string or a password masked)."""
         self.finish_superseded, self.retry_max = finish_superseded, retry_max
         self.bytes_per_second = bandwidth_mbps * 1e6 if bandwidth_mbps else None
         self.nice = nice

@@ -25,7 +25,7 @@ __all__ = ["MASK", "redact_url", "redact_text", "redact_data", "register", "regi
            "register_url"]
 
 MASK = "***"
-ENVIRONMENT_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+ENVIRONMENT_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
                        "AZURE_STORAGE_KEY", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
                        "AZURE_STORAGE_SAS_TOKEN", "GOOGLE_OAUTH_ACCESS_TOKEN")
 """Environment variables whose values are credentials the SDKs read."""

@@ -67,10 +67,13 @@ def _http_url(value: str | None) -> str | None:
     try:
         parts = urlsplit(value)
         ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        plain = not (parts.query or parts.fragment or "@" in parts.netloc)
     except ValueError:
-        ok = False
+        ok = plain = False
     if not ok:
         raise ValueError("must be an http:// or https:// URL with a host, like http://169.254.169.254")
+    if not plain:
+        raise ValueError("must be a plain http(s)://host[:port][/path] URL: no credentials, no query")
     return value
 
 
@@ -91,6 +94,8 @@ def _store_url(value: str | None) -> str | None:
         raise ValueError(f"unsupported store URL: use {', '.join(STORE_SCHEMES)}")
     if not (parts.path.strip("/") if azure_https else parts.hostname):
         raise ValueError("the store URL names no bucket or container")
+    if "@" in parts.netloc:
+        raise ValueError("credentials do not belong in the store URL; the SDK's credential chain is used")
     return value
 
 

@@ -9,15 +9,12 @@ line naming the setting (:func:`load_settings` raises :class:`SettingsError`).
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import os
 import signal as _signal
 from pathlib import Path
-from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from typing import Any, Literal
 
 from pydantic import (
-    AfterValidator,
     AnyHttpUrl,
     BaseModel,
     ConfigDict,
@@ -29,6 +26,7 @@ from pydantic import (
 )
 from spotguard._paths import default_runtime_dir as _default_runtime_dir
 
+from ._urls import HttpEndpoint, StoreUrl, is_loopback
 from .redact import redact_data, redact_text, register, register_environment, register_url
 from pydantic_settings import (
     BaseSettings,
@@ -58,57 +56,6 @@ def _default_state_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/spotguard")
     return Path.home() / ".local" / "state" / "spotguard"
-
-
-def _http_url(value: str | None) -> str | None:
-    """An ``http://`` or ``https://`` URL with a host: anything else would fail at the first request."""
-    if value is None:
-        return value
-    try:
-        parts = urlsplit(value)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
-        plain = not (parts.query or parts.fragment or "@" in parts.netloc)
-    except ValueError:
-        ok = plain = False
-    if not ok:
-        raise ValueError("must be an http:// or https:// URL with a host, like http://169.254.169.254")
-    if not plain:
-        raise ValueError("must be a plain http(s)://host[:port][/path] URL: no credentials, no query")
-    return value
-
-
-HttpEndpoint = Annotated[str, AfterValidator(_http_url)]
-
-STORE_SCHEMES = ("file://", "s3://", "gs://", "az://", "https://<account>.blob.core.windows.net/")
-
-
-def _store_url(value: str | None) -> str | None:
-    """A store URL that :func:`spotguard.storage.open_store` accepts (checked here, without the SDKs)."""
-    if value is None:
-        return value
-    parts = urlsplit(value)
-    if parts.scheme == "file" or (not parts.scheme and value.startswith("/")):
-        return value
-    azure_https = parts.scheme == "https" and (parts.hostname or "").endswith(".blob.core.windows.net")
-    if parts.scheme not in ("s3", "gs", "az") and not azure_https:
-        raise ValueError(f"unsupported store URL: use {', '.join(STORE_SCHEMES)}")
-    if not (parts.path.strip("/") if azure_https else parts.hostname):
-        raise ValueError("the store URL names no bucket or container")
-    if "@" in parts.netloc:
-        raise ValueError("credentials do not belong in the store URL; the SDK's credential chain is used")
-    return value
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address, ``[v6]`` or a name) is this machine only: ``localhost`` or a
-    loopback address. ``0.0.0.0``, ``*``, ``[::]`` and every other name are not."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _default_checkpoint_root() -> Path | None:
@@ -275,7 +222,7 @@ class MetricsSettings(_Section):
 
 
 class StorageSettings(_Section):
-    url: Annotated[str | None, AfterValidator(_store_url)] = None
+    url: StoreUrl = None
     """Durable store: ``file:///dir``, ``s3://bucket/prefix``, ``gs://bucket/prefix``,
     ``az://container/prefix``. Default ``file://<state_dir>/durable``."""
     keep: int = Field(3, ge=1)
@@ -289,7 +236,7 @@ class StorageSettings(_Section):
     upload_nice: int = Field(19, ge=0, le=19)
     """CPU niceness of the upload threads (Linux, per thread; 0: normal priority): uploads are
     background work and yield to training on the same cores; lower it if uploads lag on busy CPUs."""
-    endpoint_url: Annotated[str | None, AfterValidator(_http_url)] = None
+    endpoint_url: HttpEndpoint | None = None
     """S3-compatible (or emulator) endpoint; GCS and Azure emulators too."""
     azure_account: str | None = None
     """Storage account name for ``az://container/prefix`` URLs (credentials from ``DefaultAzureCredential``)."""

@@ -9,6 +9,7 @@ exceed the watcher's cap: its interval for a path that can raise a termination n
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import pytest
@@ -94,3 +95,26 @@ def test_a_short_retry_after_is_honoured_and_a_long_one_cut_to_the_cap():
     advisory, terminating = asyncio.run(scenario())
     assert advisory == 1.0  # jitter pinned at 0: the wait is the server's Retry-After
     assert terminating == INTERVAL  # a Retry-After beyond the interval would break the bound
+
+
+@pytest.mark.parametrize("every, warnings", [(60.0, 1), (0.0, 5)])
+def test_a_long_fault_logs_one_line_then_one_reminder_per_period(monkeypatch, caplog, every, warnings):
+    from spotguard_daemon.watchers import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "STILL_FAILING_LOG_SECONDS", every)
+
+    async def scenario() -> None:
+        with Simulator("azure") as sim:
+            async with httpx.AsyncClient() as http:
+                settings = settings_for("azure", sim.url)
+                runner = Runner(build_watchers(settings, http, "azure", {})[0], lambda w, s: None,
+                                settings.runner)
+                sim.fault("503")
+                for _ in range(5):
+                    assert not await runner.poll_once()
+
+    with caplog.at_level(logging.DEBUG, logger="spotguard_daemon.watchers.runner"):
+        asyncio.run(scenario())
+    lines = [r for r in caplog.records if r.name.endswith("runner") and r.levelno >= logging.INFO]
+    assert len(lines) == warnings
+    assert all("503" in r.getMessage() for r in lines), [r.getMessage() for r in lines]

@@ -2,12 +2,14 @@
 
 The real ``spotguard`` entry point, as a subprocess: every bad value exits 2 with one line naming
 the setting, no traceback, and nothing started. Also ``--version``, ``status --json`` without a
-daemon, and the default checkpoint root (the daemon's start directory, refused loudly when that is /).
+daemon, and the default checkpoint root (the daemon's start directory; when that is /, commits are
+refused loudly on both sides, once per cause).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from spotguard._daemon_client import DaemonLink
 from spotguard.protocol import CommitRequest, StatusRequest
 
 SPOTGUARD = str(Path(sys.executable).parent / "spotguard")
@@ -134,15 +137,23 @@ def test_the_readme_daemon_accepts_commits_below_its_start_directory(sock_dir, t
     assert f"checkpoint root: {work}" in log
 
 
-def test_a_daemon_started_in_root_refuses_commits_loudly_once_per_cause(sock_dir, tmp_path, ask):
+def test_a_daemon_started_in_root_refuses_commits_loudly_once_per_cause(sock_dir, tmp_path, ask, caplog):
     daemon = Started(sock_dir, tmp_path, Path("/"))
     try:
         daemon.wait_ready(ask)
-        replies = [ask(daemon.endpoint, CommitRequest(pid=os.getpid(), path=str(tmp_path), step=s))
-                   for s in (1, 2, 3)]
+        link = DaemonLink(lambda event: None, pub_endpoint=f"ipc://{sock_dir}/run/events.sock",
+                          request_endpoint=daemon.endpoint, request_timeout=5.0)
+        try:
+            with caplog.at_level(logging.WARNING, logger="spotguard._daemon_client"):
+                replies = [link.request(CommitRequest(pid=os.getpid(), path=str(tmp_path), step=s))
+                           for s in (1, 2, 3)]
+        finally:
+            link.close()
     finally:
         log = daemon.stop()
     assert all(not r.ok and "--checkpoint-root" in r.error for r in replies), replies
+    client_warnings = [r for r in caplog.records if "refused commit" in r.getMessage()]
+    assert len(client_warnings) == 1 and "--checkpoint-root" in client_warnings[0].getMessage()
     refused = [line for line in log.splitlines() if "WARNING" in line and "commit refused" in line]
     assert len(refused) == 1 and "--checkpoint-root" in refused[0], log
     assert "every commit will be refused" in log

@@ -87,6 +87,8 @@ class DaemonLink:
         self._closed = False
         self._seen: set[str] = set()
         """Ids of the notices passed to the sink; a heartbeat listing another one asks status."""
+        self._refused: set[tuple[str, str]] = set()
+        """(request type, error) already warned about: a refusal is loud once per cause."""
 
     @property
     def alive(self) -> bool:
@@ -143,6 +145,9 @@ class DaemonLink:
         finally:
             sock.close(linger=0)
         self._mark_seen()
+        if not reply.ok and (message.type, reply.error) not in self._refused and len(self._refused) < 100:
+            self._refused.add((message.type, reply.error))
+            log.warning("the daemon refused %s: %s", message.type, reply.error)
         return reply
 
     def close(self) -> None:

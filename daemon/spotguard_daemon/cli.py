@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from spotguard import __version__
 from spotguard.protocol import Kind
 from spotguard_daemon.settings import Settings, SettingsError, load_settings, redacted
 
@@ -73,6 +74,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", message="spotguard %(version)s")
 def main() -> None:
     """spotguard: ride spot and preemptible machines without losing training work."""
 
@@ -110,10 +112,23 @@ def _run_daemon(settings: Settings) -> None:
     from spotguard_daemon.server import ServerError
 
     logs.configure(settings.log_level, settings.log_format)
+    _announce_root(settings)
     try:
         sys.exit(asyncio.run(Daemon(settings).run()))
     except (ServerError, OSError) as exc:
         _fail(1, f"cannot start: {exc}")
+
+
+def _announce_root(settings: Settings) -> None:
+    """Say where commits may lie, or loudly that every commit will be refused."""
+    import logging
+
+    log = logging.getLogger("spotguard_daemon")
+    if settings.checkpoint_root is None:
+        log.warning("no checkpoint_root (started in /): every commit will be refused; set "
+                    "--checkpoint-root DIR or SPOTGUARD_CHECKPOINT_ROOT=DIR")
+    else:
+        log.info("checkpoint root: %s (commits must lie below it)", settings.checkpoint_root)
 
 
 @main.command()
@@ -121,15 +136,21 @@ def _run_daemon(settings: Settings) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status reply as JSON.")
 @click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon.")
 def status(config: str | None, as_json: bool, timeout: float) -> None:
-    """Show the daemon's pending notices and clients; exit 1 when it does not answer."""
+    """Show the daemon's pending notices and clients; exit 1 when it does not answer (with
+    ``--json``, a JSON object ``{"ok": false, "error": ...}`` on stdout as well)."""
     from spotguard.protocol import StatusRequest
+
+    from spotguard_daemon.redact import redact_data
 
     endpoint = _settings(config).request_endpoint
     reply = request(endpoint, StatusRequest(), timeout)
     if reply is None:
-        _fail(1, f"no daemon answered on {endpoint} within {timeout:g} s")
+        error = f"no daemon answered on {endpoint} within {timeout:g} s"
+        if as_json:
+            click.echo(json.dumps({"ok": False, "error": error, "endpoint": endpoint}))
+        _fail(1, error)
     if as_json:
-        click.echo(json.dumps(reply.data, indent=2))
+        click.echo(json.dumps(redact_data(reply.data), indent=2))
     else:
         click.echo(_human_status(reply.data))
 
@@ -218,9 +239,7 @@ def simulate(platform: str, host: str, port: int, options: tuple[str, ...]) -> N
 
 @main.command()
 def version() -> None:
-    """Print the version."""
-    from spotguard import __version__
-
+    """Print the version (also ``spotguard --version``)."""
     click.echo(f"spotguard {__version__}")
 
 

@@ -241,7 +241,10 @@ class RequestHandler:
 
     def _commit(self, request: CommitRequest) -> Reply:
         if self._root is None:
-            return Reply(ok=False, error="commit refused: the daemon has no checkpoint_root configured")
+            exc = ValueError("the daemon has no checkpoint_root; restart it with --checkpoint-root DIR "
+                             "(or SPOTGUARD_CHECKPOINT_ROOT=DIR) above your checkpoints")
+            self._refused("commit", exc)
+            return Reply(ok=False, error=f"commit refused: {exc}")
         try:
             path = checkpoint_dir(request.path, self._root, request.step)
             self._check_order(request.job_id or DEFAULT_JOB, request.step)

@@ -4,6 +4,10 @@ Only the entry point calls :func:`configure`; library modules use ``logging.getL
 and never install handlers. Calling it again replaces the handler it installed before (tests and
 the CLI may call it more than once) and leaves other handlers alone.
 
+Every record that reaches the handler, at every level, passes :class:`RedactFilter` first, so no
+secret (see :mod:`spotguard_daemon.redact`) reaches the log, whichever module wrote the line. The
+cloud SDKs' own loggers stay at WARNING or above even at DEBUG: they dump request headers.
+
 Exceptions: none.
 """
 
@@ -14,10 +18,28 @@ import logging
 import sys
 from datetime import datetime, timezone
 
-__all__ = ["configure", "JsonFormatter"]
+from .redact import redact_text
+
+__all__ = ["configure", "JsonFormatter", "RedactFilter"]
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _MARK = "_spotguard_handler"
+_NOISY = ("httpx", "httpcore", "asyncio", "botocore", "boto3", "s3transfer", "urllib3", "azure",
+          "google", "requests")
+
+
+class RedactFilter(logging.Filter):
+    """Masks secrets in the message and the traceback of every record (it never drops one)."""
+
+    _plain = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact_text(record.getMessage()), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self._plain.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_text(record.exc_text)
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -30,8 +52,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
+        if record.exc_info or record.exc_text:
+            doc["exc"] = record.exc_text or self.formatException(record.exc_info)
         return json.dumps(doc, default=str)
 
 
@@ -42,8 +64,9 @@ def configure(level: str = "INFO", fmt: str = "text") -> None:
         root.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     setattr(handler, _MARK, True)
+    handler.addFilter(RedactFilter())
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT_FORMAT))
     root.addHandler(handler)
     root.setLevel(level)
-    for noisy in ("httpx", "httpcore", "asyncio"):
+    for noisy in _NOISY:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))

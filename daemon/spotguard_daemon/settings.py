@@ -8,6 +8,7 @@ line naming the setting (:func:`load_settings` raises :class:`SettingsError`).
 
 from __future__ import annotations
 
+import difflib
 import os
 import signal as _signal
 from pathlib import Path
@@ -24,6 +25,9 @@ from pydantic import (
     model_validator,
 )
 from spotguard._paths import default_runtime_dir as _default_runtime_dir
+
+from ._urls import HttpEndpoint, StoreUrl, is_loopback
+from .redact import redact_data, redact_text, register, register_environment, register_url
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -36,6 +40,10 @@ __all__ = ["Settings", "SettingsError", "load_settings", "DEFAULT_CONFIG_PATH", 
 DEFAULT_CONFIG_PATH = Path("/etc/spotguard/spotguard.toml")
 
 Platform = Literal["auto", "aws", "gcp", "azure", "alibaba", "none"]
+
+CLIENT_VARIABLES = frozenset({"SPOTGUARD_RECORD", "SPOTGUARD_VENV"})
+"""``SPOTGUARD_*`` variables that are not daemon settings (read by the client or the scripts); any
+other name that is no setting is a typo, refused at start."""
 
 
 class SettingsError(ValueError):
@@ -50,6 +58,11 @@ def _default_state_dir() -> Path:
     return Path.home() / ".local" / "state" / "spotguard"
 
 
+def _default_checkpoint_root() -> Path | None:
+    cwd = Path.cwd()
+    return None if cwd == Path(cwd.anchor) else cwd
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -62,7 +75,9 @@ class RunnerSettings(_Section):
     backoff_initial: float = Field(0.5, gt=0, le=60)
     """First delay after a failed poll; doubles per consecutive failure, with full jitter."""
     backoff_max: float = Field(30.0, gt=0, le=600)
-    """Ceiling of the backoff delay."""
+    """Ceiling of the backoff delay of advisory paths; a path that can raise a termination notice
+    backs off at most its interval, so a healed endpoint's notice is seen within one interval plus
+    ``request_timeout``."""
 
     @model_validator(mode="after")
     def _ordered(self) -> "RunnerSettings":
@@ -72,7 +87,7 @@ class RunnerSettings(_Section):
 
 
 class AwsSettings(_Section):
-    endpoint: str = "http://169.254.169.254"
+    endpoint: HttpEndpoint = "http://169.254.169.254"
     """IMDS base URL; point it at ``spotguard simulate aws`` to try the daemon without a cloud."""
     interval: float = Field(1.0, gt=0, le=3600)
     """Seconds between polls of each IMDS path (AWS recommends 5, the notice gives about 120)."""
@@ -90,7 +105,7 @@ class AwsSettings(_Section):
 
 
 class GcpSettings(_Section):
-    endpoint: str = "http://metadata.google.internal/computeMetadata/v1"
+    endpoint: HttpEndpoint = "http://metadata.google.internal/computeMetadata/v1"
     """Metadata server base URL (``http://169.254.169.254/computeMetadata/v1`` works too)."""
     long_poll: bool = True
     """Use ``wait_for_change`` long-polls; falls back to polling at ``interval`` when they fail."""
@@ -107,7 +122,7 @@ class GcpSettings(_Section):
 
 
 class AzureSettings(_Section):
-    endpoint: str = "http://169.254.169.254"
+    endpoint: HttpEndpoint = "http://169.254.169.254"
     """IMDS base URL of Scheduled Events."""
     interval: float = Field(1.0, gt=0, le=3600)
     """Seconds between Scheduled Events polls (Microsoft recommends once per second)."""
@@ -122,7 +137,7 @@ class AzureSettings(_Section):
 
 
 class AlibabaSettings(_Section):
-    endpoint: str = "http://100.100.100.200"
+    endpoint: HttpEndpoint = "http://100.100.100.200"
     """ECS metadata server base URL."""
     interval: float = Field(1.0, gt=0, le=3600)
     """Seconds between polls of ``instance/spot/termination-time``."""
@@ -207,7 +222,7 @@ class MetricsSettings(_Section):
 
 
 class StorageSettings(_Section):
-    url: str | None = None
+    url: StoreUrl = None
     """Durable store: ``file:///dir``, ``s3://bucket/prefix``, ``gs://bucket/prefix``,
     ``az://container/prefix``. Default ``file://<state_dir>/durable``."""
     keep: int = Field(3, ge=1)
@@ -221,7 +236,7 @@ class StorageSettings(_Section):
     upload_nice: int = Field(19, ge=0, le=19)
     """CPU niceness of the upload threads (Linux, per thread; 0: normal priority): uploads are
     background work and yield to training on the same cores; lower it if uploads lag on busy CPUs."""
-    endpoint_url: str | None = None
+    endpoint_url: HttpEndpoint | None = None
     """S3-compatible (or emulator) endpoint; GCS and Azure emulators too."""
     azure_account: str | None = None
     """Storage account name for ``az://container/prefix`` URLs (credentials from ``DefaultAzureCredential``)."""
@@ -245,8 +260,10 @@ class Settings(BaseSettings):
     """Sockets live here (created mode 0700)."""
     state_dir: Path = Field(default_factory=_default_state_dir)
     """Pending notices and the upload journal live here."""
-    checkpoint_root: Path | None = None
-    """Committed checkpoints must lie under this directory; unset refuses every commit."""
+    checkpoint_root: Path | None = Field(default_factory=_default_checkpoint_root)
+    """Committed checkpoints must lie under this directory. Default: the directory the daemon was
+    started in (where ``Run("checkpoints")`` beside it writes), unless that is ``/`` (systemd, most
+    containers): then none, and every commit is refused with a warning naming this setting."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Daemon log level (the client library never configures logging)."""
     log_format: Literal["text", "json"] = "text"
@@ -289,28 +306,52 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _loopback_only(self) -> "Settings":
+        """tcp:// endpoints and metrics listen on loopback only, unless ``zmq.allow_remote``."""
+        if self.zmq.allow_remote:
+            return self
         for field in ("pub_endpoint", "request_endpoint"):
             endpoint = getattr(self.zmq, field)
-            if endpoint and endpoint.startswith("tcp://") and not self.zmq.allow_remote:
-                host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
-                if host not in ("127.0.0.1", "localhost", "[::1]", "::1"):
-                    raise ValueError(
-                        f"zmq.{field}: {endpoint} is not loopback; set zmq.allow_remote=true to allow it"
-                    )
-        if self.metrics.enabled and self.metrics.host not in ("127.0.0.1", "localhost", "::1") \
-                and not self.zmq.allow_remote:
+            if endpoint and endpoint.startswith("tcp://") and not is_loopback(
+                    endpoint[len("tcp://"):].rsplit(":", 1)[0]):
+                raise ValueError(f"zmq.{field}: {endpoint} is not loopback; set zmq.allow_remote=true to allow it")
+        if self.metrics.enabled and not is_loopback(self.metrics.host):
             raise ValueError(f"metrics.host: {self.metrics.host} is not loopback; set zmq.allow_remote=true to allow it")
         return self
 
+    def register_secrets(self) -> None:
+        """Tell :mod:`~spotguard_daemon.redact` the secret values, so no output shows them."""
+        secrets = (self.delivery.webhook_secret, self.storage.azure_connection_string)
+        register(s.get_secret_value() for s in secrets if s is not None)
+        register_environment()
+        for url in (self.delivery.webhook and str(self.delivery.webhook), self.storage.url,
+                    self.storage.endpoint_url, self.aws.endpoint, self.gcp.endpoint, self.azure.endpoint,
+                    self.alibaba.endpoint):
+            register_url(url)
+
 
 def _one_line(exc: ValidationError) -> str:
+    """``where: problem (got 'value')``, secrets masked; a model-level error names its setting itself."""
     err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "settings"
     msg = err["msg"].removeprefix("Value error, ")
+    where = ".".join(str(p) for p in err["loc"])
     value = err.get("input")
-    shown = "" if isinstance(value, (dict, list)) or value is None else f" (got {str(value)[:80]!r})"
+    shown = "" if isinstance(value, (dict, list)) or value is None or "secret" in where \
+        or "connection_string" in where else f" (got {str(value)[:80]!r})"
     more = f" [and {len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
-    return f"{where}: {msg}{shown}{more}"
+    return redact_text(f"{where + ': ' if where else ''}{msg}{shown}{more}")
+
+
+def _unknown_variables(environ: dict[str, str]) -> str | None:
+    """The first ``SPOTGUARD_*`` variable that names no setting (pydantic-settings ignores those
+    at the top level, so a typo such as ``SPOTGUARD_PLATFROM`` would silently do nothing)."""
+    known = {f"SPOTGUARD_{name.upper()}" for name in Settings.model_fields}
+    for name in sorted(environ):
+        upper = name.upper()
+        if upper.startswith("SPOTGUARD_") and upper not in CLIENT_VARIABLES \
+                and upper.split("__", 1)[0] not in known:
+            close = difflib.get_close_matches(upper.split("__", 1)[0], sorted(known), n=1)
+            return f"{name}: no such setting" + (f" (did you mean {close[0]}?)" if close else "")
+    return None
 
 
 def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
@@ -318,6 +359,9 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
 
     Raises :class:`SettingsError` with one line naming the bad setting.
     """
+    unknown = _unknown_variables(dict(os.environ))
+    if unknown:
+        raise SettingsError(unknown)
     if config is None and DEFAULT_CONFIG_PATH.is_file():
         config = DEFAULT_CONFIG_PATH
     if config is not None:
@@ -333,11 +377,15 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
             raise SettingsError(f"--config: {config}: not valid TOML: {exc}") from None
     cls = type("Settings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": config}})
     try:
-        return cls(**{k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         raise SettingsError(_one_line(exc)) from None
+    settings.register_secrets()
+    return settings
 
 
 def redacted(settings: Settings) -> dict[str, Any]:
-    """The effective settings as JSON-able data, secrets shown as ``**********``."""
-    return settings.model_dump(mode="json")
+    """The effective settings as JSON-able data: ``SecretStr`` fields shown as ``**********``, and
+    passwords, query values and credentials inside URLs and other strings masked (see redact.py)."""
+    settings.register_secrets()
+    return redact_data(settings.model_dump(mode="json"))

@@ -56,6 +56,7 @@ from spotguard.storage.fresh_node import DEFAULT_JOB
 
 from spotguard_daemon import confine
 from spotguard_daemon.upload_journal import Journal, Upload, UploadMetrics
+from spotguard_daemon.redact import redact_url
 
 __all__ = ["UploadQueue", "Upload", "from_settings"]
 
@@ -91,8 +92,8 @@ class UploadQueue:
         self._abandon: type[Exception] | None = None
         """Why the upload in flight is being abandoned (Superseded or Preempted), decided once, so
         that every file still in flight raises the same: one drops the upload, the other requeues it."""
-        self.url = url.split("?", 1)[0]
-        """Where checkpoints go, as clients may restore from it (a query string may hold a token)."""
+        self.url = redact_url(url.split("?", 1)[0])
+        """Where checkpoints go, as clients may restore from it (a query string or a password masked)."""
         self.root, self.staging = root, staging or journal.parent / "upload-staging"
         self.finish_superseded, self.retry_max, self.urgent = finish_superseded, retry_max, urgent
         self.bytes_per_second = bandwidth_mbps * 1e6 if bandwidth_mbps else None

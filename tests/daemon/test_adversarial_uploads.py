@@ -141,12 +141,14 @@ if os.geteuid() != 0:
 
 
 def test_hostile_checkpoints_are_refused_and_block_nobody(daemon_factory, tmp_path):
-    """Every hostile checkpoint is named in status as refused; every job's next checkpoint, and
-    another job's, is durable; nothing from outside the root reached the bucket."""
+    """Every hostile checkpoint is refused, by the request handler or else by the upload queue (and
+    then named in status); every job's next checkpoint, and another job's, is durable; nothing from
+    outside the root reached the bucket."""
     bucket = tmp_path / "bucket"
     daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{bucket}"})
     root = daemon.checkpoint_root
     secret = b"secret outside the root " * 100
+    at_request: dict[str, str] = {}
     for job, (make_hostile, _) in HOSTILE.items():
         outside = tmp_path / "outside" / job / "secret.bin"
         outside.parent.mkdir(parents=True)
@@ -155,8 +157,12 @@ def test_hostile_checkpoints_are_refused_and_block_nobody(daemon_factory, tmp_pa
         ckpt = write_ckpt(root / job, 1, files, job=job)
         if job == "symparent":
             os.rename(ckpt / "sub", tmp_path / "discard")
-        commit(daemon, job, make_hostile(ckpt, outside) or ckpt, 1)
-    wait_until(lambda: set(uploads(daemon)["refused"]) >= set(HOSTILE), "every refusal", daemon)
+        path = make_hostile(ckpt, outside) or ckpt
+        reply = daemon.request(CommitRequest(pid=os.getpid(), job_id=job, path=str(path), step=1))
+        if not reply.ok:
+            at_request[job] = reply.error
+    wait_until(lambda: set(uploads(daemon)["refused"]) | set(at_request) >= set(HOSTILE), "every refusal",
+               daemon)
     for job in HOSTILE:
         commit(daemon, job, write_ckpt(root / job, 2, {"w.bin": job.encode()}, job=job), 2)
     commit(daemon, "other", write_ckpt(root / "other", 1, {"w.bin": b"other"}, job="other"), 1)
@@ -165,7 +171,10 @@ def test_hostile_checkpoints_are_refused_and_block_nobody(daemon_factory, tmp_pa
     assert durable_latest(bucket, "other") == 1
     refused = uploads(daemon)["refused"]
     for job, (_, why) in HOSTILE.items():
-        assert refused[job]["step"] == 1 and why in refused[job]["error"], (job, refused.get(job))
+        if job in at_request:
+            assert at_request[job].startswith("commit refused:"), at_request[job]
+        else:
+            assert refused[job]["step"] == 1 and why in refused[job]["error"], (job, refused.get(job))
         assert Durable(FileStore(bucket)).list(job) == [2]
     secret_key = hashlib.sha256(secret).hexdigest()
     assert not (bucket / "objects" / "sha256" / secret_key).exists()

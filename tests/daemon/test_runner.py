@@ -111,6 +111,7 @@ def test_sink_gets_snapshots_only_after_success_and_nothing_escapes(caplog):
 
 def test_consecutive_failures_counted_and_backed_off():
     watcher = ScriptedWatcher([WatcherError("x")] * 1000, interval=0.001)
+    watcher.advisory = True  # an advisory path backs off to backoff_max (a notice path: its interval)
     settings = RunnerSettings(request_timeout=0.5, backoff_initial=0.02, backoff_max=0.08)
     runner = Runner(watcher, lambda w, s: None, settings)
     asyncio.run(run_for(runner, 0.6))

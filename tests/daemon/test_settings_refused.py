@@ -1,0 +1,159 @@
+"""Settings that cannot work are refused at start (issue 8 §2b, §3 binds; issue 12.8, 12.19).
+
+The real ``spotguard`` entry point, as a subprocess: every bad value exits 2 with one line naming
+the setting, no traceback, and nothing started. Also ``--version``, ``status --json`` without a
+daemon, and the default checkpoint root (the daemon's start directory; when that is /, commits are
+refused loudly on both sides, once per cause).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from spotguard._daemon_client import DaemonLink
+from spotguard.protocol import CommitRequest, StatusRequest
+
+SPOTGUARD = str(Path(sys.executable).parent / "spotguard")
+
+
+def spotguard(*args: str, env: dict | None = None, cwd: Path | None = None,
+              timeout: float = 30) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    return subprocess.run([SPOTGUARD, *args], env={**clean, **(env or {})}, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+REFUSED = [
+    ("SPOTGUARD_AWS__ENDPOINT", "169.254.169.254", "aws.endpoint"),
+    ("SPOTGUARD_AWS__ENDPOINT", "htp://169.254.169.254", "aws.endpoint"),
+    ("SPOTGUARD_GCP__ENDPOINT", "metadata.google.internal/computeMetadata/v1", "gcp.endpoint"),
+    ("SPOTGUARD_AZURE__ENDPOINT", "http://", "azure.endpoint"),
+    ("SPOTGUARD_ALIBABA__ENDPOINT", "ftp://100.100.100.200", "alibaba.endpoint"),
+    ("SPOTGUARD_STORAGE__ENDPOINT_URL", "localhost:9000", "storage.endpoint_url"),
+    ("SPOTGUARD_STORAGE__URL", "ftp://host/dir", "storage.url"),
+    ("SPOTGUARD_STORAGE__URL", "s3://", "storage.url"),
+    ("SPOTGUARD_STORAGE__URL", "bucket/prefix", "storage.url"),
+    ("SPOTGUARD_DELIVERY__WEBHOOK", "htp://127.0.0.1/hook", "delivery.webhook"),
+    ("SPOTGUARD_PLATFROM", "aws", "SPOTGUARD_PLATFROM"),
+    ("SPOTGUARD_LOGLEVEL", "DEBUG", "SPOTGUARD_LOGLEVEL"),
+    ("SPOTGUARD_METRICS__HOST", "0.0.0.0", "metrics.host"),
+    ("SPOTGUARD_METRICS__HOST", "*", "metrics.host"),
+    ("SPOTGUARD_METRICS__HOST", "[::]", "metrics.host"),
+    ("SPOTGUARD_METRICS__HOST", "::", "metrics.host"),
+    ("SPOTGUARD_METRICS__HOST", "node-7.example.com", "metrics.host"),
+    ("SPOTGUARD_ZMQ__PUB_ENDPOINT", "tcp://*:5555", "zmq.pub_endpoint"),
+    ("SPOTGUARD_ZMQ__PUB_ENDPOINT", "tcp://0.0.0.0:5555", "zmq.pub_endpoint"),
+    ("SPOTGUARD_ZMQ__REQUEST_ENDPOINT", "tcp://[::]:5556", "zmq.request_endpoint"),
+    ("SPOTGUARD_ZMQ__REQUEST_ENDPOINT", "tcp://node-7:5556", "zmq.request_endpoint"),
+]
+
+
+@pytest.mark.parametrize("name, value, where", REFUSED)
+def test_a_setting_that_cannot_work_exits_2_with_one_line(tmp_path, name, value, where):
+    result = spotguard("daemon", "--platform", "none", "--runtime-dir", str(tmp_path / "run"),
+                       "--state-dir", str(tmp_path / "state"), env={name: value})
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and where in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("env", [
+    {"SPOTGUARD_METRICS__HOST": "127.0.0.2"},
+    {"SPOTGUARD_METRICS__HOST": "::1"},
+    {"SPOTGUARD_ZMQ__PUB_ENDPOINT": "tcp://[::1]:5555"},
+    {"SPOTGUARD_ZMQ__PUB_ENDPOINT": "tcp://0.0.0.0:5555", "SPOTGUARD_ZMQ__ALLOW_REMOTE": "true"},
+    {"SPOTGUARD_STORAGE__URL": "https://acct.blob.core.windows.net/container/runs"},
+    {"SPOTGUARD_STORAGE__URL": "/data/durable", "SPOTGUARD_RECORD": "/tmp/record.jsonl"},
+])
+def test_settings_that_work_are_accepted(env):
+    result = spotguard("daemon", "--print-config", env=env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_version_flag():
+    result = spotguard("--version")
+    assert result.returncode == 0 and result.stdout.startswith("spotguard ") and not result.stderr
+
+
+def test_status_json_without_a_daemon_prints_a_json_error(sock_dir):
+    result = spotguard("status", "--json", "--timeout", "0.3", env={"SPOTGUARD_RUNTIME_DIR": str(sock_dir)})
+    assert result.returncode == 1
+    error = json.loads(result.stdout)
+    assert error["ok"] is False and "no daemon answered" in error["error"]
+
+
+class Started:
+    """``spotguard daemon`` as README shows it (no --checkpoint-root), started in ``cwd``."""
+
+    def __init__(self, sock_dir: Path, tmp: Path, cwd: Path) -> None:
+        self.endpoint = f"ipc://{sock_dir}/run/requests.sock"
+        self.log = tmp / "daemon.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+        env |= {"SPOTGUARD_RUNTIME_DIR": str(sock_dir / "run"), "SPOTGUARD_STATE_DIR": str(tmp / "state"),
+                "SPOTGUARD_PLATFORM": "none", "SPOTGUARD_METRICS__PORT": "0"}
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([SPOTGUARD, "daemon"], env=env, cwd=cwd, stdout=out,
+                                         stderr=subprocess.STDOUT)
+
+    def wait_ready(self, ask) -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            if ask(self.endpoint, StatusRequest(), timeout=0.5) is not None:
+                return
+        raise AssertionError(f"daemon not ready: {self.log.read_text()}")
+
+    def stop(self) -> str:
+        """SIGTERM, then SIGKILL after 3 s (a daemon with a queued upload waits out its grace)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(3)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        return self.log.read_text()
+
+
+def test_the_readme_daemon_accepts_commits_below_its_start_directory(sock_dir, tmp_path, ask):
+    work = tmp_path / "work"
+    (work / "checkpoints" / "job" / "step-10").mkdir(parents=True)
+    daemon = Started(sock_dir, tmp_path, work)
+    try:
+        daemon.wait_ready(ask)
+        reply = ask(daemon.endpoint, CommitRequest(pid=os.getpid(), path=str(work / "checkpoints" / "job" /
+                                                                              "step-10"), step=10))
+    finally:
+        log = daemon.stop()
+    assert reply.ok, reply
+    assert f"checkpoint root: {work}" in log
+
+
+def test_a_daemon_started_in_root_refuses_commits_loudly_once_per_cause(sock_dir, tmp_path, ask, caplog):
+    daemon = Started(sock_dir, tmp_path, Path("/"))
+    try:
+        daemon.wait_ready(ask)
+        link = DaemonLink(lambda event: None, pub_endpoint=f"ipc://{sock_dir}/run/events.sock",
+                          request_endpoint=daemon.endpoint, request_timeout=5.0)
+        try:
+            with caplog.at_level(logging.WARNING, logger="spotguard._daemon_client"):
+                replies = [link.request(CommitRequest(pid=os.getpid(), path=str(tmp_path), step=s))
+                           for s in (1, 2, 3)]
+        finally:
+            link.close()
+    finally:
+        log = daemon.stop()
+    assert all(not r.ok and "--checkpoint-root" in r.error for r in replies), replies
+    client_warnings = [r for r in caplog.records if "refused commit" in r.getMessage()]
+    assert len(client_warnings) == 1 and "--checkpoint-root" in client_warnings[0].getMessage()
+    refused = [line for line in log.splitlines() if "WARNING" in line and "commit refused" in line]
+    assert len(refused) == 1 and "--checkpoint-root" in refused[0], log
+    assert "every commit will be refused" in log

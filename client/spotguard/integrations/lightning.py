@@ -60,6 +60,7 @@ from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import encode
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
+from spotguard.integrations._lightning_data import DataPosition
 from spotguard.run import Run
 
 __all__ = ["SpotguardCallback"]
@@ -100,6 +101,7 @@ class SpotguardCallback(pl.Callback):
                                 signal_deadlines=signal_deadlines, guard=guard, durable=durable,
                                 exit_on_stop=False)
         self.run: Run | None = None
+        self.data: DataPosition | None = None
         self.resumed_from: Any = None
         self.stopped = False
         self._steps: Any = None
@@ -115,15 +117,24 @@ class SpotguardCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the Run and restore the latest spotguard checkpoint, if there is one."""
         self.stopped = False
-        self.run = Run(self.root, state={"lightning": _TrainerState(trainer)}, **self._run_kwargs)
+        self.data = DataPosition(trainer)
+        self.run = Run(self.root, state={"lightning": _TrainerState(trainer), "data": self.data},
+                       **self._run_kwargs)
         self._steps = self.run.steps(_ENDLESS)  # loads the latest checkpoint on the first next()
         self._advance(trainer, trainer.global_step)
         self.resumed_from = self.run.resumed_from
         self._last_step = trainer.global_step
+        self.data.install()  # after the restore: the loaders are built next, in the fit loop
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.data is not None:
+            self.data.epoch_started()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         """A step boundary when the optimizer stepped: save if due, stop on a notice."""
+        if self.data is not None:
+            self.data.batch_done()  # every batch, also the accumulating ones
         if self._steps is None or trainer.global_step == self._last_step:
             return
         self._last_step = trainer.global_step
@@ -136,6 +147,7 @@ class SpotguardCallback(pl.Callback):
         if self.run is not None and not self.stopped:
             self.run.finish()
         self._steps = None
+        self._release()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
@@ -143,8 +155,13 @@ class SpotguardCallback(pl.Callback):
         if self.run is not None:
             self.run.close(exiting=isinstance(exception, SystemExit))
         self._steps = None
+        self._release()
 
     # ------------------------------------------------------------------ internals
+
+    def _release(self) -> None:
+        if self.data is not None:
+            self.data.uninstall()
 
     def _advance(self, trainer: pl.Trainer, step: int) -> None:
         """Let the Run act on the boundary after ``step``; it ends its iteration on a stop."""

@@ -27,9 +27,19 @@ over a ``ckpt_path`` given to ``fit``. Two private names are touched: ``_checkpo
 on a stop, ``_signal_connector.received_sigterm`` (so Lightning's own SIGTERM handling does not
 raise its ``SIGTERMException`` after the clean stop). Tested with Lightning 2.6.
 
-Data position: Lightning restores the batch counters, but a plain ``DataLoader`` restarts the epoch
-from its first batch (Lightning warns about it); use a stateful loader (for example one over
-:class:`spotguard.ResumableSampler` or torchdata's ``StatefulDataLoader``) to resume mid-epoch.
+Data position and RNG streams (:mod:`spotguard.integrations._lightning_data`): the callback gives
+each plain train ``DataLoader`` its own generator, reseeded per epoch from ``(seed, epoch)``, so the
+shuffle and the worker seeds no longer draw from the global torch RNG, and it saves the position
+inside the epoch, skipping the consumed batches at resume. With the global RNG states saved too,
+``DataLoader(shuffle=True)`` plus dropout resumes bit-identically on CPU. What cannot be made exact
+(random augmentation drawing from a global RNG in the dataset, a loader without a
+``BatchSampler``) is warned about once, at the first save. Stateful loaders (torchdata's
+``StatefulDataLoader``) are left to Lightning's own loader state.
+
+Slurm: the guard installs its SIGUSR1 handler before Lightning registers its own, and Lightning
+registers its auto-requeue handler only on a free signal; so under a ``SLURMEnvironment`` with
+``auto_requeue`` the callback chains Lightning's requeue handler after the guard's (the guard stops
+with a save, Lightning saves its ``hpc_ckpt`` and runs ``scontrol requeue``).
 
 Step numbers are ``trainer.global_step``. Boundaries come at ``on_train_batch_end`` of a batch that
 stepped the optimizer (never in the middle of gradient accumulation, whose partial gradients are not
@@ -52,9 +62,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import encode
@@ -120,6 +133,7 @@ class SpotguardCallback(pl.Callback):
         self.data = DataPosition(trainer)
         self.run = Run(self.root, state={"lightning": _TrainerState(trainer), "data": self.data},
                        **self._run_kwargs)
+        _keep_slurm_requeue(trainer)
         self._steps = self.run.steps(_ENDLESS)  # loads the latest checkpoint on the first next()
         self._advance(trainer, trainer.global_step)
         self.resumed_from = self.run.resumed_from
@@ -173,6 +187,28 @@ class SpotguardCallback(pl.Callback):
             connector = getattr(trainer, "_signal_connector", None)
             if connector is not None:  # the stop is clean: no SIGTERMException after it
                 connector.received_sigterm = False
+
+
+def _keep_slurm_requeue(trainer: pl.Trainer) -> None:
+    """Chain Lightning's Slurm auto-requeue handler after the guard's on the requeue signal.
+
+    Lightning installs its handler only when the signal has none yet, and the guard installed
+    its own first; so, as Lightning would, requeue the job too (the requeued job resumes from
+    the spotguard checkpoint, which wins over Lightning's ``hpc_ckpt``).
+    """
+    env = trainer._accelerator_connector.cluster_environment
+    if not isinstance(env, SLURMEnvironment) or not env.auto_requeue or env.requeue_signal is None:
+        return
+    ours = signal.getsignal(env.requeue_signal)
+    if not callable(ours) or threading.current_thread() is not threading.main_thread():
+        return
+    requeue = trainer._signal_connector._slurm_sigusr_handler_fn
+
+    def both(signum: int, frame: Any) -> None:
+        ours(signum, frame)
+        requeue(signum, frame)
+
+    signal.signal(env.requeue_signal, both)
 
 
 class _TrainerState:

@@ -3,8 +3,9 @@
 ``python _integration_jobs.py lightning|hf OUT``: a tiny dropout MLP trained from a shuffled loader
 the framework's usual way (Lightning: ``DataLoader(shuffle=True)`` from a ``LightningDataModule``;
 Hugging Face: the ``Trainer``'s own shuffled loader), checkpointed by the spotguard callback.
-``$JOB_STOPS`` (comma-separated steps) makes the job SIGTERM itself at the first of those steps
-after the step it resumed from, so relaunching the identical command until it exits 0 stops it
+``$JOB_WORKERS`` and ``$JOB_ACCUMULATE`` set Lightning's loader workers
+(persistent) and gradient accumulation. ``$JOB_STOPS`` (comma-separated steps) makes the job
+SIGTERM itself at the first of those steps after the step it resumed from, so relaunching the identical command until it exits 0 stops it
 at each of them. The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
 """
 
@@ -68,7 +69,9 @@ def lightning_job(out: str) -> None:
 
     class Data(pl.LightningDataModule):
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+            workers = int(os.environ.get("JOB_WORKERS", "0"))
+            return torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=True,
+                                               num_workers=workers, persistent_workers=workers > 0)
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -89,7 +92,9 @@ def lightning_job(out: str) -> None:
     pl.seed_everything(0)
     module = Module()
     callback = SpotguardCallback(os.path.join(out, "ckpt"), save_every=4, daemon=False)
+    accumulate = int(os.environ.get("JOB_ACCUMULATE", "1"))
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", deterministic=True, logger=False,
+                         accumulate_grad_batches=accumulate,
                          callbacks=[callback], enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, Data())

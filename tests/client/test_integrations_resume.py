@@ -2,9 +2,9 @@
 
 The resume tests run ``_integration_jobs.py`` (a user-style job: shuffled loader, dropout, AdamW)
 as real subprocesses: once uninterrupted, then with ``$JOB_STOPS`` making it SIGTERM itself at
-three points (mid-epoch, the epoch's last batch, mid-epoch again), relaunching the identical
-command after each exit 75 until it exits 0. The final weights and optimizer state must be
-bit-identical to the uninterrupted run's.
+three points (the SIGTERM lands inside step N, the stop comes after it), relaunching the
+identical command after each exit 75 until it exits 0. The final weights and optimizer state must
+be bit-identical to the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -24,36 +24,28 @@ pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (extra: li
 pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
 
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
-from test_integrations import TinyModule, dataset, quiet_guard  # noqa: E402
+from test_integrations import TinyModule, dataset, quiet_guard, restore_signals  # noqa: E402, F401
 
 from spotguard import EXIT_PREEMPTED  # noqa: E402
 from spotguard.integrations.lightning import SpotguardCallback  # noqa: E402
 
 JOB = Path(__file__).with_name("_integration_jobs.py")
-STOPS = "5,11,19"  # the SIGTERM lands inside these steps; the stops come after them
 
 
-@pytest.fixture(autouse=True)
-def restore_signals():
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
-
-
-def launch(kind: str, out: Path, stops: str) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
-    env.update(JOB_STOPS=stops, OMP_NUM_THREADS="1", SPOTGUARD_RUNTIME_DIR=str(out) + ".rt")
+def launch(kind: str, out: Path, stops: str, knobs: dict[str, str]) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
+    env.update(knobs, JOB_STOPS=stops, OMP_NUM_THREADS="1", SPOTGUARD_RUNTIME_DIR=str(out) + ".rt")
     done = subprocess.run([sys.executable, str(JOB), kind, str(out)], env=env, timeout=240,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return done.returncode, done.stdout
 
 
-def run_to_the_end(kind: str, out: Path, stops: str) -> tuple[str, list[int], str]:
+def run_to_the_end(kind: str, out: Path, stops: str,
+                   knobs: dict[str, str]) -> tuple[str, list[int], str]:
     """Relaunch the identical command until it exits 0: (digest, steps it stopped at, output)."""
     stopped, output = [], ""
     for _ in range(6):
-        code, text = launch(kind, out, stops)
+        code, text = launch(kind, out, stops, knobs)
         output += text
         if code != EXIT_PREEMPTED:
             break
@@ -63,14 +55,35 @@ def run_to_the_end(kind: str, out: Path, stops: str) -> tuple[str, list[int], st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["lightning", "hf"])
-def test_shuffled_dropout_job_stopped_three_times_ends_bit_identical(tmp_path, kind):
-    reference, none, _ = run_to_the_end(kind, tmp_path / "reference", "")
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("kind, knobs, stops, expected", [
+    # mid-epoch, after the epoch's last batch, mid-epoch (12 batches an epoch)
+    ("lightning", {}, "5,11,19", [6, 12, 20]),
+    # 2 persistent loader workers, 2 batches a step: every stop is mid-epoch (6 steps an epoch)
+    ("lightning", {"JOB_WORKERS": "2", "JOB_ACCUMULATE": "2"}, "4,8,13", [5, 9, 14]),
+    ("hf", {}, "5,11,19", [6, 12, 20]),
+], ids=["lightning", "lightning-workers-accumulate", "hf"])
+def test_shuffled_dropout_job_stopped_three_times_ends_bit_identical(tmp_path, kind, knobs, stops,
+                                                                      expected):
+    reference, none, _ = run_to_the_end(kind, tmp_path / "reference", "", knobs)
     assert none == []
-    final, stopped, output = run_to_the_end(kind, tmp_path / "stopped", STOPS)
-    assert stopped == [6, 12, 20]  # mid-epoch, after the epoch's last batch, mid-epoch
+    final, stopped, output = run_to_the_end(kind, tmp_path / "stopped", stops, knobs)
+    assert stopped == expected
     assert final == reference
     assert "not resumable" not in output  # Lightning's own warning about plain loaders
+
+
+def test_sigterm_between_accumulating_batches_still_stops_with_a_save(tmp_path):
+    """Lightning raises its SIGTERMException after a non-stepping batch unless the callback,
+    which stops at the next step boundary, keeps it from doing so (it used to end fit with 0)."""
+    callback = SpotguardCallback(tmp_path, guard=quiet_guard(signal_deadlines={signal.SIGTERM: 30}))
+    module = TinyModule(signal_at=2, signum=signal.SIGTERM)
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, callbacks=[callback],
+                         accumulate_grad_batches=2, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(dataset(), batch_size=8))
+    assert callback.stopped and trainer.global_step == 3
+    assert (tmp_path / "step-0000000003").is_dir()
 
 
 # ---------------------------------------------------------------------- what cannot be exact
@@ -120,7 +133,7 @@ def test_the_loader_draws_nothing_from_the_global_rng(tmp_path):
     callback = SpotguardCallback(tmp_path, guard=quiet_guard())
     trainer = fit_on(dataset(), callback, steps=1)
     loader, data = trainer.fit_loop._combined_loader.flattened[0], callback.data
-    assert loader.generator is loader.sampler.generator is data._loaders[0][1]
+    assert (loader.sampler.generator, loader.generator) == data._loaders[0][1:]
 
     def epoch(number: int) -> list:
         data.epoch = number

@@ -6,10 +6,11 @@ permutation seed at the first batch. A resumed process reaches those draws at an
 global stream than the uninterrupted run did, so every later dropout mask differs; and Lightning
 restarts a plain loader's epoch from its first batch. :class:`DataPosition` removes both causes:
 
-* each train ``DataLoader`` gets its own ``torch.Generator`` (as ``loader.generator`` and the
-  ``RandomSampler``'s ``generator``), reseeded at every epoch start from ``(seed, loader, epoch)``,
-  so the permutation and the worker base seed are a function of the epoch alone and the global
-  stream sees no draw from the loader at all;
+* each train ``DataLoader`` gets two ``torch.Generator`` of its own, one as the
+  ``RandomSampler``'s ``generator`` (the permutation), one as ``loader.generator`` (the worker base
+  seed, drawn only when an iterator is created, which persistent workers do once), both reseeded
+  at every epoch start from ``(seed, loader, epoch)``: the permutation is a function of the epoch
+  alone and the global stream sees no draw from the loader at all;
 * the position (epoch, batches consumed) is saved with each checkpoint; on resume the first
   iterator skips the consumed batches at the index level (``BatchSampler.sampler`` is wrapped), so
   no skipped sample is loaded.
@@ -71,7 +72,7 @@ class DataPosition:
         self.seed = torch.initial_seed()
         self.epoch = self.batches = 0
         self._resume: tuple[int, int] | None = None
-        self._loaders: list[tuple[DataLoader, torch.Generator]] = []
+        self._loaders: list[tuple[DataLoader, torch.Generator, torch.Generator]] = []
         self._problems: list[str] = []
         self._checked = False
 
@@ -133,7 +134,8 @@ class DataPosition:
         self._loaders = [owned for dl in loaders if (owned := self._own_one(dl, skip))]
         self._reseed()
 
-    def _own_one(self, dl: Any, skip: int) -> tuple[DataLoader, torch.Generator] | None:
+    def _own_one(self, dl: Any, skip: int) -> tuple[DataLoader, torch.Generator,
+                                                    torch.Generator] | None:
         if hasattr(dl, "state_dict") and hasattr(dl, "load_state_dict"):
             return None  # stateful (StatefulDataLoader): Lightning saves and restores it
         if not isinstance(dl, DataLoader) or not isinstance(dl.batch_sampler, BatchSampler):
@@ -142,10 +144,10 @@ class DataPosition:
                           "DataLoader(dataset, batch_size=..., shuffle=True) or torchdata's "
                           "StatefulDataLoader")
             return None
-        generator = torch.Generator()
-        dl.generator = generator
+        order, workers = torch.Generator(), torch.Generator()
+        dl.generator = workers
         if isinstance(dl.sampler, RandomSampler):
-            dl.sampler.generator = generator
+            dl.sampler.generator = order
         batches = dl.batch_sampler
         if not isinstance(batches.sampler, _SkipSampler):
             batches.sampler = _SkipSampler(batches.sampler)
@@ -153,11 +155,12 @@ class DataPosition:
         dl.state_dict = lambda: {"epoch": self.epoch, "batches": self.batches}  # Lightning: stateful
         dl.load_state_dict = lambda state: None  # restored from spotguard's own entry
         self._probe_dataset(dl)
-        return dl, generator
+        return dl, order, workers
 
     def _reseed(self) -> None:
-        for index, (_, generator) in enumerate(self._loaders):
-            generator.manual_seed(_derive(self.seed, index, self.epoch))
+        for index, (_, order, workers) in enumerate(self._loaders):
+            order.manual_seed(_derive(self.seed, index, self.epoch, "order"))
+            workers.manual_seed(_derive(self.seed, index, self.epoch, "workers"))
 
     def _probe_dataset(self, dl: DataLoader) -> None:
         """Fetch one sample and see whether it drew from a global RNG (random augmentation)."""
@@ -186,8 +189,8 @@ class DataPosition:
             log.warning("resume will not be bit-identical: %s", text)
 
 
-def _derive(seed: int, index: int, epoch: int) -> int:
-    digest = hashlib.blake2b(f"{seed}/{index}/{epoch}".encode(), digest_size=8).digest()
+def _derive(seed: int, index: int, epoch: int, purpose: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{index}/{epoch}/{purpose}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 

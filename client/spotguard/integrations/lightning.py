@@ -149,12 +149,16 @@ class SpotguardCallback(pl.Callback):
         """A step boundary when the optimizer stepped: save if due, stop on a notice."""
         if self.data is not None:
             self.data.batch_done()  # every batch, also the accumulating ones
+        self._defer_sigterm(trainer)
         if self._steps is None or trainer.global_step == self._last_step:
             return
         self._last_step = trainer.global_step
         assert self.run is not None
         self.run.step = trainer.global_step - 1  # keep Run's count on Lightning's (multi-optimizer)
         self._advance(trainer, trainer.global_step)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._defer_sigterm(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Training ended without a notice: save the final state and close."""
@@ -172,6 +176,15 @@ class SpotguardCallback(pl.Callback):
         self._release()
 
     # ------------------------------------------------------------------ internals
+
+    def _defer_sigterm(self, trainer: pl.Trainer) -> None:
+        """The guard took the signal and stops at the next step boundary, with a save: keep
+        Lightning from raising its ``SIGTERMException`` first (between accumulating batches or
+        inside validation), which would end ``fit`` without a save and the process with 0."""
+        if self.run is not None and self.run.guard.stop_requested:
+            connector = getattr(trainer, "_signal_connector", None)
+            if connector is not None:
+                connector.received_sigterm = False
 
     def _release(self) -> None:
         if self.data is not None:

@@ -21,12 +21,20 @@ import pytest
 import torch
 
 pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (extra: lightning)")
-pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
+transformers = pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
 
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
-from test_integrations import TinyModule, dataset, quiet_guard, restore_signals  # noqa: E402, F401
+from test_integrations import (  # noqa: E402, F401
+    TinyModel,
+    TinyModule,
+    collate,
+    dataset,
+    quiet_guard,
+    restore_signals,
+)
 
 from spotguard import EXIT_PREEMPTED  # noqa: E402
+from spotguard.integrations.huggingface import SpotguardTrainerCallback  # noqa: E402
 from spotguard.integrations.lightning import SpotguardCallback  # noqa: E402
 
 JOB = Path(__file__).with_name("_integration_jobs.py")
@@ -144,6 +152,21 @@ def test_the_loader_draws_nothing_from_the_global_rng(tmp_path):
     first = epoch(0)
     assert torch.equal(torch.get_rng_state(), state)
     assert epoch(1) != first and epoch(0) == first  # a pure function of (seed, epoch)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_hf_ignore_data_skip_is_warned_once_at_the_first_save(tmp_path, caplog, skip):
+    caplog.set_level(logging.WARNING, logger="spotguard")
+    args = transformers.TrainingArguments(
+        str(tmp_path), max_steps=6, per_device_train_batch_size=8, save_steps=2, use_cpu=True,
+        report_to=[], logging_strategy="no", disable_tqdm=True, ignore_data_skip=skip)
+    callback = SpotguardTrainerCallback(guard=quiet_guard())
+    transformers.Trainer(TinyModel(), args, train_dataset=dataset(), data_collator=collate,
+                         callbacks=[callback]).train()
+    callback.guard.close()
+    found = inexact_warnings(caplog)
+    assert found == (["resume will not be bit-identical: ignore_data_skip=True restarts the epoch "
+                      "from its first batch; leave it False"] if skip else [])
 
 
 # ---------------------------------------------------------------------- Slurm auto-requeue

@@ -29,6 +29,12 @@ guard the callback made is closed as ``Run`` closes it (forced-exit watchdog arm
 ignored), so call :meth:`~SpotguardTrainerCallback.exit_if_stopped` (75) right after ``train``.
 The measured save duration includes an evaluation the Trainer runs at the same step, if any.
 
+Exact resume: the Trainer itself saves every RNG state (``rng_state.pth``) and, on resume,
+reseeds its shuffled sampler per epoch (``accelerator_config.use_seedable_sampler``, the default)
+and skips the consumed batches (``ignore_data_skip=False``, the default), so its default shuffled
+loader with dropout resumes bit-identically on CPU (tested). Settings that turn either off are
+warned about once, at the first save.
+
 Distributed (``torchrun``/``accelerate``): the flags are agreed across ranks with one
 ``all_reduce`` (:class:`spotguard.distributed.Agreement`), so every rank saves and stops at the
 same step even when only one received the notice (not tested across processes yet).
@@ -89,6 +95,7 @@ class SpotguardTrainerCallback(TrainerCallback):
         self.stopped = False
         self.save_seconds: float | None = None
         self._save_started: float | None = None
+        self._checked = False
 
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
@@ -117,6 +124,9 @@ class SpotguardTrainerCallback(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
         """The Trainer wrote ``checkpoint-<global_step>``: time it and report it to the daemon."""
+        if not self._checked:
+            self._checked = True
+            _warn_inexact(args)
         if self._save_started is not None:
             self.save_seconds = time.monotonic() - self._save_started
             self._save_started = None
@@ -174,6 +184,18 @@ class SpotguardTrainerCallback(TrainerCallback):
             return self.save_seconds
         size = _tensor_bytes(kwargs.get("model")) + _tensor_bytes(kwargs.get("optimizer"))
         return size / ASSUMED_THROUGHPUT if size else None
+
+
+def _warn_inexact(args: TrainingArguments) -> None:
+    """Warn once about settings with which a resumed run leaves the uninterrupted trajectory."""
+    if args.ignore_data_skip:
+        log.warning("resume will not be bit-identical: ignore_data_skip=True restarts the epoch "
+                    "from its first batch; leave it False")
+    config = getattr(args, "accelerator_config", None)
+    if config is not None and not getattr(config, "use_seedable_sampler", True):
+        log.warning("resume will not be bit-identical: use_seedable_sampler=False draws the "
+                    "shuffle from the global RNG; leave accelerator_config.use_seedable_sampler "
+                    "True")
 
 
 def _describe(left: float | None) -> str:

@@ -27,9 +27,19 @@ over a ``ckpt_path`` given to ``fit``. Two private names are touched: ``_checkpo
 on a stop, ``_signal_connector.received_sigterm`` (so Lightning's own SIGTERM handling does not
 raise its ``SIGTERMException`` after the clean stop). Tested with Lightning 2.6.
 
-Data position: Lightning restores the batch counters, but a plain ``DataLoader`` restarts the epoch
-from its first batch (Lightning warns about it); use a stateful loader (for example one over
-:class:`spotguard.ResumableSampler` or torchdata's ``StatefulDataLoader``) to resume mid-epoch.
+Data position and RNG streams (:mod:`spotguard.integrations._lightning_data`): the callback gives
+each plain train ``DataLoader`` its own generator, reseeded per epoch from ``(seed, epoch)``, so the
+shuffle and the worker seeds no longer draw from the global torch RNG, and it saves the position
+inside the epoch, skipping the consumed batches at resume. With the global RNG states saved too,
+``DataLoader(shuffle=True)`` plus dropout resumes bit-identically on CPU. What cannot be made exact
+(random augmentation drawing from a global RNG in the dataset, a loader without a
+``BatchSampler``) is warned about once, at the first save. Stateful loaders (torchdata's
+``StatefulDataLoader``) are left to Lightning's own loader state.
+
+Slurm: the guard installs its SIGUSR1 handler before Lightning registers its own, and Lightning
+registers its auto-requeue handler only on a free signal; so under a ``SLURMEnvironment`` with
+``auto_requeue`` the callback chains Lightning's requeue handler after the guard's (the guard stops
+with a save, Lightning saves its ``hpc_ckpt`` and runs ``scontrol requeue``).
 
 Step numbers are ``trainer.global_step``. Boundaries come at ``on_train_batch_end`` of a batch that
 stepped the optimizer (never in the middle of gradient accumulation, whose partial gradients are not
@@ -52,14 +62,18 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import encode
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
+from spotguard.integrations._lightning_data import DataPosition
 from spotguard.run import Run
 
 __all__ = ["SpotguardCallback"]
@@ -100,6 +114,7 @@ class SpotguardCallback(pl.Callback):
                                 signal_deadlines=signal_deadlines, guard=guard, durable=durable,
                                 exit_on_stop=False)
         self.run: Run | None = None
+        self.data: DataPosition | None = None
         self.resumed_from: Any = None
         self.stopped = False
         self._steps: Any = None
@@ -115,15 +130,26 @@ class SpotguardCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the Run and restore the latest spotguard checkpoint, if there is one."""
         self.stopped = False
-        self.run = Run(self.root, state={"lightning": _TrainerState(trainer)}, **self._run_kwargs)
+        self.data = DataPosition(trainer)
+        self.run = Run(self.root, state={"lightning": _TrainerState(trainer), "data": self.data},
+                       **self._run_kwargs)
+        _keep_slurm_requeue(trainer)
         self._steps = self.run.steps(_ENDLESS)  # loads the latest checkpoint on the first next()
         self._advance(trainer, trainer.global_step)
         self.resumed_from = self.run.resumed_from
         self._last_step = trainer.global_step
+        self.data.install()  # after the restore: the loaders are built next, in the fit loop
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.data is not None:
+            self.data.epoch_started()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         """A step boundary when the optimizer stepped: save if due, stop on a notice."""
+        if self.data is not None:
+            self.data.batch_done()  # every batch, also the accumulating ones
+        self._defer_sigterm(trainer)
         if self._steps is None or trainer.global_step == self._last_step:
             return
         self._last_step = trainer.global_step
@@ -131,11 +157,15 @@ class SpotguardCallback(pl.Callback):
         self.run.step = trainer.global_step - 1  # keep Run's count on Lightning's (multi-optimizer)
         self._advance(trainer, trainer.global_step)
 
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._defer_sigterm(trainer)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Training ended without a notice: save the final state and close."""
         if self.run is not None and not self.stopped:
             self.run.finish()
         self._steps = None
+        self._release()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
@@ -143,8 +173,22 @@ class SpotguardCallback(pl.Callback):
         if self.run is not None:
             self.run.close(exiting=isinstance(exception, SystemExit))
         self._steps = None
+        self._release()
 
     # ------------------------------------------------------------------ internals
+
+    def _defer_sigterm(self, trainer: pl.Trainer) -> None:
+        """The guard took the signal and stops at the next step boundary, with a save: keep
+        Lightning from raising its ``SIGTERMException`` first (between accumulating batches or
+        inside validation), which would end ``fit`` without a save and the process with 0."""
+        if self.run is not None and self.run.guard.stop_requested:
+            connector = getattr(trainer, "_signal_connector", None)
+            if connector is not None:
+                connector.received_sigterm = False
+
+    def _release(self) -> None:
+        if self.data is not None:
+            self.data.uninstall()
 
     def _advance(self, trainer: pl.Trainer, step: int) -> None:
         """Let the Run act on the boundary after ``step``; it ends its iteration on a stop."""
@@ -156,6 +200,28 @@ class SpotguardCallback(pl.Callback):
             connector = getattr(trainer, "_signal_connector", None)
             if connector is not None:  # the stop is clean: no SIGTERMException after it
                 connector.received_sigterm = False
+
+
+def _keep_slurm_requeue(trainer: pl.Trainer) -> None:
+    """Chain Lightning's Slurm auto-requeue handler after the guard's on the requeue signal.
+
+    Lightning installs its handler only when the signal has none yet, and the guard installed
+    its own first; so, as Lightning would, requeue the job too (the requeued job resumes from
+    the spotguard checkpoint, which wins over Lightning's ``hpc_ckpt``).
+    """
+    env = trainer._accelerator_connector.cluster_environment
+    if not isinstance(env, SLURMEnvironment) or not env.auto_requeue or env.requeue_signal is None:
+        return
+    ours = signal.getsignal(env.requeue_signal)
+    if not callable(ours) or threading.current_thread() is not threading.main_thread():
+        return
+    requeue = trainer._signal_connector._slurm_sigusr_handler_fn
+
+    def both(signum: int, frame: Any) -> None:
+        ours(signum, frame)
+        requeue(signum, frame)
+
+    signal.signal(env.requeue_signal, both)
 
 
 class _TrainerState:

@@ -1,0 +1,195 @@
+"""Exact resume through the framework callbacks, and Lightning's Slurm requeue beside the guard.
+
+The resume tests run ``_integration_jobs.py`` (a user-style job: shuffled loader, dropout, AdamW)
+as real subprocesses: once uninterrupted, then with ``$JOB_STOPS`` making it SIGTERM itself at
+three points (the SIGTERM lands inside step N, the stop comes after it), relaunching the
+identical command after each exit 75 until it exits 0. The final weights and optimizer state must
+be bit-identical to the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (extra: lightning)")
+transformers = pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
+
+from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
+from test_integrations import (  # noqa: E402, F401
+    TinyModel,
+    TinyModule,
+    collate,
+    dataset,
+    quiet_guard,
+    restore_signals,
+)
+
+from spotguard import EXIT_PREEMPTED  # noqa: E402
+from spotguard.integrations.huggingface import SpotguardTrainerCallback  # noqa: E402
+from spotguard.integrations.lightning import SpotguardCallback  # noqa: E402
+
+JOB = Path(__file__).with_name("_integration_jobs.py")
+
+
+def launch(kind: str, out: Path, stops: str, knobs: dict[str, str]) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
+    env.update(knobs, JOB_STOPS=stops, OMP_NUM_THREADS="1", SPOTGUARD_RUNTIME_DIR=str(out) + ".rt")
+    done = subprocess.run([sys.executable, str(JOB), kind, str(out)], env=env, timeout=240,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return done.returncode, done.stdout
+
+
+def run_to_the_end(kind: str, out: Path, stops: str,
+                   knobs: dict[str, str]) -> tuple[str, list[int], str]:
+    """Relaunch the identical command until it exits 0: (digest, steps it stopped at, output)."""
+    stopped, output = [], ""
+    for _ in range(6):
+        code, text = launch(kind, out, stops, knobs)
+        output += text
+        if code != EXIT_PREEMPTED:
+            break
+        stopped.append(int(re.findall(r"stopping at step (\d+)", text)[-1]))
+    assert code == 0, output
+    return re.findall(r"^DIGEST (\w+)$", output, re.M)[-1], stopped, output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("kind, knobs, stops, expected", [
+    # mid-epoch, after the epoch's last batch, mid-epoch (12 batches an epoch)
+    ("lightning", {}, "5,11,19", [6, 12, 20]),
+    # 2 persistent loader workers, 2 batches a step: every stop is mid-epoch (6 steps an epoch)
+    ("lightning", {"JOB_WORKERS": "2", "JOB_ACCUMULATE": "2"}, "4,8,13", [5, 9, 14]),
+    ("hf", {}, "5,11,19", [6, 12, 20]),
+], ids=["lightning", "lightning-workers-accumulate", "hf"])
+def test_shuffled_dropout_job_stopped_three_times_ends_bit_identical(tmp_path, kind, knobs, stops,
+                                                                      expected):
+    reference, none, _ = run_to_the_end(kind, tmp_path / "reference", "", knobs)
+    assert none == []
+    final, stopped, output = run_to_the_end(kind, tmp_path / "stopped", stops, knobs)
+    assert stopped == expected
+    assert final == reference
+    assert "not resumable" not in output  # Lightning's own warning about plain loaders
+
+
+def test_sigterm_between_accumulating_batches_still_stops_with_a_save(tmp_path):
+    """Lightning raises its SIGTERMException after a non-stepping batch unless the callback,
+    which stops at the next step boundary, keeps it from doing so (it used to end fit with 0)."""
+    callback = SpotguardCallback(tmp_path, guard=quiet_guard(signal_deadlines={signal.SIGTERM: 30}))
+    module = TinyModule(signal_at=2, signum=signal.SIGTERM)
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, callbacks=[callback],
+                         accumulate_grad_batches=2, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(dataset(), batch_size=8))
+    assert callback.stopped and trainer.global_step == 3
+    assert (tmp_path / "step-0000000003").is_dir()
+
+
+# ---------------------------------------------------------------------- what cannot be exact
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Random per-sample noise from the global torch RNG: not replayed on resume."""
+
+    def __init__(self) -> None:
+        self.rows = dataset()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        x, y = self.rows[index]
+        return x + 0.01 * torch.randn_like(x), y
+
+
+def fit_on(data, callback: SpotguardCallback, steps: int = 6, **trainer_kwargs) -> pl.Trainer:
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=[callback],
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, **trainer_kwargs)
+    trainer.fit(TinyModule(), torch.utils.data.DataLoader(data, batch_size=8, shuffle=True))
+    return trainer
+
+
+def inexact_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "not be bit-identical" in r.getMessage()]
+
+
+def test_augmenting_dataset_is_warned_once_at_the_first_save(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="spotguard")
+    fit_on(Augmented(), SpotguardCallback(tmp_path, save_every=2, guard=quiet_guard()))
+    found = inexact_warnings(caplog)
+    assert len(found) == 1 and "__getitem__" in found[0] and "generator seeded" in found[0]
+
+
+def test_plain_shuffled_loader_saves_without_a_warning(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="spotguard")
+    fit_on(dataset(), SpotguardCallback(tmp_path, save_every=2, guard=quiet_guard()))
+    assert inexact_warnings(caplog) == []
+
+
+def test_the_loader_draws_nothing_from_the_global_rng(tmp_path):
+    """The cause of the divergence: the loader's seeds now come from its own generator."""
+    callback = SpotguardCallback(tmp_path, guard=quiet_guard())
+    trainer = fit_on(dataset(), callback, steps=1)
+    loader, data = trainer.fit_loop._combined_loader.flattened[0], callback.data
+    assert (loader.sampler.generator, loader.generator) == data._loaders[0][1:]
+
+    def epoch(number: int) -> list:
+        data.epoch = number
+        data._reseed()
+        return [b[1].tolist() for b in loader]
+
+    state = torch.get_rng_state()
+    first = epoch(0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert epoch(1) != first and epoch(0) == first  # a pure function of (seed, epoch)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_hf_ignore_data_skip_is_warned_once_at_the_first_save(tmp_path, caplog, skip):
+    caplog.set_level(logging.WARNING, logger="spotguard")
+    args = transformers.TrainingArguments(
+        str(tmp_path), max_steps=6, per_device_train_batch_size=8, save_steps=2, use_cpu=True,
+        report_to=[], logging_strategy="no", disable_tqdm=True, ignore_data_skip=skip)
+    callback = SpotguardTrainerCallback(guard=quiet_guard())
+    transformers.Trainer(TinyModel(), args, train_dataset=dataset(), data_collator=collate,
+                         callbacks=[callback]).train()
+    callback.guard.close()
+    found = inexact_warnings(caplog)
+    assert found == (["resume will not be bit-identical: ignore_data_skip=True restarts the epoch "
+                      "from its first batch; leave it False"] if skip else [])
+
+
+# ---------------------------------------------------------------------- Slurm auto-requeue
+
+
+def test_lightning_slurm_requeue_still_runs_beside_the_guard(tmp_path, monkeypatch):
+    """SIGUSR1 under Slurm: the guard stops with a save, and Lightning's requeue runs too."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o700)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for name, value in dict(SLURM_JOB_ID="4242", SLURM_NTASKS="1", SLURM_PROCID="0",
+                            SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NAME="train").items():
+        monkeypatch.setenv(name, value)
+    callback = SpotguardCallback(tmp_path / "ckpt", guard=quiet_guard())
+    module = TinyModule(signal_at=3, signum=signal.SIGUSR1)
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, callbacks=[callback],
+                         plugins=[SLURMEnvironment()], default_root_dir=tmp_path,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(dataset(), batch_size=8))
+    assert callback.stopped and trainer.global_step == 4  # spotguard's stop and emergency save
+    assert (tmp_path / "ckpt" / "step-0000000004").is_dir()
+    assert calls.read_text().split() == ["requeue", "4242"]  # Lightning's auto-requeue ran
+    assert list(tmp_path.glob("hpc_ckpt_*.ckpt"))  # and its own hpc checkpoint

@@ -125,12 +125,13 @@ class Started:
 
 def test_the_readme_daemon_accepts_commits_below_its_start_directory(sock_dir, tmp_path, ask):
     work = tmp_path / "work"
-    (work / "checkpoints" / "job" / "step-10").mkdir(parents=True)
+    step_dir = work / "checkpoints" / "job" / "step-0000000010"
+    step_dir.mkdir(parents=True)
+    (step_dir / "manifest.json").write_text('{"step": 10}')
     daemon = Started(sock_dir, tmp_path, work)
     try:
         daemon.wait_ready(ask)
-        reply = ask(daemon.endpoint, CommitRequest(pid=os.getpid(), path=str(work / "checkpoints" / "job" /
-                                                                              "step-10"), step=10))
+        reply = ask(daemon.endpoint, CommitRequest(pid=os.getpid(), path=str(step_dir), step=10))
     finally:
         log = daemon.stop()
     assert reply.ok, reply

@@ -167,5 +167,8 @@ def test_forced_exit_76_when_a_step_hangs_after_a_notice(tmp_path):
     elapsed = time.monotonic() - started
     assert proc.returncode == 76, err
     assert "not reached" not in out and "forced exit 76" in err
+    # every thread's stack was dumped first: the user sees the line the main thread hung on
+    hung_line = next(i for i, line in enumerate(HANG.splitlines(), 1) if "time.sleep(60)" in line)
+    assert f'hang.py", line {hung_line} in <module>' in err and "spotguard-watchdog" not in out
     assert 0.5 < elapsed < 2.5  # 3 s deadline minus the 2 s margin
     assert Checkpointer(tmp_path / "ckpt").latest().step == 2  # the last commit is intact

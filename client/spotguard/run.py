@@ -17,7 +17,11 @@ At each step boundary (after the loop body, before the next step):
 
 1. the local flags (stop requested, checkpoint due or requested) are agreed across ranks;
 2. a due checkpoint is saved asynchronously (training continues while it persists);
-3. on a stop: an emergency save is taken only when its expected duration plus ``save_margin``
+3. a stopping notice whose deadline is further away than the expected save, ``save_margin``,
+   the steps until the next boundary and ``stop_lead`` lets training go on (a scheduled retirement
+   announced minutes or days ahead); the loop stops at the last boundary that leaves that much time.
+   A notice without a deadline (a bare signal) stops at the next boundary;
+4. on a stop: an emergency save is taken only when its expected duration plus ``save_margin``
    fits before the deadline (:func:`save_fits`), else the last committed checkpoint stands; the
    pending save is awaited, the daemon is told the process is safe, and the loop raises
    ``SystemExit(EXIT_PREEMPTED)`` (75) so the caller's ``finally`` blocks and context managers
@@ -96,6 +100,7 @@ class Run:
         save_every: int | None = None,
         cadence: Any = None,
         save_margin: float = 2.0,
+        stop_lead: float = 60.0,
         exit_on_stop: bool = True,
         daemon: bool = True,
         signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
@@ -105,7 +110,10 @@ class Run:
         durable: str | None = None,
     ) -> None:
         self.state = _build_state(model, optimizer, scheduler, sampler, state)
-        self.save_margin, self.exit_on_stop = save_margin, exit_on_stop
+        if stop_lead < 0:
+            raise ValueError("stop_lead must be >= 0")
+        self.save_margin, self.stop_lead, self.exit_on_stop = save_margin, stop_lead, exit_on_stop
+        self._far_notice: str | None = None
         process_group = _default_group(process_group)
         self.agreement = Agreement(process_group)
         self.cadence = _make_cadence(save_every, cadence)
@@ -140,6 +148,9 @@ class Run:
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,
                           skipped=self.checkpointer.skipped, total=total)
+        if self.step >= total:
+            log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
+            return  # a completed job relaunched under a pending notice must exit 0, not 75
         if self._boundary(self.step):
             return
         while self.step < total:
@@ -225,12 +236,31 @@ class Run:
 
     def _local_decision(self, done: int) -> Decision:
         stop = self.guard.stop_requested
+        left = self.guard.seconds_left() if stop else None
+        save = self.expected_save_seconds() if stop else None
+        if stop and left is not None and left > self._stop_needed(save):
+            self._note_far_notice(left, save)
+            stop = False
         return Decision(
             stop=stop,
             checkpoint=self._due_latched or self.guard.checkpoint_requested,
-            seconds_left=self.guard.seconds_left() if stop else None,
-            save_seconds=self.expected_save_seconds() if stop else None,
+            seconds_left=left if stop else None,
+            save_seconds=save if stop else None,
         )
+
+    def _stop_needed(self, save_seconds: float | None) -> float:
+        """Seconds before a deadline at which the loop must stop: the expected save, the margin,
+        the steps until the next boundary that can act on it, and ``stop_lead``."""
+        steps = self.agreement.interval if self.agreement.enabled else 1
+        step_s = (getattr(self.cadence, "step_s", None) or 0.0) * steps
+        return (save_seconds or 0.0) + self.save_margin + step_s + self.stop_lead
+
+    def _note_far_notice(self, left: float, save: float | None) -> None:
+        notice = self.guard.notice
+        if notice is not None and notice.id != self._far_notice:
+            self._far_notice = notice.id
+            log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
+                        "it", notice.id, left, self._stop_needed(save))
 
     def _stop(self, done: int, decision: Decision) -> bool:
         self.guard.begin_stop()

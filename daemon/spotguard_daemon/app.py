@@ -8,9 +8,12 @@ Parts and their wiring (sources produce, the store decides, actions act)::
 
 Life cycle: lock the runtime directory, serve metrics, bind the sockets, re-announce the notices a
 previous run left pending, start one task per runner plus the request, heartbeat and housekeeping
-loops, then tell systemd ``READY=1``. The first SIGTERM/SIGINT raises a ``signal`` notice due in
-``signal.grace`` seconds; the daemon keeps serving until every registered client reported safe for
-it (or unregistered, or died) or the grace passed, then exits 0. A second signal exits at once.
+loops, then tell systemd ``READY=1``. The first SIGTERM/SIGINT means the node is going or only the
+daemon is (:meth:`Daemon.node_stops`, setting ``signal.means``). A node stop raises a ``signal``
+notice due in ``signal.grace`` seconds; the daemon keeps serving until every registered client
+reported safe for it (or unregistered, or died) or the grace passed, then exits 0. A daemon stop (a
+``systemctl restart`` for an upgrade) raises nothing: training goes on, pending notices stay in the
+state file for the next run, clients reconnect to it. A second signal exits at once.
 
 A platform that cannot be reached never stops the daemon: the runners back off and count errors.
 
@@ -290,11 +293,24 @@ class Daemon:
             self._force = True
             self._changed.set()
             return
+        if not self.node_stops():
+            log.warning("%s: the daemon stops, the node does not (signal.means=%s); no notice, "
+                        "training goes on", signal_source.signal_name(signum), self.settings.signal.means)
+            self.stop()
+            return
         notice = signal_source.signal_notice(signum, grace=self.settings.signal.grace,
                                              platform=self.platform)
         self._signal_notice = notice
         self.store.add(notice, ephemeral=True)
         self._stop.set()
+
+    def node_stops(self) -> bool:
+        """Whether a SIGTERM/SIGINT to the daemon means the node (container, pod) is going: see
+        ``signal.means``; ``auto`` asks systemd when systemd runs the daemon, else says yes."""
+        means = self.settings.signal.means
+        if means != "auto":
+            return means == "node"
+        return not systemd.under_systemd() or systemd.system_stopping()
 
     def stop(self) -> None:
         """Exit without a notice and without waiting for clients (embedding, tests)."""

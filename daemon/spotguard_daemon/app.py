@@ -6,8 +6,10 @@ Parts and their wiring (sources produce, the store decides, actions act)::
     signal / notify --add-------->            +--announce---------> Delivery (signal, hook, webhook)
     Server (ROUTER) --> RequestHandler --> store (safe), on_commit hook (storage engine)
 
-Life cycle: lock the runtime directory, serve metrics, bind the sockets, re-announce the notices a
-previous run left pending, start one task per runner plus the request, heartbeat and housekeeping
+Life cycle: lock the runtime directory, serve metrics, bind the sockets, load the notices a previous
+run left pending (``status`` lists them at once; they are published on PUB and delivered again once,
+``RESTORE_HEARTBEATS`` heartbeats later, when the clients that stayed connected have seen the new
+daemon id and registered again, so the signal fallback reaches them), start one task per runner plus the request, heartbeat and housekeeping
 loops, then tell systemd ``READY=1``. The first SIGTERM/SIGINT means the node is going or only the
 daemon is (:meth:`Daemon.node_stops`, setting ``signal.means``). A node stop raises a ``signal``
 notice due in ``signal.grace`` seconds; the daemon keeps serving until every registered client
@@ -53,6 +55,9 @@ __all__ = ["Daemon"]
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_SECONDS = 0.5
+RESTORE_HEARTBEATS = 3
+"""Heartbeats between binding and re-announcing restored notices: a client reconnects within one,
+then registers and asks status."""
 
 
 class Daemon:
@@ -163,9 +168,15 @@ class Daemon:
         self.server.bind()
         self.store.on_announce(self._announce)
         self.store.on_cancel(self._cancel)
+        restored = self.store.restore()
+        if restored:
+            self._spawn(self._announce_restored(restored))
+
+    async def _announce_restored(self, restored: list[Notice]) -> None:
+        await asyncio.sleep(RESTORE_HEARTBEATS * self.settings.zmq.heartbeat_interval)
         self._restoring = True
         try:
-            self.store.restore()
+            self.store.announce_restored(restored)
         finally:
             self._restoring = False
 

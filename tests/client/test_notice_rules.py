@@ -110,17 +110,6 @@ def trainers():
         trainer.kill()
 
 
-@pytest.fixture
-def simulator():
-    proc = subprocess.Popen([sys.executable, "-m", "spotguard_daemon.simulator", "aws", "--port", "0"],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "listening on" in line, line
-    yield line.split("listening on ", 1)[1].split()[0]
-    proc.terminate()
-    proc.wait(10)
-
-
 def aws_daemon(daemon_factory, url: str):
     return daemon_factory("--platform", "aws", env={
         "SPOTGUARD_AWS__ENDPOINT": url, "SPOTGUARD_AWS__INTERVAL": "0.2",
@@ -128,14 +117,15 @@ def aws_daemon(daemon_factory, url: str):
 
 
 def test_a_cancelled_notice_lets_training_finish_with_exit_0(daemon_factory, simulator, trainers, tmp_path):
-    daemon = aws_daemon(daemon_factory, simulator)
+    url = simulator("aws")
+    daemon = aws_daemon(daemon_factory, url)
     trainer = trainers(tmp_path, daemon, 400)
     trainer.wait_line("commit 10")
-    event = httpx.post(f"{simulator}/_sim/schedule", timeout=5,
+    event = httpx.post(f"{url}/_sim/schedule", timeout=5,
                        json={"kind": "terminate", "in_seconds": 0.1, "deadline_seconds": 600}).json()
     notice = json.loads(trainer.wait_line("notice").split(" ", 1)[1])
     assert notice["deadline"] is not None  # the daemon's notice, not a local one from SIGUSR1
-    httpx.post(f"{simulator}/_sim/cancel", json={"id": event["id"]}, timeout=5).raise_for_status()
+    httpx.post(f"{url}/_sim/cancel", json={"id": event["id"]}, timeout=5).raise_for_status()
     trainer.wait_line("cleared")
     assert "sent SIGUSR1 to 1 of 1" in daemon.output()  # the signal came, and added no notice
     code, err = trainer.finish()

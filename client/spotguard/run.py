@@ -32,6 +32,10 @@ At each step boundary (after the loop body, before the next step):
 Leaving the loop with ``break`` ends training at the current step without counting it: put the
 ``break`` before the optimizer step, or the final save repeats that step's update on resume.
 
+Without ``job_id`` (or ``$SPOTGUARD_JOB_ID``) the run's id is derived from its command line and working directory
+(:mod:`spotguard._jobid`, logged at start), so two experiments never share checkpoints in the
+durable store; a checkpoint that does not fit the state is refused with a message naming the fix.
+
 Every commit is reported to the daemon (``CommitRequest``). Nothing needs a daemon. With
 ``$SPOTGUARD_RECORD`` set, the run's start, progress, commits, stop and final state digest are
 appended to that file (:mod:`spotguard._record`) for ``spotguard drill`` and ``spotguard run``.
@@ -44,9 +48,10 @@ import os
 import time
 from typing import Any, Callable, Iterator, Mapping
 
-from spotguard import rng
+from spotguard import _jobid, rng
 from spotguard._record import Recorder
-from spotguard.checkpoint import Checkpointer, CheckpointError
+from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
+from spotguard.checkpoint.load import read_manifest
 from spotguard.distributed import Agreement, Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
@@ -118,6 +123,11 @@ class Run:
         self.agreement = Agreement(process_group)
         self.cadence = _make_cadence(save_every, cadence)
         self._user_on_commit = on_commit
+        job_id = job_id or os.environ.get(_jobid.ENV, "")
+        derived = not job_id
+        self.job_id = job_id = job_id or _jobid.derive()
+        log.info("job id %s%s", job_id, " (derived from the command line and working directory; pass "
+                 "job_id= to choose one)" if derived else "")
         self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,
                                          on_commit=self._on_commit)
         self.guard = guard or Guard(job_id=job_id, rank=_rank(), daemon=daemon,
@@ -140,7 +150,7 @@ class Run:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers still to run, resuming after the latest committed checkpoint."""
         self._restore_from_store()
-        self.resumed_from = self.checkpointer.load_latest(self.state)
+        self.resumed_from = self._load_latest()
         self.step = self._saved_step = self.resumed_from.step if self.resumed_from else 0
         self.start_step = self.step
         if self.resumed_from is not None:
@@ -158,6 +168,27 @@ class Run:
             self.step += 1
             if self._boundary(self.step):
                 return
+
+    def _load_latest(self) -> Any:
+        """Load the newest checkpoint; one that does not fit the state (another model, another run
+        in this root) is refused with a message naming the fix, never half-loaded silently."""
+        try:
+            info = self.checkpointer.load_latest(self.state)
+        except CheckpointCorruptError:
+            raise
+        except CheckpointError as exc:
+            latest = self.checkpointer.latest()
+            if latest is None:
+                raise
+            raise CheckpointError(_jobid.mismatch_message(
+                latest.path, read_manifest(latest.path), self._job_id, " ".join(str(exc).split()).rstrip("."))) from exc
+        if info is not None:
+            manifest = read_manifest(info.path)
+            _jobid.check_matches(manifest, self.state, self._job_id, info.path)
+            if manifest.get("job_id") not in ("", None, self._job_id):
+                log.warning("resuming %s, written by job %r; this is job %r (same checkpoint root)",
+                            info.path, manifest.get("job_id"), self._job_id)
+        return info
 
     def _restore_from_store(self) -> None:
         """The fresh-node case: when the durable store holds a newer checkpoint than the local root,

@@ -103,6 +103,26 @@ def daemon_factory(sock_dir, tmp_path):
         daemon.kill()
 
 
+@pytest.fixture
+def simulator():
+    """``simulator(platform)`` starts ``spotguard_daemon.simulator`` and returns its URL; every
+    one started is stopped at teardown."""
+    procs = []
+
+    def start(platform: str) -> str:
+        proc = subprocess.Popen([sys.executable, "-m", "spotguard_daemon.simulator", platform, "--port", "0"],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        return line.split("listening on ", 1)[1].split()[0]
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(10)
+
+
 @pytest.fixture(name="ask")
 def ask_fixture():
     """The :func:`ask` helper, as a fixture (conftest modules are not importable by name)."""

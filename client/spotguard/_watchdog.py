@@ -5,13 +5,16 @@ on its own. A collective whose peer is already gone, a wedged data loader or a s
 keep it from ever getting there, holding the accelerator until the platform's hard kill and leaving
 a launcher no way to tell "preempted" from "crashed". The watchdog is a daemon thread that, once
 armed, calls ``os._exit(code)`` at the armed instant unless disarmed first. ``os._exit`` skips
-``finally`` blocks and atexit handlers on purpose: those are what may be hung.
+``finally`` blocks and atexit handlers on purpose: those are what may be hung. Before exiting it
+dumps every thread's stack to stderr (:func:`faulthandler.dump_traceback`, which writes to the file
+descriptor without taking any Python lock), so the user sees where the process hung.
 
 Arming again keeps the earlier instant (a later notice never postpones an earlier deadline).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import threading
@@ -69,5 +72,6 @@ class Watchdog:
         message = f"spotguard: clean stop overran its deadline; forced exit {self._code}\n"
         try:
             os.write(2, message.encode())
+            faulthandler.dump_traceback(file=2, all_threads=True)
         finally:
             os._exit(self._code)

@@ -7,6 +7,13 @@ A :class:`Guard` learns of an interruption in two ways, whichever comes first:
   ``docker stop``, or the daemon's own signal delivery). A signal becomes a *local* notice whose
   deadline is ``signal_deadlines[signum]`` seconds after it arrived (``None``: no deadline).
 
+One notice per event, whichever channel brought it: the daemon's signal fallback (``daemon_signal``,
+SIGUSR1) means "ask the daemon". While the daemon is reachable the guard asks it for its pending
+notices, and when one of them stops this process the signal adds nothing: its notice, with its real
+deadline, is already held and a cancel from the platform clears it. Only a ``daemon_signal`` that no
+daemon notice explains (Slurm ``--signal=USR1``, ``scancel --signal``) becomes a local notice, and
+every other signal (SIGTERM from a kubelet or ``docker stop``) always does.
+
 The signal handlers only append to a list; a background thread (and every read of :attr:`notice`)
 turns that into a notice. Nothing else happens in a handler: no I/O, no locks, no ``sys.exit``,
 because a handler runs between two bytecodes of whatever the main thread was doing.
@@ -22,7 +29,9 @@ Contract:
 * Every stopping notice arms the forced-exit :class:`~spotguard._watchdog.Watchdog` at its deadline
   minus ``force_exit_margin`` (``force_exit_timeout`` after it arrived when it has no deadline).
 * Training never fails because the daemon is absent or restarts: requests time out quickly and
-  report ``False``.
+  report ``False``. A commit report that got no answer is kept (the newest ``MAX_UNSENT_COMMITS``)
+  and sent again by the background thread once the daemon answers, so a checkpoint committed while
+  the daemon was down or restarting is still made durable; an error reply drops it (logged).
 
 Exceptions: none of its own; it raises only for invalid arguments (``ValueError``).
 """
@@ -47,6 +56,11 @@ __all__ = ["Guard", "DEFAULT_SIGNAL_DEADLINES"]
 
 log = logging.getLogger(__name__)
 
+MAX_UNSENT_COMMITS = 16
+"""Commit reports kept for re-sending while the daemon does not answer (the oldest go first)."""
+RESEND_SECONDS = 1.0
+"""How often the background thread retries the kept commit reports."""
+
 DEFAULT_SIGNAL_DEADLINES: Mapping[int, float | None] = {signal.SIGTERM: 30.0, signal.SIGUSR1: None}
 """SIGTERM: Kubernetes' default grace period is 30 s. SIGUSR1: a stop request with no deadline."""
 
@@ -69,12 +83,14 @@ class Guard:
         force_exit_margin: float = 2.0,
         force_exit_timeout: float = 120.0,
         request_timeout: float = 0.5,
+        daemon_signal: int | None = signal.SIGUSR1,
     ) -> None:
         if force_exit_margin < 0 or force_exit_timeout <= 0:
             raise ValueError("force_exit_margin must be >= 0 and force_exit_timeout > 0")
         self.job_id = job_id
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self._signal_deadlines = dict(signal_deadlines)
+        self._daemon_signal = daemon_signal
         self._stop_on_advisory, self._checkpoint_on_advisory = stop_on_advisory, checkpoint_on_advisory
         self._margin, self._timeout = force_exit_margin, force_exit_timeout
         self._watchdog = Watchdog(EXIT_FORCED) if force_exit else None
@@ -88,6 +104,8 @@ class Guard:
         self._signals: list[tuple[int, float]] = []
         self._signal_count = 0
         self._stopping = False
+        self._unsent: dict[tuple[str, str], CommitRequest] = {}
+        self._resend_at = 0.0
         self._previous: dict[int, Any] = {}
         self._closed = threading.Event()
         self._link = None
@@ -172,9 +190,42 @@ class Guard:
     def report_commit(self, info: Any) -> bool:
         """Tell the daemon a checkpoint was committed (a ``CommitInfo``); False if none answered."""
         files = info.files if isinstance(info.files, int) else len(info.files)
-        return self._request(CommitRequest(
-            pid=os.getpid(), job_id=self.job_id, path=str(info.path), step=info.step,
-            size_bytes=int(info.size_bytes or 0), files=files))
+        message = CommitRequest(pid=os.getpid(), job_id=self.job_id, path=str(info.path), step=info.step,
+                                size_bytes=int(info.size_bytes or 0), files=files)
+        if self._link is None:
+            return False
+        reply = self._link.request(message) if self._link.alive else None
+        if reply is None:
+            self._keep_unsent(message)
+        elif not reply.ok:
+            log.warning("the daemon refused checkpoint %s: %s", message.path, reply.error)
+        return reply is not None and reply.ok
+
+    def _keep_unsent(self, message: CommitRequest) -> None:
+        with self._lock:
+            self._unsent[(message.job_id, message.path)] = message
+            while len(self._unsent) > MAX_UNSENT_COMMITS:
+                self._unsent.pop(next(iter(self._unsent)))
+        log.info("daemon did not answer the commit of step %d; it will be announced again", message.step)
+
+    def _resend_commits(self) -> None:
+        """Re-announce kept commit reports, oldest first, while the daemon answers (guard thread)."""
+        if not self._unsent or self._link is None or not self._link.alive \
+                or time.monotonic() < self._resend_at:
+            return
+        self._resend_at = time.monotonic() + RESEND_SECONDS
+        with self._lock:
+            pending = list(self._unsent.items())
+        for key, message in pending:
+            reply = self._link.request(message)
+            if reply is None:
+                return  # still down: try again later
+            with self._lock:
+                self._unsent.pop(key, None)
+            if reply.ok:
+                log.info("commit of step %d announced again to the daemon", message.step)
+            else:
+                log.warning("the daemon refused checkpoint %s: %s", message.path, reply.error)
 
     def _request(self, message: Any) -> bool:
         if self._link is None or not self._link.alive:
@@ -223,6 +274,7 @@ class Guard:
                 else:
                     self._closed.wait(0.05)
                 self._take_signals()
+                self._resend_commits()
             except Exception:  # noqa: BLE001 - the guard must never die silently mid-run
                 log.exception("spotguard guard loop error; continuing")
                 self._closed.wait(0.5)
@@ -250,19 +302,31 @@ class Guard:
         self._signals.append((signum, time.time()))  # the only thing a handler does
 
     def _take_signals(self) -> None:
-        """Turn received signals into local notices. A signal from the daemon's delivery can
-        overtake its ZeroMQ event, so a live daemon is asked for the notice and its deadline;
-        a reader arriving meanwhile waits for that answer (at most ``request_timeout``)."""
+        """Turn received signals into local notices. A live daemon is asked for its notices first
+        (a signal from its delivery can overtake the ZeroMQ event); a ``daemon_signal`` explained by
+        one of them adds nothing. A reader arriving meanwhile waits for that answer (at most
+        ``request_timeout``)."""
         with self._take_lock:
-            taken = False
+            if not self._signals:
+                return
+            if self.daemon_alive:
+                self._link.refresh()
             while self._signals:
                 signum, at = self._signals.pop(0)
+                if signum == self._daemon_signal and self._daemon_explains():
+                    log.info("%s from the daemon: its notice is already held",
+                             signal.Signals(signum).name)
+                    continue
                 self._signal_count += 1
                 self._add_notice(_signal_notice(signum, at, self._signal_deadlines.get(signum),
                                                 self._signal_count))
-                taken = True
-            if taken and self.daemon_alive:
-                self._link.refresh()
+
+    def _daemon_explains(self) -> bool:
+        """True when the daemon answers and a notice it announced asks this process to stop."""
+        if not self.daemon_alive:
+            return False
+        with self._lock:
+            return any(n.platform != "local" and self._stops(n) for n in self._notices.values())
 
     def _on_event(self, event: Any) -> None:
         if isinstance(event, Notice):

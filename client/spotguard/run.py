@@ -17,7 +17,11 @@ At each step boundary (after the loop body, before the next step):
 
 1. the local flags (stop requested, checkpoint due or requested) are agreed across ranks;
 2. a due checkpoint is saved asynchronously (training continues while it persists);
-3. on a stop: an emergency save is taken only when its expected duration plus ``save_margin``
+3. a stopping notice whose deadline is further away than the expected save, ``save_margin``,
+   the steps until the next boundary and ``stop_lead`` lets training go on (a scheduled retirement
+   announced minutes or days ahead); the loop stops at the last boundary that leaves that much time.
+   A notice without a deadline (a bare signal) stops at the next boundary;
+4. on a stop: an emergency save is taken only when its expected duration plus ``save_margin``
    fits before the deadline (:func:`save_fits`), else the last committed checkpoint stands; the
    pending save is awaited, the daemon is told the process is safe, and the loop raises
    ``SystemExit(EXIT_PREEMPTED)`` (75) so the caller's ``finally`` blocks and context managers
@@ -27,6 +31,10 @@ At each step boundary (after the loop body, before the next step):
 
 Leaving the loop with ``break`` ends training at the current step without counting it: put the
 ``break`` before the optimizer step, or the final save repeats that step's update on resume.
+
+Without ``job_id`` (or ``$SPOTGUARD_JOB_ID``) the run's id is derived from its command line and working directory
+(:mod:`spotguard._jobid`, logged at start), so two experiments never share checkpoints in the
+durable store; a checkpoint that does not fit the state is refused with a message naming the fix.
 
 Every commit is reported to the daemon (``CommitRequest``). Nothing needs a daemon. With
 ``$SPOTGUARD_RECORD`` set, the run's start, progress, commits, stop and final state digest are
@@ -40,9 +48,10 @@ import os
 import time
 from typing import Any, Callable, Iterator, Mapping
 
-from spotguard import rng
+from spotguard import _jobid, rng
 from spotguard._record import Recorder
-from spotguard.checkpoint import Checkpointer, CheckpointError
+from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
+from spotguard.checkpoint.load import read_manifest
 from spotguard.distributed import Agreement, Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
@@ -96,6 +105,7 @@ class Run:
         save_every: int | None = None,
         cadence: Any = None,
         save_margin: float = 2.0,
+        stop_lead: float = 60.0,
         exit_on_stop: bool = True,
         daemon: bool = True,
         signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
@@ -105,11 +115,19 @@ class Run:
         durable: str | None = None,
     ) -> None:
         self.state = _build_state(model, optimizer, scheduler, sampler, state)
-        self.save_margin, self.exit_on_stop = save_margin, exit_on_stop
+        if stop_lead < 0:
+            raise ValueError("stop_lead must be >= 0")
+        self.save_margin, self.stop_lead, self.exit_on_stop = save_margin, stop_lead, exit_on_stop
+        self._far_notice: str | None = None
         process_group = _default_group(process_group)
         self.agreement = Agreement(process_group)
         self.cadence = _make_cadence(save_every, cadence)
         self._user_on_commit = on_commit
+        job_id = job_id or os.environ.get(_jobid.ENV, "")
+        derived = not job_id
+        self.job_id = job_id = job_id or _jobid.derive()
+        log.info("job id %s%s", job_id, " (derived from the command line and working directory; pass "
+                 "job_id= to choose one)" if derived else "")
         self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,
                                          on_commit=self._on_commit)
         self.guard = guard or Guard(job_id=job_id, rank=_rank(), daemon=daemon,
@@ -132,7 +150,7 @@ class Run:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers still to run, resuming after the latest committed checkpoint."""
         self._restore_from_store()
-        self.resumed_from = self.checkpointer.load_latest(self.state)
+        self.resumed_from = self._load_latest()
         self.step = self._saved_step = self.resumed_from.step if self.resumed_from else 0
         self.start_step = self.step
         if self.resumed_from is not None:
@@ -140,6 +158,9 @@ class Run:
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,
                           skipped=self.checkpointer.skipped, total=total)
+        if self.step >= total:
+            log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
+            return  # a completed job relaunched under a pending notice must exit 0, not 75
         if self._boundary(self.step):
             return
         while self.step < total:
@@ -147,6 +168,27 @@ class Run:
             self.step += 1
             if self._boundary(self.step):
                 return
+
+    def _load_latest(self) -> Any:
+        """Load the newest checkpoint; one that does not fit the state (another model, another run
+        in this root) is refused with a message naming the fix, never half-loaded silently."""
+        try:
+            info = self.checkpointer.load_latest(self.state)
+        except CheckpointCorruptError:
+            raise
+        except CheckpointError as exc:
+            latest = self.checkpointer.latest()
+            if latest is None:
+                raise
+            raise CheckpointError(_jobid.mismatch_message(
+                latest.path, read_manifest(latest.path), self._job_id, " ".join(str(exc).split()).rstrip("."))) from exc
+        if info is not None:
+            manifest = read_manifest(info.path)
+            _jobid.check_matches(manifest, self.state, self._job_id, info.path)
+            if manifest.get("job_id") not in ("", None, self._job_id):
+                log.warning("resuming %s, written by job %r; this is job %r (same checkpoint root)",
+                            info.path, manifest.get("job_id"), self._job_id)
+        return info
 
     def _restore_from_store(self) -> None:
         """The fresh-node case: when the durable store holds a newer checkpoint than the local root,
@@ -225,12 +267,31 @@ class Run:
 
     def _local_decision(self, done: int) -> Decision:
         stop = self.guard.stop_requested
+        left = self.guard.seconds_left() if stop else None
+        save = self.expected_save_seconds() if stop else None
+        if stop and left is not None and left > self._stop_needed(save):
+            self._note_far_notice(left, save)
+            stop = False
         return Decision(
             stop=stop,
             checkpoint=self._due_latched or self.guard.checkpoint_requested,
-            seconds_left=self.guard.seconds_left() if stop else None,
-            save_seconds=self.expected_save_seconds() if stop else None,
+            seconds_left=left if stop else None,
+            save_seconds=save if stop else None,
         )
+
+    def _stop_needed(self, save_seconds: float | None) -> float:
+        """Seconds before a deadline at which the loop must stop: the expected save, the margin,
+        the steps until the next boundary that can act on it, and ``stop_lead``."""
+        steps = self.agreement.interval if self.agreement.enabled else 1
+        step_s = (getattr(self.cadence, "step_s", None) or 0.0) * steps
+        return (save_seconds or 0.0) + self.save_margin + step_s + self.stop_lead
+
+    def _note_far_notice(self, left: float, save: float | None) -> None:
+        notice = self.guard.notice
+        if notice is not None and notice.id != self._far_notice:
+            self._far_notice = notice.id
+            log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
+                        "it", notice.id, left, self._stop_needed(save))
 
     def _stop(self, done: int, decision: Decision) -> bool:
         self.guard.begin_stop()

@@ -6,11 +6,16 @@ Parts and their wiring (sources produce, the store decides, actions act)::
     signal / notify --add-------->            +--announce---------> Delivery (signal, hook, webhook)
     Server (ROUTER) --> RequestHandler --> store (safe), on_commit hook (storage engine)
 
-Life cycle: lock the runtime directory, serve metrics, bind the sockets, re-announce the notices a
-previous run left pending, start one task per runner plus the request, heartbeat and housekeeping
-loops, then tell systemd ``READY=1``. The first SIGTERM/SIGINT raises a ``signal`` notice due in
-``signal.grace`` seconds; the daemon keeps serving until every registered client reported safe for
-it (or unregistered, or died) or the grace passed, then exits 0. A second signal exits at once.
+Life cycle: lock the runtime directory, serve metrics, bind the sockets, load the notices a previous
+run left pending (``status`` lists them at once; they are published on PUB and delivered again once,
+``RESTORE_HEARTBEATS`` heartbeats later, when the clients that stayed connected have seen the new
+daemon id and registered again, so the signal fallback reaches them), start one task per runner plus the request, heartbeat and housekeeping
+loops, then tell systemd ``READY=1``. The first SIGTERM/SIGINT means the node is going or only the
+daemon is (:meth:`Daemon.node_stops`, setting ``signal.means``). A node stop raises a ``signal``
+notice due in ``signal.grace`` seconds; the daemon keeps serving until every registered client
+reported safe for it (or unregistered, or died) or the grace passed, then exits 0. A daemon stop (a
+``systemctl restart`` for an upgrade) raises nothing: training goes on, pending notices stay in the
+state file for the next run, clients reconnect to it. A second signal exits at once.
 
 A platform that cannot be reached never stops the daemon: the runners back off and count errors.
 
@@ -51,6 +56,9 @@ __all__ = ["Daemon"]
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_SECONDS = 0.5
+RESTORE_HEARTBEATS = 3
+"""Heartbeats between binding and re-announcing restored notices: a client reconnects within one,
+then registers and asks status."""
 
 
 class Daemon:
@@ -165,9 +173,15 @@ class Daemon:
         self.server.bind()
         self.store.on_announce(self._announce)
         self.store.on_cancel(self._cancel)
+        restored = self.store.restore()
+        if restored:
+            self._spawn(self._announce_restored(restored))
+
+    async def _announce_restored(self, restored: list[Notice]) -> None:
+        await asyncio.sleep(RESTORE_HEARTBEATS * self.settings.zmq.heartbeat_interval)
         self._restoring = True
         try:
-            self.store.restore()
+            self.store.announce_restored(restored)
         finally:
             self._restoring = False
 
@@ -323,11 +337,24 @@ class Daemon:
             self._force = True
             self._changed.set()
             return
+        if not self.node_stops():
+            log.warning("%s: the daemon stops, the node does not (signal.means=%s); no notice, "
+                        "training goes on", signal_source.signal_name(signum), self.settings.signal.means)
+            self.stop()
+            return
         notice = signal_source.signal_notice(signum, grace=self.settings.signal.grace,
                                              platform=self.platform)
         self._signal_notice = notice
         self.store.add(notice, ephemeral=True)
         self._stop.set()
+
+    def node_stops(self) -> bool:
+        """Whether a SIGTERM/SIGINT to the daemon means the node (container, pod) is going: see
+        ``signal.means``; ``auto`` asks systemd when systemd runs the daemon, else says yes."""
+        means = self.settings.signal.means
+        if means != "auto":
+            return means == "node"
+        return not systemd.under_systemd() or systemd.system_stopping()
 
     def stop(self) -> None:
         """Exit without a notice and without waiting for clients (embedding, tests)."""

@@ -172,6 +172,7 @@ class Demo:
     def spawn(self, name: str, argv: list[str], runtime: Path) -> Child:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
         env["SPOTGUARD_RUNTIME_DIR"] = str(runtime)
+        env["SPOTGUARD_JOB_ID"] = JOB_ID  # the job's checkpoints in the store, restored by _restore
         child = Child(name, [sys.executable, "-m", *argv], env, self.ws.logs / f"{name}.log")
         self.children.append(child)
         return child

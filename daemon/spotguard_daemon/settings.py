@@ -150,6 +150,12 @@ class AlibabaSettings(_Section):
 class SignalSettings(_Section):
     grace: float = Field(30.0, ge=0, le=3600)
     """Deadline of the notice raised when the daemon itself gets SIGTERM/SIGINT (Kubernetes default 30 s)."""
+    means: Literal["auto", "node", "daemon"] = "auto"
+    """What SIGTERM/SIGINT to the daemon means. ``node``: the node, container or pod is going (raise
+    the notice; set this for a sidecar whose SIGTERM means the pod is deleted). ``daemon``: only the
+    daemon stops (an upgrade): no notice, training goes on. ``auto``: under systemd (``INVOCATION_ID``
+    set) ``node`` only while ``systemctl is-system-running`` says ``stopping`` (a shutdown or reboot),
+    else ``daemon``; outside systemd (a container, a pod, a terminal) ``node``."""
 
 
 class SlurmSettings(_Section):

@@ -5,10 +5,13 @@ an id not seen before is announced, an id this source listed last time and no lo
 cancelled, and an id seen again changes nothing (its first ``received_at`` is kept, so latency
 figures and deadlines do not drift with every poll) unless its deadline moved by more than
 ``RESCHEDULE_SECONDS`` (an Azure or AWS event rescheduled under the same id): then the updated notice
-is announced again under the same id, and clients replace the one they hold. A notice restored from
-the state file keeps its stored deadline when its source first lists it again: a deadline the watcher
-computed from the time it first saw the event (GCP) would otherwise move later with every restart. Push sources (a signal, a manual ``notify``)
-use :meth:`NoticeStore.add` and :meth:`NoticeStore.cancel`.
+is announced again under the same id (its detail says the platform rescheduled it), and clients
+replace the one they hold. A notice restored from the state file keeps its stored deadline: when its
+source first lists it again, the difference between the two deadlines is remembered as the restart's
+shift (a deadline the watcher computed from the time it first saw the event, as on GCP, comes back
+later by the restart's duration) and later polls are compared after removing it, so a restart never
+moves a deadline, and a real reschedule by the platform still does. Push sources (a signal, a manual
+``notify``) use :meth:`NoticeStore.add` and :meth:`NoticeStore.cancel`.
 
 Listeners hear of a notice first, and the state file is written right after: the fsyncs take
 milliseconds that must not stand between a platform's notice and the clients (a crash in between
@@ -62,6 +65,8 @@ class Entry:
     """Not written to the state file (the daemon's own SIGTERM notice)."""
     restored: bool = False
     """Loaded from the state file and not yet listed again by its source."""
+    shift: timedelta = timedelta(0)
+    """How much later than the stored deadline the source reports it since a restart."""
 
 
 def write_private_atomic(path: Path, data: bytes) -> None:
@@ -122,17 +127,20 @@ class NoticeStore:
     def _rescheduled(self, notice: Notice) -> Notice | None:
         """The updated notice when a known id came back with another deadline, else None."""
         entry = self._entries[notice.id]
-        if entry.restored:
-            entry.restored = False
-            return None
         old = entry.notice.deadline
         if old is None or notice.deadline is None:
+            entry.restored = False
             return None
-        if abs((notice.deadline - old).total_seconds()) <= RESCHEDULE_SECONDS:
+        if entry.restored:
+            entry.restored, entry.shift = False, notice.deadline - old
             return None
-        log.info("notice %s rescheduled: deadline %s -> %s", notice.id, old.isoformat(),
-                 notice.deadline.isoformat())
-        entry.notice = notice.model_copy(update={"received_at": entry.notice.received_at})
+        new = notice.deadline - entry.shift
+        if abs((new - old).total_seconds()) <= RESCHEDULE_SECONDS:
+            return None
+        log.info("notice %s rescheduled: deadline %s -> %s", notice.id, old.isoformat(), new.isoformat())
+        detail = f"{notice.detail} (rescheduled by the platform; deadline was {old.isoformat()})"
+        entry.notice = notice.model_copy(update={"received_at": entry.notice.received_at,
+                                                 "deadline": new, "detail": detail[-1024:]})
         return entry.notice
 
     def add(self, notice: Notice, *, ephemeral: bool = False) -> bool:
@@ -228,9 +236,11 @@ class NoticeStore:
             log.error("cannot write %s: %s (pending notices will not survive a restart)", self._path, exc)
 
     def restore(self) -> list[Notice]:
-        """Load the notices a previous daemon left pending and announce them again.
+        """Load the notices a previous daemon left pending; they are pending (``status`` lists them)
+        at once, and announced by :meth:`announce_restored`, which the daemon calls once its clients
+        had time to reconnect and register (an announcement right after the bind reaches nobody).
 
-        Call once, after the listeners are attached. Returns the notices announced. The sources'
+        Call once, after the listeners are attached. Returns the notices loaded. The sources'
         snapshots are rebuilt too, so a watcher whose next poll no longer lists a notice cancels it.
         """
         restored = []
@@ -242,10 +252,20 @@ class NoticeStore:
             self._snapshots.setdefault(entry.notice.source, set()).add(entry.notice.id)
             restored.append(entry.notice)
         self._persist()
-        for notice in restored:
-            log.info("re-announcing notice %s left pending by the previous run", notice.id)
-            self._emit(self._on_announce, notice)
         return restored
+
+    def announce_restored(self, notices: Iterable[Notice]) -> list[Notice]:
+        """Announce once each notice :meth:`restore` returned that is still pending unchanged (a
+        reschedule seen meanwhile was announced already and is not repeated); return them."""
+        announced = []
+        for notice in notices:
+            entry = self._entries.get(notice.id)
+            if entry is None or entry.notice is not notice:
+                continue
+            log.info("re-announcing notice %s left pending by the previous run", notice.id)
+            self._emit(self._on_announce, entry.notice)
+            announced.append(entry.notice)
+        return announced
 
     def _read(self) -> list[Entry]:
         if self._path is None or not self._path.exists():

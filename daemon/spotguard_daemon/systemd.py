@@ -5,6 +5,9 @@ service started; ``WatchdogSec=`` sets ``WATCHDOG_USEC`` and expects ``WATCHDOG=
 often (we send it every half period); ``STOPPING=1`` says a stop is under way. Without
 ``NOTIFY_SOCKET`` every call does nothing, so the daemon runs the same outside systemd.
 
+:func:`system_stopping` tells a node shutdown (``systemctl is-system-running`` prints ``stopping``)
+from a service stop or restart while the system keeps running (an upgrade).
+
 Exceptions: none; a send that fails is logged at debug level and ignored.
 """
 
@@ -13,8 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 
-__all__ = ["notify", "watchdog_interval"]
+__all__ = ["notify", "watchdog_interval", "under_systemd", "system_stopping"]
 
 log = logging.getLogger(__name__)
 
@@ -46,3 +50,22 @@ def watchdog_interval() -> float | None:
         return max(int(usec) / 2e6, 0.01)
     except ValueError:
         return None
+
+
+def under_systemd() -> bool:
+    """True when systemd started this process as a service (it sets ``INVOCATION_ID``)."""
+    return bool(os.environ.get("INVOCATION_ID"))
+
+
+def system_stopping(timeout: float = 2.0) -> bool:
+    """True when the whole system is shutting down or rebooting; also True when that cannot be
+    told (no ``systemctl``, no answer), because stopping training needlessly costs a restart while
+    missing a shutdown costs the work since the last checkpoint."""
+    try:
+        done = subprocess.run(["systemctl", "is-system-running"], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("cannot ask systemd whether the system is stopping (%s); assuming it is", exc)
+        return True
+    state = done.stdout.strip()
+    return state not in ("running", "degraded", "starting", "initializing", "maintenance")

@@ -146,7 +146,7 @@ def test_real_daemon_drill_stops_the_job_and_its_commit_becomes_durable(tmp_path
         # the manual notice completes once its clients are safe (the fake-daemon test checks the
         # SafeRequest itself); a relaunch on this node then trains instead of stopping again
         assert wait_for(lambda: notice_id not in [n["id"] for n in status()["notices"]], 10)
-        assert wait_for(lambda: status()["uploads"]["durable"].get("default", {}).get("step") == step, 20)
+        assert wait_for(lambda: [d["step"] for d in status()["uploads"]["durable"].values()] == [step], 20)
     finally:
         daemon.kill()
         daemon.wait(10)

@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+from spotguard.protocol import StatusRequest
 from spotguard.storage import Durable
 from spotguard.storage.file import FileStore
 
@@ -21,7 +22,8 @@ ARGS = ("--save-every", "20")
 
 def test_a_new_node_without_a_daemon_resumes_from_the_store(tmp_path):
     bucket, node1, node2 = tmp_path / "bucket", tmp_path / "node1", tmp_path / "node2"
-    env = isolated_env(tmp_path / "rt")
+    # the nodes' roots differ here, so the derived job ids would too: name the job
+    env = isolated_env(tmp_path / "rt", SPOTGUARD_JOB_ID="default")
     reference = final(run_to_end(node1, 60, *ARGS, env=env))
     Durable(FileStore(bucket)).upload(node1 / "step-0000000040", "default")  # the old node's daemon
     shutil.rmtree(node1)  # the node is gone
@@ -43,10 +45,12 @@ def test_a_preempted_job_resumes_on_a_new_node_from_what_the_daemon_made_durable
     stopped = int(job.grab(r"stopped step=(\d+)")[0][1])
     durable = Durable(FileStore(bucket))
     deadline = time.monotonic() + 20
-    while durable.latest("default") != stopped and time.monotonic() < deadline:
+    job = None  # derived from the command line: the same on the new node
+    while (job is None or durable.latest(job) != stopped) and time.monotonic() < deadline:
+        job = next(iter(daemon.request(StatusRequest()).data["uploads"]["durable"]), None)
         time.sleep(0.05)
-    assert durable.latest("default") == stopped, daemon.output()
+    assert job is not None and durable.latest(job) == stopped, daemon.output()
     shutil.rmtree(ckpt)  # a new node: nothing local, the daemon beside it knows the store
-    resumed = run_to_end(ckpt, 60, *ARGS, env=env)
+    resumed = run_to_end(ckpt, 60, *ARGS, "--step-sleep", "0.05", env=env)  # the identical command
     assert f"start step={stopped}" in resumed.output
     assert final(resumed) == reference

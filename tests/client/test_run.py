@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from spotguard.checkpoint import Checkpointer
+from spotguard.checkpoint import Checkpointer, CheckpointError
 from spotguard.guard import Guard
 from spotguard.run import Run, save_fits
 
@@ -167,5 +167,36 @@ def test_forced_exit_76_when_a_step_hangs_after_a_notice(tmp_path):
     elapsed = time.monotonic() - started
     assert proc.returncode == 76, err
     assert "not reached" not in out and "forced exit 76" in err
+    # every thread's stack was dumped first: the user sees the line the main thread hung on
+    hung_line = next(i for i, line in enumerate(HANG.splitlines(), 1) if "time.sleep(60)" in line)
+    assert f'hang.py", line {hung_line} in <module>' in err and "spotguard-watchdog" not in out
     assert 0.5 < elapsed < 2.5  # 3 s deadline minus the 2 s margin
     assert Checkpointer(tmp_path / "ckpt").latest().step == 2  # the last commit is intact
+
+
+def test_a_job_id_is_derived_from_the_command_and_directory_and_an_explicit_one_wins(tmp_path):
+    from spotguard import _jobid
+
+    one = _jobid.derive(["train.py", "--lr", "0.1"], "/work/a", {})
+    assert one == _jobid.derive(["train.py", "--lr", "0.1"], "/work/a", {"SLURM_JOB_ID": "7"})  # requeue
+    assert one.startswith("train-")
+    others = {_jobid.derive(["train.py", "--lr", "0.2"], "/work/a", {}),
+              _jobid.derive(["train.py", "--lr", "0.1"], "/work/b", {}),
+              _jobid.derive(["train.py", "--lr", "0.1"], "/work/a", {"SLURM_ARRAY_TASK_ID": "3"})}
+    assert one not in others and len(others) == 3
+    with Run(tmp_path, model=torch.nn.Linear(2, 2), guard=quiet_guard(), job_id="mine") as run:
+        assert run.job_id == "mine" and run.checkpointer.job_id == "mine"
+    with Run(tmp_path, model=torch.nn.Linear(2, 2), guard=quiet_guard()) as run:
+        assert run.job_id == _jobid.derive() and run.checkpointer.job_id == run.job_id
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_the_fix(tmp_path):
+    model, optimizer = parts()
+    with Run(tmp_path, model=model, optimizer=optimizer, guard=quiet_guard()) as run:
+        train(run, 3, model, optimizer)
+    other = torch.nn.Linear(16, 4)  # different shapes: load_state_dict cannot take it
+    with pytest.raises(CheckpointError, match="does not fit this run.*size mismatch.*own checkpoint root"):
+        Run(tmp_path, model=other, guard=quiet_guard()).steps(5).__next__()
+    renamed = {"net": torch.nn.Linear(8, 4)}  # different entries: nothing of it would be restored
+    with pytest.raises(CheckpointError, match=r"holds \['model', 'optimizer'\], this run has \['net'\]"):
+        Run(tmp_path, state=renamed, guard=quiet_guard()).steps(5).__next__()

@@ -28,24 +28,6 @@ CASES = {
 }
 
 
-@pytest.fixture
-def simulator():
-    procs = []
-
-    def start(platform: str) -> str:
-        proc = subprocess.Popen([sys.executable, "-m", "spotguard_daemon.simulator", platform, "--port", "0"],
-                                stdout=subprocess.PIPE, text=True)
-        procs.append(proc)
-        line = proc.stdout.readline()
-        assert "listening on" in line, line
-        return line.split("listening on ", 1)[1].split()[0]
-
-    yield start
-    for proc in procs:
-        proc.terminate()
-        proc.wait(10)
-
-
 def control(url: str, op: str, **body) -> dict:
     response = httpx.post(f"{url}/_sim/{op}", json=body, timeout=5)
     response.raise_for_status()

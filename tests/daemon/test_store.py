@@ -89,7 +89,10 @@ def test_persistence_is_private_atomic_and_re_announces(tmp_path):
 
     again = NoticeStore(path)
     events = recording(again)
-    assert [n.id for n in again.restore()] == ["a"]
+    restored = again.restore()
+    assert [n.id for n in restored] == ["a"] and [n.id for n in again.pending()] == ["a"]
+    assert events == []  # announced later, once the clients reconnected
+    assert [n.id for n in again.announce_restored(restored)] == ["a"]
     assert events == [("announce", "a")]
     assert again.safe_pids("a") == {7}
     again.reconcile("aws.spot", [])  # the restored snapshot lets the watcher cancel it
@@ -139,15 +142,33 @@ def test_a_rescheduled_event_is_announced_again_with_its_new_deadline():
     assert store.get("evt").deadline == announced[1].deadline
 
 
-def test_a_restored_notice_keeps_its_deadline_when_its_source_lists_it_again(tmp_path):
-    path = tmp_path / "notices.json"
-    original = notice("gcp:preempt", source="gcp.preempted", seconds=30)
-    NoticeStore(path).reconcile("gcp.preempted", [original])
+def restarted_with(path, original: Notice) -> tuple[NoticeStore, list[Notice], list[Notice]]:
+    """A store that left ``original`` pending, then a new one over the same file: (store, the
+    notices it restored, the notices it announced)."""
+    NoticeStore(path).reconcile(original.source, [original])
     restarted = NoticeStore(path)
     announced: list[Notice] = []
     restarted.on_announce(announced.append)
-    restarted.restore()
-    # The watcher of the new process computes its deadline from when *it* first saw the value.
-    restarted.reconcile("gcp.preempted", [notice("gcp:preempt", source="gcp.preempted", seconds=90)])
+    return restarted, restarted.restore(), announced
+
+
+def test_a_restored_notice_keeps_its_deadline_when_its_source_lists_it_again(tmp_path):
+    original = notice("gcp:preempt", source="gcp.preempted", seconds=30)
+    restarted, restored, announced = restarted_with(tmp_path / "notices.json", original)
+    restarted.announce_restored(restored)
+    # The watcher of the new process computes its deadline from when *it* first saw the value,
+    # and keeps reporting that later deadline at every poll: never a reschedule.
+    for _ in range(3):
+        restarted.reconcile("gcp.preempted", [notice("gcp:preempt", source="gcp.preempted", seconds=90)])
     assert [n.deadline for n in announced] == [original.deadline]
     assert restarted.get("gcp:preempt").deadline == original.deadline
+
+
+def test_after_a_restart_only_the_platform_moves_a_deadline_and_the_notice_says_so(tmp_path):
+    original = notice("evt", source="azure.scheduled", seconds=300)
+    restarted, restored, announced = restarted_with(tmp_path / "notices.json", original)
+    restarted.reconcile("azure.scheduled", [original])
+    restarted.reconcile("azure.scheduled", [notice("evt", source="azure.scheduled", seconds=600)])
+    assert len(announced) == 1 and "rescheduled by the platform" in announced[0].detail
+    assert announced[0].deadline > original.deadline + timedelta(seconds=250)
+    assert restarted.announce_restored(restored) == []  # the reschedule was announced already

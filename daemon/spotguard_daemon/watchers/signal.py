@@ -19,11 +19,15 @@ from datetime import datetime, timedelta
 
 from spotguard.protocol import Kind, Notice, utcnow
 
-__all__ = ["SOURCE", "HANDLED", "signal_notice"]
+__all__ = ["SOURCE", "HANDLED", "signal_notice", "signal_name"]
 
 SOURCE = "signal"
 HANDLED = (_signal.SIGTERM, _signal.SIGINT)
 """Signals the daemon turns into a notice (a second one makes it exit at once)."""
+
+
+def signal_name(signum: int) -> str:
+    return _signal.Signals(signum).name
 
 
 def signal_notice(signum: int, *, grace: float, platform: str, now: datetime | None = None) -> Notice:

@@ -21,6 +21,8 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
 * ``stop``: ``step``, ``saved`` (an emergency save was taken), ``seconds_left``, ``notice`` (its
   ``id`` and ``kind``); every rank, before it exits 75.
 * ``finish``: ``step`` and ``digest`` of the final training state; rank 0, at the normal end.
+* ``load_failed``: ``error``; every rank whose load of the latest checkpoint raised (the process
+  then exits with that error). Corrupt checkpoints passed over are ``start``'s ``skipped``.
 
 Two runs of the same job that end with equal ``finish`` digests ended in bit-identical states: the
 digest covers every byte of every entry of the checkpoint (model, optimizer, scheduler, data
@@ -38,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["ENV", "VERSION", "PROGRESS_SECONDS", "Recorder", "read", "restart_count"]
+__all__ = ["ENV", "VERSION", "PROGRESS_SECONDS", "Recorder", "read", "read_new", "restart_count"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,25 @@ def read(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         text = Path(path).read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return
-    for line in text.splitlines():
+    yield from _events(text.splitlines())
+
+
+def read_new(path: str | os.PathLike[str], offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The events appended since byte ``offset`` and the offset to pass next time, for a reader
+    that follows a live record: a last line not yet ended by a newline is left for the next call."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            data = file.read()
+    except FileNotFoundError:
+        return [], offset
+    whole = data[: data.rfind(b"\n") + 1]
+    lines = whole.decode("utf-8", errors="replace").splitlines()
+    return list(_events(lines)), offset + len(whole)
+
+
+def _events(lines: list[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
         try:
             event = json.loads(line)
         except ValueError:

@@ -132,7 +132,11 @@ class Run:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers still to run, resuming after the latest committed checkpoint."""
         self._restore_from_store()
-        self.resumed_from = self.checkpointer.load_latest(self.state)
+        try:
+            self.resumed_from = self.checkpointer.load_latest(self.state)
+        except Exception as exc:
+            self.record.emit("load_failed", error=f"{type(exc).__name__}: {exc}")
+            raise
         self.step = self._saved_step = self.resumed_from.step if self.resumed_from else 0
         self.start_step = self.step
         if self.resumed_from is not None:

@@ -13,7 +13,8 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
 * ``start``: ``root``, ``world_size``, ``argv``, ``cwd``, ``host``, ``restart_count`` (Slurm's
   ``SLURM_RESTART_COUNT`` or torchrun's ``TORCHELASTIC_RESTART_COUNT``, else None), ``resumed_from``
   (the step loaded, None for a fresh start), ``skipped`` (checkpoints passed over as corrupt:
-  ``[{"path", "reason"}]``), ``total`` (the step budget).
+  ``[{"path", "reason"}]``), ``total`` (the step budget), ``entries`` (the names of the state's
+  entries, so a tool can say what a checkpoint leaves out).
 * ``progress``: ``step``, the steps completed; rank 0, at most every :data:`PROGRESS_SECONDS`.
 * ``commit``: ``step``, ``kind`` (``periodic``, ``requested``, ``emergency`` or ``final``),
   ``digest`` (:attr:`~spotguard.checkpoint.CommitInfo.digest`), ``blocking_s``, ``persist_s``,
@@ -74,10 +75,10 @@ class Recorder:
         return self.path is not None
 
     def start(self, *, root: str | os.PathLike[str], world_size: int, resumed_from: int | None,
-              skipped: list[dict[str, str]], total: int | None) -> None:
+              skipped: list[dict[str, str]], total: int | None, entries: list[str] | None = None) -> None:
         self.emit("start", root=str(root), world_size=world_size, argv=list(sys.argv),
                   cwd=os.getcwd(), host=socket.gethostname(), restart_count=restart_count(),
-                  resumed_from=resumed_from, skipped=skipped, total=total)
+                  resumed_from=resumed_from, skipped=skipped, total=total, entries=entries)
 
     def progress(self, step: int) -> None:
         """Record ``step`` unless one was recorded less than PROGRESS_SECONDS ago (rank 0 only)."""

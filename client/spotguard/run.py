@@ -143,7 +143,7 @@ class Run:
             log.info("resumed from step %d (%s)", self.step, self.resumed_from.path)
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,
-                          skipped=self.checkpointer.skipped, total=total)
+                          skipped=self.checkpointer.skipped, total=total, entries=sorted(self.state))
         if self._boundary(self.step):
             return
         while self.step < total:

@@ -90,7 +90,7 @@ def judge(launches: list[Launch], reference: Launch | None) -> list[Check]:
                         "the job ended before the first preemption: make it longer (more steps) "
                         "or the drill has nothing to prove"))
     if reference is not None:
-        checks.append(_identical(launches[-1], reference))
+        checks.append(_identical(launches, reference))
     return checks
 
 
@@ -158,7 +158,8 @@ def _finished(last: Launch) -> Check:
                  f"finishing; see {last.log}")
 
 
-def _identical(last: Launch, reference: Launch) -> Check:
+def _identical(launches: list[Launch], reference: Launch) -> Check:
+    last = launches[-1]
     mine, theirs = last.first("finish"), reference.first("finish")
     if theirs is None:
         return Check("identical", False, "the uninterrupted reference run did not finish; "
@@ -167,10 +168,32 @@ def _identical(last: Launch, reference: Launch) -> Check:
         return Check("identical", mine is not None, "final state bit-identical to the "
                      f"uninterrupted run (digest {theirs.get('digest', '')[:16]})" if mine else
                      "no final state to compare")
+    entries = (last.first("start") or {}).get("entries")
+    holds = f" Its checkpoint holds: {', '.join(entries)}." if entries else ""
     return Check("identical", False, "the final training state differs from the uninterrupted "
                  "run's: something the job depends on is not in its checkpoint (the optimizer, "
                  "the scheduler, the data position, or an RNG: e.g. a DataLoader whose shuffling "
-                 "draws from the global RNG); pass every stateful object to spotguard.Run")
+                 "draws from the global RNG); pass every stateful object to spotguard.Run."
+                 + holds + _diverged(launches, reference))
+
+
+def _diverged(launches: list[Launch], reference: Launch) -> str:
+    """Where the drilled states left the reference's: the first step both runs committed with
+    different digests, the last equal one before it, and the relaunch in between."""
+    theirs = {c["step"]: c["digest"] for c in reference.of("commit")}
+    mine = {c["step"]: c["digest"] for launch in launches for c in launch.of("commit")}
+    common = sorted(set(theirs) & set(mine))
+    differ = [step for step in common if theirs[step] != mine[step]]
+    if not differ:
+        return ""
+    equal = max((s for s in common if s < differ[0] and theirs[s] == mine[s]), default=0)
+    text = f" Both runs were identical at step {equal} and differ at step {differ[0]}"
+    culprit = next((launch for launch in launches[1:] if equal <= launch.resumed_from < differ[0]),
+                   None)
+    if culprit is not None:
+        text += (f", after launch {culprit.index} resumed from step {culprit.resumed_from}: "
+                 "what diverges is the resume")
+    return text + "."
 
 
 def save_figures(launches: list[Launch]) -> dict[str, float | None]:

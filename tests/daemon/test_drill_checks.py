@@ -11,7 +11,12 @@ from __future__ import annotations
 import json
 import xml.dom.minidom
 
+import pytest
+import torch
+
+import spotguard
 from spotguard._record import Recorder, read, read_new
+from spotguard.checkpoint import CheckpointCorruptError
 from spotguard_daemon.drill_checks import Launch, judge, losses, save_figures
 from spotguard_daemon.drill_report import Live, write_report
 
@@ -137,3 +142,22 @@ def test_read_new_leaves_a_partial_line_for_later(tmp_path):
     events, _ = read_new(path, offset)
     assert [e["step"] for e in events] == [2]
     assert read_new(tmp_path / "missing", 0) == ([], 0)
+
+
+def test_the_library_records_a_failed_load_and_the_state_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPOTGUARD_RECORD", str(tmp_path / "r.jsonl"))
+    model = torch.nn.Linear(2, 2)
+    with spotguard.Run(tmp_path / "ckpt", model=model, daemon=False, save_every=1) as run:
+        for _ in run.steps(2):
+            pass
+    for path in (tmp_path / "ckpt").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"torn")
+    with pytest.raises(CheckpointCorruptError):
+        with spotguard.Run(tmp_path / "ckpt", model=model, daemon=False) as run:
+            for _ in run.steps(2):
+                pass
+    events = list(read(tmp_path / "r.jsonl"))
+    assert events[0]["event"] == "start" and events[0]["entries"] == ["model", "rng"]
+    (failure,) = [e for e in events if e["event"] == "load_failed"]
+    assert "CheckpointCorruptError" in failure["error"]

@@ -66,7 +66,8 @@ class Drill:
     def __init__(self, argv: list[str], report: Path, preemptions: int, seed: int | None,
                  timeout: float, live: Live) -> None:
         self.argv, self.report, self.live, self.timeout = argv, report, live, timeout
-        self.rng = random.Random(seed)
+        self.seed = random.randrange(2**31) if seed is None else seed
+        self.rng = random.Random(self.seed)
         self.kinds = [KINDS[i % len(KINDS)] for i in range(preemptions)]
         self.rng.shuffle(self.kinds)
         self.fractions = sorted(self.rng.uniform(0.05, 0.9) for _ in range(preemptions))
@@ -87,7 +88,8 @@ class Drill:
 
     def drill(self) -> list[Launch]:
         """Launch, preempt, relaunch, until the job ends or cannot go on."""
-        self.live.phase(f"drill: {len(self.kinds)} preemptions at random steps")
+        self.live.phase(f"drill: {len(self.kinds)} preemptions at random steps "
+                        f"(--seed {self.seed} repeats them)")
         launches: list[Launch] = []
         while True:
             done = sum(launch.preempted for launch in launches)
@@ -133,7 +135,10 @@ class Drill:
                 return
             if launch.kind and not launch.preempted and self._due(launch):
                 kill_at = self._preempt(launch, proc, endpoint)
-            if time.monotonic() > give_up or (kill_at is not None and time.monotonic() >= kill_at):
+            if time.monotonic() > give_up:
+                raise DrillError(f"launch {launch.index} ran longer than --launch-timeout "
+                                 f"({self.timeout:g} s); see {launch.log}")
+            if kill_at is not None and time.monotonic() >= kill_at:
                 launch.killed, kill_at = True, None
                 _killpg(proc, signal.SIGKILL)
             self.live.bar(launch)

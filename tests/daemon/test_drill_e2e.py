@@ -96,3 +96,9 @@ def test_a_command_that_is_not_a_spotguard_job_fails_clearly(tmp_path):
     done = drill(tmp_path, "--no-reference", job=[sys.executable, "-c", "print('hello')"])
     assert done.returncode == 1
     assert "without starting a spotguard run (no start event)" in done.stderr
+
+
+def test_a_launch_that_hangs_is_killed_and_named(tmp_path):
+    done = drill(tmp_path, "--no-reference", "--launch-timeout", "2", job=["sleep", "60"])
+    assert done.returncode == 1
+    assert "launch 1 ran longer than --launch-timeout (2 s)" in done.stderr

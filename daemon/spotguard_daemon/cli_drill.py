@@ -28,6 +28,7 @@ Exit statuses: 0 every check passed; 1 a check failed (the diagnosis on stderr);
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -73,6 +74,9 @@ class Drill:
         self.fractions = sorted(self.rng.uniform(0.05, 0.9) for _ in range(preemptions))
         self.sockets = Path(tempfile.mkdtemp(prefix="sg-drill-", dir="/tmp"))
         self.procs: list[subprocess.Popen] = []
+        self.tree: set[int] = set()
+        """Every descendant of the running launch seen so far: torchrun starts its workers in
+        sessions of their own, and they outlive a torchrun killed with SIGKILL."""
 
     # ------------------------------------------------------------------ phases
 
@@ -118,6 +122,8 @@ class Drill:
             self._watch(launch, proc, record, daemon[1] if daemon else None)
         finally:
             self._stop(proc)
+            _signal(self.tree, signal.SIGKILL)  # workers orphaned by a killed launcher
+            self.tree = set()
             if daemon:
                 self._stop(daemon[0])
         launch.t_end, launch.status = time.time(), proc.returncode
@@ -133,6 +139,7 @@ class Drill:
                 self.live.event(launch, event)
             if not running:
                 return
+            self.tree |= _descendants(proc.pid)
             if launch.kind and not launch.preempted and self._due(launch):
                 kill_at = self._preempt(launch, proc, endpoint)
             if time.monotonic() > give_up:
@@ -140,7 +147,7 @@ class Drill:
                                  f"({self.timeout:g} s); see {launch.log}")
             if kill_at is not None and time.monotonic() >= kill_at:
                 launch.killed, kill_at = True, None
-                _killpg(proc, signal.SIGKILL)
+                self._kill(proc, signal.SIGKILL)
             self.live.bar(launch)
             time.sleep(POLL_S)
 
@@ -160,10 +167,10 @@ class Drill:
         self.live.preempt(launch)
         if launch.kind == "sigkill":
             launch.killed = True
-            _killpg(proc, signal.SIGKILL)
+            self._kill(proc, signal.SIGKILL)
             return None
         if launch.kind == "sigterm":
-            _killpg(proc, signal.SIGTERM)
+            self._kill(proc, signal.SIGTERM)
             return time.monotonic() + ROOM_S
         deadline = ROOM_S if launch.kind == "notice" else SHORT_S
         _notify(endpoint, deadline)
@@ -196,6 +203,13 @@ class Drill:
             time.sleep(0.1)
         return proc, endpoint
 
+    def _kill(self, proc: subprocess.Popen, signum: int) -> None:
+        """``signum`` to the launch's process group and to every descendant, as a platform stops
+        a whole machine."""
+        self.tree |= _descendants(proc.pid)
+        _killpg(proc, signum)
+        _signal(self.tree, signum)
+
     def _stop(self, proc: subprocess.Popen) -> None:
         if proc.poll() is None:
             _killpg(proc, signal.SIGTERM)
@@ -216,6 +230,30 @@ def _killpg(proc: subprocess.Popen, signum: int) -> None:
         os.killpg(proc.pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _signal(pids: set[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+def _descendants(root: int) -> set[int]:
+    """The pids below ``root`` in the process tree now (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def _notify(endpoint: str | None, deadline: float) -> None:

@@ -48,14 +48,16 @@ class Live:
 
     def event(self, launch: Launch, event: dict[str, Any]) -> None:
         name, kind = _name(launch), event["event"]
-        if kind == "start" and event.get("rank", 0) == 0:
+        if event.get("rank", 0) != 0:
+            return
+        if kind == "start":
             where = event.get("resumed_from")
             self.line(f"{name}: {'fresh start' if where is None else f'resumed from step {where}'}"
                       f" of {event.get('total')} steps")
         elif kind == "commit" and event.get("kind") in ("emergency", "requested"):
             self.line(f"{name}: saved step {event['step']} ({event['kind']}, "
                       f"{event.get('blocking_s', 0) + event.get('persist_s', 0):.2f} s)")
-        elif kind == "stop" and event.get("rank", 0) == 0:
+        elif kind == "stop":
             self.line(f"{name}: stopped at step {event['step']}"
                       f"{' after an emergency save' if event.get('saved') else ', no save'}")
         elif kind == "load_failed":

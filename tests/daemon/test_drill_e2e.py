@@ -102,3 +102,18 @@ def test_a_launch_that_hangs_is_killed_and_named(tmp_path):
     done = drill(tmp_path, "--no-reference", "--launch-timeout", "2", job=["sleep", "60"])
     assert done.returncode == 1
     assert "launch 1 ran longer than --launch-timeout (2 s)" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_torchrun_job_is_preempted_whole(tmp_path):
+    """torchrun starts its workers in sessions of their own: a SIGKILL to torchrun's group alone
+    would leave them training on. The drill signals every descendant."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = drill(tmp_path, "-n", "4", "--seed", "7", job=[
+        str(torchrun), "--nproc-per-node", "2", str(ROOT / "examples" / "train_plain.py"),
+        "--steps", "150", "--save-every", "10", "--step-sleep", "0.02", "--ckpt-dir", "ckpt"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert len(report["preemptions"]) == 4 and report["passed"]
+    assert done.stdout.count("finished at step 150") == 2  # rank 0 only: reference and last launch

@@ -8,8 +8,8 @@ The command runs as given, twice over:
    kinds in turn (shuffled): ``notice`` (a daemon notice whose deadline leaves room to save),
    ``short-notice`` (a deadline too close to save: the last commit must stand), ``sigterm`` (no
    daemon, as Kubernetes or RunPod stop a pod) and ``sigkill`` (no warning at all, as on vast.ai).
-   Signals go to the command's process group, so ``torchrun`` and its workers get them. Whatever
-   survives a deadline is killed. The identical command is relaunched after each until it ends.
+   Signals go to the command's process group and to every descendant seen (``torchrun`` starts
+   its workers in sessions of their own). Whatever survives a deadline is killed. The identical command is relaunched after each until it ends.
 
 Notices come from a private daemon (``--platform none``, embedded default settings, its sockets
 and state in private temporary directories), started for each launch that gets one and stopped

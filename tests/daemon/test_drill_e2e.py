@@ -82,7 +82,7 @@ def test_a_loader_seeded_from_the_global_rng_is_judged_by_its_digests(tmp_path):
     as what diverged when they differ."""
     done = drill(tmp_path, "-n", "1", "--seed", "1", job=job("--broken", "global-rng-loader"))
     report = tmp_path / "report"
-    finishes = [e["digest"] for name in ("reference", "launch-02") if name
+    finishes = [e["digest"] for name in ("reference", "launch-02")
                 for e in read(report / f"{name}.record.jsonl") if e["event"] == "finish"]
     assert len(finishes) == 2, done.stdout + done.stderr
     if finishes[0] == finishes[1]:

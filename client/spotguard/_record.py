@@ -13,7 +13,8 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
 * ``start``: ``root``, ``world_size``, ``argv``, ``cwd``, ``host``, ``restart_count`` (Slurm's
   ``SLURM_RESTART_COUNT`` or torchrun's ``TORCHELASTIC_RESTART_COUNT``, else None), ``resumed_from``
   (the step loaded, None for a fresh start), ``skipped`` (checkpoints passed over as corrupt:
-  ``[{"path", "reason"}]``), ``total`` (the step budget).
+  ``[{"path", "reason"}]``), ``total`` (the step budget), ``entries`` (the names of the state's
+  entries, so a tool can say what a checkpoint leaves out).
 * ``progress``: ``step``, the steps completed; rank 0, at most every :data:`PROGRESS_SECONDS`.
 * ``commit``: ``step``, ``kind`` (``periodic``, ``requested``, ``emergency`` or ``final``),
   ``digest`` (:attr:`~spotguard.checkpoint.CommitInfo.digest`), ``blocking_s``, ``persist_s``,
@@ -21,6 +22,8 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
 * ``stop``: ``step``, ``saved`` (an emergency save was taken), ``seconds_left``, ``notice`` (its
   ``id`` and ``kind``); every rank, before it exits 75.
 * ``finish``: ``step`` and ``digest`` of the final training state; rank 0, at the normal end.
+* ``load_failed``: ``error``; every rank whose load of the latest checkpoint raised (the process
+  then exits with that error). Corrupt checkpoints passed over are ``start``'s ``skipped``.
 
 Two runs of the same job that end with equal ``finish`` digests ended in bit-identical states: the
 digest covers every byte of every entry of the checkpoint (model, optimizer, scheduler, data
@@ -38,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["ENV", "VERSION", "PROGRESS_SECONDS", "Recorder", "read", "restart_count"]
+__all__ = ["ENV", "VERSION", "PROGRESS_SECONDS", "Recorder", "read", "read_new", "restart_count"]
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +75,10 @@ class Recorder:
         return self.path is not None
 
     def start(self, *, root: str | os.PathLike[str], world_size: int, resumed_from: int | None,
-              skipped: list[dict[str, str]], total: int | None) -> None:
+              skipped: list[dict[str, str]], total: int | None, entries: list[str] | None = None) -> None:
         self.emit("start", root=str(root), world_size=world_size, argv=list(sys.argv),
                   cwd=os.getcwd(), host=socket.gethostname(), restart_count=restart_count(),
-                  resumed_from=resumed_from, skipped=skipped, total=total)
+                  resumed_from=resumed_from, skipped=skipped, total=total, entries=entries)
 
     def progress(self, step: int) -> None:
         """Record ``step`` unless one was recorded less than PROGRESS_SECONDS ago (rank 0 only)."""
@@ -111,7 +114,25 @@ def read(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         text = Path(path).read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return
-    for line in text.splitlines():
+    yield from _events(text.splitlines())
+
+
+def read_new(path: str | os.PathLike[str], offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The events appended since byte ``offset`` and the offset to pass next time, for a reader
+    that follows a live record: a last line not yet ended by a newline is left for the next call."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            data = file.read()
+    except FileNotFoundError:
+        return [], offset
+    whole = data[: data.rfind(b"\n") + 1]
+    lines = whole.decode("utf-8", errors="replace").splitlines()
+    return list(_events(lines)), offset + len(whole)
+
+
+def _events(lines: list[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
         try:
             event = json.loads(line)
         except ValueError:

@@ -150,14 +150,18 @@ class Run:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers still to run, resuming after the latest committed checkpoint."""
         self._restore_from_store()
-        self.resumed_from = self._load_latest()
+        try:
+            self.resumed_from = self._load_latest()
+        except Exception as exc:
+            self.record.emit("load_failed", error=f"{type(exc).__name__}: {exc}")
+            raise
         self.step = self._saved_step = self.resumed_from.step if self.resumed_from else 0
         self.start_step = self.step
         if self.resumed_from is not None:
             log.info("resumed from step %d (%s)", self.step, self.resumed_from.path)
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,
-                          skipped=self.checkpointer.skipped, total=total)
+                          skipped=self.checkpointer.skipped, total=total, entries=sorted(self.state))
         if self.step >= total:
             log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
             return  # a completed job relaunched under a pending notice must exit 0, not 75

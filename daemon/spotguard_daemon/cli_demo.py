@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 
 import click
 
-__all__ = ["DemoError", "Timeline", "demo", "verdict"]
+__all__ = ["DemoError", "Timeline", "demo", "guarded", "verdict"]
 
 JOB_MODULE = "spotguard_examples.train_plain"
 JOB_ID = "default"
@@ -337,6 +337,26 @@ def _signals(handler: object) -> Iterator[None]:
             signal.signal(signum, old)
 
 
+def guarded(name: str, body: Callable[[], int], close: Callable[[int], None],
+            failure: type[Exception]) -> int:
+    """``body()``'s exit status, with SIGINT and SIGTERM stopping it like Ctrl-C: 1 after
+    ``failure`` (its message on stderr), 130 after an interrupt. ``close(status)`` runs on every
+    path, with both signals ignored so that a second Ctrl-C cannot leave children behind."""
+    status = 1
+    with _signals(_interrupt):
+        try:
+            status = body()
+        except failure as exc:
+            click.echo(f"spotguard {name}: failed: {exc}", err=True)
+        except KeyboardInterrupt:
+            status = 130
+            click.echo(f"spotguard {name}: interrupted", err=True)
+        finally:
+            with _signals(signal.SIG_IGN):
+                close(status)
+    return status
+
+
 @click.command("demo")
 @click.option("--steps", default=200, show_default=True, type=click.IntRange(20, 1_000_000),
               help="Optimizer steps of the example job.")
@@ -349,22 +369,19 @@ def demo(steps: int, step_sleep: float, keep: bool, workdir: Path | None) -> Non
     """Show a training job riding out a preemption, locally: no cloud account, no root."""
     ws = Workspace(workdir)
     click.echo(f"spotguard demo: a training job rides out a preemption (workspace {ws.root})")
-    run, status = Demo(ws, steps, step_sleep), 1
-    with _signals(_interrupt):
-        try:
-            saved = run.first_run()
-            reference = run.start_reference()
-            resumed = run.second_run(saved)
-            status = verdict(resumed, run.finished(reference, "uninterrupted reference run"))
-        except DemoError as exc:
-            click.echo(f"spotguard demo: failed: {exc}", err=True)
-        except KeyboardInterrupt:
-            status = 130
-            click.echo("spotguard demo: interrupted", err=True)
-        finally:
-            with _signals(signal.SIG_IGN):
-                run.close()
-                ws.remove(keep=keep or workdir is not None or status != 0)
+    run = Demo(ws, steps, step_sleep)
+
+    def story() -> int:
+        saved = run.first_run()
+        reference = run.start_reference()
+        resumed = run.second_run(saved)
+        return verdict(resumed, run.finished(reference, "uninterrupted reference run"))
+
+    def close(status: int) -> None:
+        run.close()
+        ws.remove(keep=keep or workdir is not None or status != 0)
+
+    status = guarded("demo", story, close, DemoError)
     if status != 0:
         click.echo(f"spotguard demo: workspace kept in {ws.root}", err=True)
     sys.exit(status)

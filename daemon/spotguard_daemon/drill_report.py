@@ -1,0 +1,210 @@
+"""What ``spotguard drill`` shows: a live timeline, a one-screen summary, ``report.json`` and
+``timeline.svg`` (step against wall time, with saves, preemptions and kills marked).
+
+The live timeline prints one line per event that matters (launch, resume, emergency save, stop,
+preemption, exit) and, on a terminal only, redraws a progress bar on the line below; piped output
+gets the lines alone. The picture is a small SVG written here, with no plotting dependency.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import click
+
+from spotguard_daemon.drill_checks import Check, Launch, losses, save_figures
+
+__all__ = ["DESCRIBE", "Live", "write_report", "svg"]
+
+DESCRIBE = {"notice": "daemon notice, deadline 30 s (room to save)",
+            "short-notice": "daemon notice, deadline 1 s (no room to save)",
+            "sigterm": "SIGTERM, no daemon", "sigkill": "SIGKILL, no warning"}
+COLOURS = {"notice": "#1f77b4", "short-notice": "#9467bd", "sigterm": "#ff7f0e", "sigkill": "#d62728"}
+BAR = 30
+
+
+class Live:
+    """The timeline as it happens, in seconds since the drill started."""
+
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.t0, self._bar, self._next = tty, time.monotonic(), False, 0.0
+
+    def line(self, text: str) -> None:
+        if self._bar:
+            click.echo("\r\033[K", nl=False)
+            self._bar = False
+        click.echo(f"{time.monotonic() - self.t0:6.1f}s  {text}")
+
+    def phase(self, text: str) -> None:
+        self.line(f"== {text}")
+
+    def launch(self, launch: Launch, pid: int) -> None:
+        self.line(f"{_name(launch)}: started (pid {pid})")
+
+    def event(self, launch: Launch, event: dict[str, Any]) -> None:
+        name, kind = _name(launch), event["event"]
+        if event.get("rank", 0) != 0:
+            return
+        if kind == "start":
+            where = event.get("resumed_from")
+            self.line(f"{name}: {'fresh start' if where is None else f'resumed from step {where}'}"
+                      f" of {event.get('total')} steps")
+        elif kind == "commit" and event.get("kind") in ("emergency", "requested"):
+            self.line(f"{name}: saved step {event['step']} ({event['kind']}, "
+                      f"{event.get('blocking_s', 0) + event.get('persist_s', 0):.2f} s)")
+        elif kind == "stop":
+            self.line(f"{name}: stopped at step {event['step']}"
+                      f"{' after an emergency save' if event.get('saved') else ', no save'}")
+        elif kind == "load_failed":
+            self.line(f"{name}: LOAD FAILED: {event.get('error')}")
+        elif kind == "finish":
+            self.line(f"{name}: finished at step {event['step']} (digest {event['digest'][:16]})")
+
+    def preempt(self, launch: Launch) -> None:
+        self.line(f"{_name(launch)}: PREEMPTED at step {launch.reached}: {DESCRIBE[launch.kind]}")
+
+    def ended(self, launch: Launch) -> None:
+        how = "killed" if launch.killed else f"exited with status {launch.status}"
+        self.line(f"{_name(launch)}: {how} after {launch.t_end - launch.t_launch:.1f} s")
+
+    def bar(self, launch: Launch) -> None:
+        """Redraw the progress bar (terminals only, at most 10 times a second)."""
+        start = launch.first("start")
+        if not self.tty or start is None or not start.get("total") or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + 0.1
+        total, step = start["total"], launch.reached
+        filled = int(BAR * min(step, total) / total)
+        click.echo(f"\r\033[K  [{'#' * filled}{'.' * (BAR - filled)}] step {step}/{total}  "
+                   f"{_name(launch)}", nl=False)
+        self._bar = True
+
+
+def _name(launch: Launch) -> str:
+    return "reference" if launch.index == 0 else f"launch {launch.index}"
+
+
+def write_report(report: Path, command: list[str], launches: list[Launch], reference: Launch | None,
+                 checks: list[Check], live: Live) -> int:
+    """Write report.json and timeline.svg, print the summary; return the exit status."""
+    figures = save_figures(launches)
+    rows = losses(launches, figures)
+    passed = all(check.ok for check in checks)
+    data = {"command": command, "passed": passed, "checks": [vars(c) for c in checks],
+            "reference": reference.point() if reference else None,
+            "launches": [launch.point() for launch in launches], "preemptions": rows, "save": figures}
+    (report / "report.json").write_text(json.dumps(data, indent=2) + "\n")
+    (report / "timeline.svg").write_text(svg(launches, reference))
+    live.line("done")
+    click.echo("\n".join(summary(data, report)))
+    for check in checks:
+        if not check.ok:
+            click.echo(f"spotguard drill: FAILED ({check.name}): {check.detail}", err=True)
+    return 0 if passed else 1
+
+
+def summary(data: dict[str, Any], report: Path) -> list[str]:
+    """The one-screen summary."""
+    ok, bad = _marks()
+    lines = ["", f"spotguard drill: {'PASSED' if data['passed'] else 'FAILED'}"]
+    if data["reference"]:
+        ref = data["reference"]
+        lines.append(f"  reference: {ref['reached']} steps in {ref['seconds']:.1f} s, uninterrupted")
+    lines.append(f"  drill:     {len(data['launches'])} launches, {len(data['preemptions'])} "
+                 "preemptions")
+    lines.append(f"  {'preemption':<14}{'at step':>8}{'resumed':>9}{'lost':>6}{'lost s':>8}"
+                 f"{'predicted s':>12}{'restart s':>10}")
+    for row in data["preemptions"]:
+        lines.append(f"  {row['kind']:<14}{row['at_step']:>8}{row['resumed_from']:>9}"
+                     f"{row['steps_lost']:>6}{_num(row['seconds_lost']):>8}"
+                     f"{_num(row['predicted_s']):>12}{_num(row['restart_s']):>10}")
+    save = data["save"]
+    if save["save_cost_s"] is not None:
+        lines.append(f"  save cost {save['save_cost_s']:.3f} s; saves every "
+                     f"{_num(save['save_interval_s'])} s; Young's optimum at a "
+                     f"{save['mtbf_s'] / 3600:g} h MTBF: every {save['young_interval_s']:.0f} s")
+    lines += [f"  {ok if c['ok'] else bad} {c['name']}: {c['detail']}" for c in data["checks"]]
+    lines.append(f"  report: {report / 'report.json'}  picture: {report / 'timeline.svg'}")
+    return lines
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _marks() -> tuple[str, str]:
+    try:
+        "\u2714\u2718".encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return "ok", "FAIL"
+    return "\u2714", "\u2718"
+
+
+def svg(launches: list[Launch], reference: Launch | None, width: int = 860, height: int = 380) -> str:
+    """Step against wall time: the reference in grey, each launch a line, saves as dots,
+    preemptions as dashed lines in their kind's colour, kills as red crosses."""
+    t0 = launches[0].t_launch
+    t1 = max([launch.t_end for launch in launches] + [t0 + (reference.t_end - reference.t_launch)
+                                                      if reference else t0]) - t0 or 1.0
+    total = max([(launch.first("start") or {}).get("total") or launch.reached
+                 for launch in launches + ([reference] if reference else [])] + [1])
+    left, top, right, bottom = 60, 20, width - 170, height - 40
+
+    def x(t: float) -> float:
+        return left + (right - left) * (t - t0) / t1
+
+    def y(step: float) -> float:
+        return bottom - (bottom - top) * step / total
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>',
+             f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="black"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="black"/>',
+             f'<text x="{(left + right) / 2}" y="{height - 8}" text-anchor="middle">wall time (s)</text>',
+             f'<text x="14" y="{(top + bottom) / 2}" transform="rotate(-90 14 {(top + bottom) / 2})" '
+             'text-anchor="middle">step</text>']
+    for i in range(6):
+        parts.append(f'<text x="{x(t0 + t1 * i / 5):.1f}" y="{bottom + 14}" text-anchor="middle">'
+                     f'{t1 * i / 5:.0f}</text><text x="{left - 4}" y="{y(total * i / 5) + 4:.1f}" '
+                     f'text-anchor="end">{total * i // 5}</text>')
+    if reference is not None:
+        shift = reference.t_launch - t0
+        parts.append(_path(reference, lambda t: x(t - shift), y, "#aaaaaa"))
+    for launch in launches:
+        parts.append(_path(launch, x, y, "#2ca02c"))
+        parts += [f'<circle cx="{x(c["t"]):.1f}" cy="{y(c["step"]):.1f}" r="3" fill="'
+                  f'{"#ff7f0e" if c.get("kind") == "emergency" else "#2ca02c"}"/>' for c in launch.of("commit")]
+        if launch.preempted:
+            colour, px = COLOURS[launch.kind], x(launch.preempted_at)
+            parts.append(f'<line x1="{px:.1f}" y1="{top}" x2="{px:.1f}" y2="{bottom}" stroke="{colour}" '
+                         f'stroke-dasharray="4 3"><title>{escape(DESCRIBE[launch.kind])}</title></line>')
+        if launch.killed:
+            cx, cy = x(launch.t_end), y(launch.reached)
+            parts.append(f'<path d="M{cx - 5:.1f},{cy - 5:.1f}L{cx + 5:.1f},{cy + 5:.1f}M{cx - 5:.1f},'
+                         f'{cy + 5:.1f}L{cx + 5:.1f},{cy - 5:.1f}" stroke="#d62728" stroke-width="2"/>')
+    parts += _legend(right + 12, top)
+    return "\n".join(parts + ["</svg>"]) + "\n"
+
+
+def _path(launch: Launch, x: Any, y: Any, colour: str) -> str:
+    marks = [e for e in launch.events if e["event"] in ("start", "progress", "stop", "finish")
+             and e.get("rank", 0) == 0]
+    points = [(e["t"], e.get("step", e.get("resumed_from") or 0)) for e in marks]
+    if not points:
+        return ""
+    d = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in points)
+    return f'<polyline points="{d}" fill="none" stroke="{colour}" stroke-width="1.5"/>'
+
+
+def _legend(lx: int, ly: int) -> list[str]:
+    items = [("#aaaaaa", "reference run"), ("#2ca02c", "drilled launches, saves"),
+             ("#ff7f0e", "emergency save")] + [(COLOURS[k], DESCRIBE[k].split(" (")[0]) for k in COLOURS]
+    items.append(("#d62728", "x  process killed"))
+    return [f'<rect x="{lx}" y="{ly + 16 * i}" width="10" height="10" fill="{colour}"/>'
+            f'<text x="{lx + 14}" y="{ly + 16 * i + 9}">{escape(text)}</text>'
+            for i, (colour, text) in enumerate(items)]

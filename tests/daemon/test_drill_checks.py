@@ -1,0 +1,163 @@
+"""``spotguard drill``'s judgement, on run records written by the library's own Recorder.
+
+Each case builds the records a job of a given shape leaves (a correct one, one that restarts from
+zero, one that saves only the weights, one that loses steps to SIGTERM, one whose load failed),
+then checks the verdict and that the diagnosis names the problem in the user's terms. The report
+files (JSON, SVG) and the live timeline are checked on the same records.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.dom.minidom
+
+import pytest
+import torch
+
+import spotguard
+from spotguard._record import Recorder, read, read_new
+from spotguard.checkpoint import CheckpointCorruptError
+from spotguard_daemon.drill_checks import Launch, judge, losses, save_figures
+from spotguard_daemon.drill_report import Live, write_report
+
+
+def recorded(tmp_path, index, *, resumed=None, steps=(), commits=(), stop=None, finish=None,
+             kind=None, load_error=None, skipped=()):
+    """A Launch whose events went through a real Recorder file and back."""
+    path = tmp_path / f"{index}.jsonl"
+    rec = Recorder(path)
+    if load_error:
+        rec.emit("load_failed", error=load_error)
+    rec.start(root=tmp_path / "ckpt", world_size=1, resumed_from=resumed, skipped=list(skipped),
+              total=100, entries=["model", "rng"])
+    for step in steps:
+        rec.emit("progress", step=step)
+    for step, how in commits:
+        rec.emit("commit", step=step, kind=how, digest="d", blocking_s=0.01, persist_s=0.02)
+    if stop is not None:
+        rec.emit("stop", step=stop, saved=True, seconds_left=30.0, notice=None)
+    if finish is not None:
+        rec.emit("finish", step=100, digest=finish)
+    launch = Launch(index, kind, log=tmp_path / f"{index}.log", events=list(read(path)),
+                    status=0 if finish else 75)
+    launch.t_launch, launch.t_end = launch.events[0]["t"] - 1, launch.events[-1]["t"] + 0.1
+    launch.preempted_at = launch.events[-1]["t"] if kind else None
+    return launch
+
+
+def failed(checks):
+    return {check.name: check.detail for check in checks if not check.ok}
+
+
+def test_a_job_that_resumes_exactly_passes(tmp_path):
+    first = recorded(tmp_path, 1, steps=(10, 20, 25), commits=((10, "periodic"), (20, "periodic")),
+                     kind="sigkill")
+    second = recorded(tmp_path, 2, resumed=20, steps=(30, 40), commits=((30, "periodic"),),
+                      stop=40, kind="notice")
+    last = recorded(tmp_path, 3, resumed=40, steps=(60, 100), finish="abc")
+    reference = recorded(tmp_path, 0, steps=(50, 100), finish="abc")
+    launches = [first, second, last]
+    assert failed(judge(launches, reference)) == {}
+    rows = losses(launches, save_figures(launches))
+    assert [(r["kind"], r["steps_lost"], r["resumed_from"]) for r in rows] == [
+        ("sigkill", 5, 20), ("notice", 0, 40)]
+    assert save_figures(launches)["save_cost_s"] == 0.03
+
+
+def test_restarting_from_zero_fails_the_resume_check(tmp_path):
+    first = recorded(tmp_path, 1, steps=(30,), commits=((10, "periodic"), (20, "periodic")),
+                     kind="sigkill")
+    again = recorded(tmp_path, 2, resumed=None, steps=(100,), finish="abc")
+    problems = failed(judge([first, again], None))
+    assert set(problems) == {"resume"}
+    assert "launch 2 started from scratch although step 20 was committed" in problems["resume"]
+
+
+def test_a_different_final_state_is_named(tmp_path):
+    first = recorded(tmp_path, 1, steps=(30,), commits=((20, "periodic"), (30, "emergency")),
+                     stop=30, kind="notice")
+    last = recorded(tmp_path, 2, resumed=30, steps=(100,), commits=((40, "periodic"),),
+                    finish="weights-only")
+    for event in last.of("commit"):
+        event["digest"] = "other"
+    reference = recorded(tmp_path, 0, steps=(100,), commits=((20, "periodic"), (40, "periodic")),
+                         finish="full")
+    problems = failed(judge([first, last], reference))
+    assert set(problems) == {"identical"}
+    assert "final training state differs from the uninterrupted run" in problems["identical"]
+    assert "Its checkpoint holds: model, rng." in problems["identical"]
+    assert ("identical at step 20 and differ at step 40, after launch 2 resumed from step 30"
+            in problems["identical"])
+
+
+def test_warned_preemption_that_loses_steps_and_failed_loads(tmp_path):
+    first = recorded(tmp_path, 1, steps=(35,), commits=((20, "periodic"),), kind="sigterm")
+    second = recorded(tmp_path, 2, resumed=20, load_error="CheckpointCorruptError: bad",
+                      skipped=({"path": "p", "reason": "torn"},))
+    problems = failed(judge([first, second], None))
+    assert "lost 15 step(s) to SIGTERM" in problems["saves on warning"]
+    assert "CheckpointCorruptError: bad" in problems["loads"]
+    assert "exited with status 75 without finishing" in problems["finished"]
+
+
+def test_a_job_that_never_records_and_one_that_is_not_fresh(tmp_path):
+    silent = Launch(1, log=tmp_path / "1.log", status=1)
+    assert "without starting a spotguard run" in failed(judge([silent], None))["recorded"]
+    stale = recorded(tmp_path, 1, resumed=40, steps=(100,), finish="x")
+    assert "already held checkpoints" in failed(judge([stale], None))["fresh start"]
+
+
+def test_report_files_and_timeline(tmp_path, capsys):
+    first = recorded(tmp_path, 1, steps=(10, 25), commits=((10, "periodic"), (20, "periodic")),
+                     kind="sigkill")
+    first.killed = True
+    last = recorded(tmp_path, 2, resumed=20, steps=(100,), finish="abc")
+    reference = recorded(tmp_path, 0, steps=(100,), finish="abc")
+    live = Live(tty=False)
+    for event in last.events:
+        live.event(last, event)
+    live.bar(last)  # not a terminal: no bar
+    status = write_report(tmp_path, ["python", "job.py"], [first, last], reference,
+                          judge([first, last], reference), live)
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "launch 2: resumed from step 20 of 100 steps" in out and "\r" not in out
+    assert "spotguard drill: PASSED" in out and "sigkill" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["passed"] and report["preemptions"][0]["steps_lost"] == 5
+    svg = xml.dom.minidom.parse(str(tmp_path / "timeline.svg"))
+    assert len(svg.getElementsByTagName("polyline")) == 3  # reference and two launches
+    assert len(svg.getElementsByTagName("circle")) == 2  # the saves
+
+
+def test_read_new_leaves_a_partial_line_for_later(tmp_path):
+    path = tmp_path / "r.jsonl"
+    Recorder(path).emit("progress", step=1)
+    with open(path, "a") as file:
+        file.write('{"v": 1, "event": "progr')
+    events, offset = read_new(path, 0)
+    assert [e["step"] for e in events] == [1]
+    with open(path, "a") as file:
+        file.write('ess", "step": 2}\n')
+    events, _ = read_new(path, offset)
+    assert [e["step"] for e in events] == [2]
+    assert read_new(tmp_path / "missing", 0) == ([], 0)
+
+
+def test_the_library_records_a_failed_load_and_the_state_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPOTGUARD_RECORD", str(tmp_path / "r.jsonl"))
+    model = torch.nn.Linear(2, 2)
+    with spotguard.Run(tmp_path / "ckpt", model=model, daemon=False, save_every=1) as run:
+        for _ in run.steps(2):
+            pass
+    for path in (tmp_path / "ckpt").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"torn")
+    with pytest.raises(CheckpointCorruptError):
+        with spotguard.Run(tmp_path / "ckpt", model=model, daemon=False) as run:
+            for _ in run.steps(2):
+                pass
+    events = list(read(tmp_path / "r.jsonl"))
+    assert events[0]["event"] == "start" and events[0]["entries"] == ["model", "rng"]
+    (failure,) = [e for e in events if e["event"] == "load_failed"]
+    assert "CheckpointCorruptError" in failure["error"]

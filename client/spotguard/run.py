@@ -90,6 +90,7 @@ class Run:
         optimizer: Any = None,
         scheduler: Any = None,
         sampler: Any = None,
+        loader: Any = None,
         state: Mapping[str, Any] | None = None,
         job_id: str = "",
         keep: int = 3,
@@ -105,6 +106,8 @@ class Run:
         durable: str | None = None,
     ) -> None:
         self.state = _build_state(model, optimizer, scheduler, sampler, state)
+        if loader is not None:
+            self.state.setdefault("loader", _loader_entry(loader))
         self.save_margin, self.exit_on_stop = save_margin, exit_on_stop
         process_group = _default_group(process_group)
         self.agreement = Agreement(process_group)
@@ -313,6 +316,20 @@ def _build_state(model: Any, optimizer: Any, scheduler: Any, sampler: Any,
     state.update(extra or {})
     state.setdefault("rng", _RngState())
     return state
+
+
+def _loader_entry(loader: Any) -> Any:
+    """The checkpoint entry of ``Run(loader=...)``: a spotguard.DataLoader is one; torchdata's
+    StatefulDataLoader goes through LoaderState; a plain DataLoader is refused with the fix."""
+    from spotguard.data import DataLoader
+    from spotguard.sampler import LoaderState
+
+    if isinstance(loader, DataLoader):
+        return loader
+    if callable(getattr(loader, "state_dict", None)):
+        return LoaderState(loader)
+    raise TypeError(f"Run(loader=) cannot resume a {type(loader).__name__} exactly: build it with "
+                    "spotguard.DataLoader (same arguments), or use torchdata's StatefulDataLoader")
 
 
 def _state_bytes(state: Mapping[str, Any]) -> int:

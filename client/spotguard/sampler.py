@@ -48,7 +48,7 @@ import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
 
-__all__ = ["ResumableSampler", "LoaderState", "SamplerStateError"]
+__all__ = ["ResumableSampler", "LoaderState", "SamplerStateError", "NotExactWarning"]
 
 _FORMAT = 1
 _MUST_MATCH = ("num_items", "world_size", "seed", "shuffle", "drop_last")
@@ -56,6 +56,30 @@ _MUST_MATCH = ("num_items", "world_size", "seed", "shuffle", "drop_last")
 
 class SamplerStateError(ValueError):
     """The saved state does not belong to this sampler, or the loop advanced past the epoch."""
+
+
+class NotExactWarning(UserWarning):
+    """A data pipeline whose resume cannot be bit-identical, named at the first save with its fix."""
+
+
+PLAIN_LOADER_WARNING = (
+    "a ResumableSampler is iterated by a plain torch DataLoader: the loader draws each iterator's "
+    "seed from the global torch RNG and its workers' RNG streams start over on resume, so after a "
+    "resume dropout masks and random augmentations differ from an uninterrupted run. Build the "
+    "loader with spotguard.DataLoader (same arguments) to resume bit-identically.")
+
+
+def _iterated_by_torch_loader(depth: int = 8) -> bool:
+    """Whether a torch DataLoader iterator is among the callers (a bounded look up the stack)."""
+    base = getattr(sys.modules.get("torch.utils.data.dataloader"), "_BaseDataLoaderIter", None)
+    frame = sys._getframe(2) if base is not None else None
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), base):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -93,8 +117,16 @@ class ResumableSampler:
         self.epoch = 0
         self.position = 0
         """Samples of this epoch handed to the loop on this rank (see :meth:`advance`)."""
+        self.passes = 0
+        """Passes begun over this sampler (fresh ``__iter__`` calls): with ``epoch`` and
+        ``position`` it names a sample's place in the run, from which :class:`spotguard.DataLoader`
+        derives the sample's random seed."""
+        self.restored = 0
+        """How many times a state was loaded: a loader iterator begun before that starts over."""
         self._resume_pending = False
         self._iterated = self._advanced = False
+        self._owner: Any = None
+        self._plain_loader = self._warned_plain = False
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next ``__iter__`` draws; a new epoch starts at position 0."""
@@ -108,6 +140,12 @@ class ResumableSampler:
 
     def advance(self, n_samples: int) -> None:
         """Record that the loop consumed ``n_samples`` more samples on this rank (one batch)."""
+        if self._owner is not None:
+            raise SamplerStateError("this sampler belongs to a spotguard.DataLoader, which advances it "
+                                    "by each batch it hands out: remove the sampler.advance() call")
+        self._advance(n_samples)
+
+    def _advance(self, n_samples: int) -> None:
         if n_samples < 0 or self.position + n_samples > self.num_samples:
             raise SamplerStateError(
                 f"advance({n_samples}) at position {self.position} passes the end of the epoch "
@@ -117,8 +155,11 @@ class ResumableSampler:
 
     def __iter__(self) -> Iterator[int]:
         start = self.position if self._resume_pending else 0
+        self.passes += 0 if self._resume_pending else 1
         self.position, self._resume_pending = start, False
         self._iterated = True
+        if self._owner is None and not self._plain_loader:
+            self._plain_loader = _iterated_by_torch_loader()
         return iter(self._indices()[start:])
 
     def __len__(self) -> int:
@@ -148,7 +189,11 @@ class ResumableSampler:
             self._iterated = False  # warn once per pass, not at every save
             warnings.warn("ResumableSampler.advance() was never called: the saved position is the "
                           "start of the epoch, so a resumed run repeats it", stacklevel=2)
+        if self._plain_loader and not self._warned_plain:
+            self._warned_plain = True
+            warnings.warn(PLAIN_LOADER_WARNING, NotExactWarning, stacklevel=2)
         return {"format": _FORMAT, "epoch": self.epoch, "position": self.position,
+                "passes": self.passes,
                 "rank": self.rank, **{key: getattr(self, key) for key in _MUST_MATCH}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -159,11 +204,13 @@ class ResumableSampler:
             if state.get(key) != getattr(self, key):
                 raise SamplerStateError(f"sampler state was saved with {key}={state.get(key)!r}, "
                                         f"this sampler has {key}={getattr(self, key)!r}")
-        epoch, position = state.get("epoch"), state.get("position")
+        epoch, position, passes = state.get("epoch"), state.get("position"), state.get("passes", 0)
         if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int)
-                and 0 <= position <= self.num_samples):
-            raise SamplerStateError(f"bad epoch/position in sampler state: {epoch!r}, {position!r}")
-        self.epoch, self.position, self._resume_pending = epoch, position, True
+                and 0 <= position <= self.num_samples and isinstance(passes, int) and passes >= 0):
+            raise SamplerStateError(f"bad epoch/position/passes in sampler state: {epoch!r}, "
+                                    f"{position!r}, {passes!r}")
+        self.epoch, self.position, self.passes, self._resume_pending = epoch, position, passes, True
+        self.restored += 1
 
 
 class LoaderState:

@@ -18,7 +18,7 @@ from spotguard.cadence import Cadence, daly_interval, young_interval
 from spotguard.exit_codes import EXIT_FORCED, EXIT_PREEMPTED
 from spotguard.guard import Guard
 from spotguard.protocol import Kind, Notice
-from spotguard.sampler import LoaderState, ResumableSampler
+from spotguard.sampler import LoaderState, NotExactWarning, ResumableSampler
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import CheckpointError, Checkpointer, CommitInfo
@@ -41,6 +41,7 @@ __all__ = [
     "ResumableSampler",
     "LoaderState",
     "DataLoader",
+    "NotExactWarning",
     "rng",
     "EXIT_PREEMPTED",
     "EXIT_FORCED",

@@ -69,6 +69,14 @@ PLAIN_LOADER_WARNING = (
     "loader with spotguard.DataLoader (same arguments) to resume bit-identically.")
 
 
+STATEFUL_WORKERS_WARNING = (
+    "a StatefulDataLoader with workers does not resume bit-identically: its workers' RNG streams "
+    "start over on resume, so random augmentation drawn inside the dataset differs, and with torchdata "
+    "0.11 a resume after the first epoch ends in another state even without augmentation. For a "
+    "map-style dataset use spotguard.DataLoader (same arguments), or a StatefulDataLoader with "
+    "num_workers=0.")
+
+
 def _iterated_by_torch_loader(depth: int = 8) -> bool:
     """Whether a torch DataLoader iterator is among the callers (a bounded look up the stack)."""
     base = getattr(sys.modules.get("torch.utils.data.dataloader"), "_BaseDataLoaderIter", None)
@@ -224,7 +232,13 @@ class LoaderState:
 
     Observed with torchdata 0.11: a loader built with ``generator=`` and ``num_workers=0`` resumes
     the interrupted epoch exactly but draws the *next* epoch's order differently; leave
-    ``generator`` unset (the sampler then seeds, and saves, a private generator).
+    ``generator`` unset (the sampler then seeds, and saves, a private generator). A loader left
+    without one would draw each iterator's base seed from the global torch RNG, at another point of
+    its stream in a resumed run, so this adapter gives it a private generator for that draw. Its
+    workers' RNG streams still start over on resume, and with torchdata 0.11 a loader with workers
+    resumed after its first epoch ends in another state even over data with no randomness
+    (measured, tests/client/test_resume_matrix.py): with ``num_workers > 0`` the first save warns
+    (:class:`NotExactWarning`). With ``num_workers=0`` it resumes bit-identically.
     """
 
     def __init__(self, loader: Any) -> None:
@@ -233,9 +247,16 @@ class LoaderState:
             raise TypeError(f"{type(loader).__name__} has no state_dict/load_state_dict: use "
                             "torchdata's StatefulDataLoader, or a DataLoader with a "
                             "ResumableSampler")
-        self.loader = loader
+        if getattr(loader, "generator", False) is None:
+            import torch  # the loader is torch's: its iterators' seeds must not come from the global RNG
+
+            loader.generator = torch.Generator().manual_seed(0)
+        self.loader, self._warned = loader, False
 
     def state_dict(self) -> dict[str, Any]:
+        if getattr(self.loader, "num_workers", 0) and not self._warned:
+            self._warned = True
+            warnings.warn(STATEFUL_WORKERS_WARNING, NotExactWarning, stacklevel=2)
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

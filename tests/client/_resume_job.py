@@ -29,7 +29,8 @@ FEATURES, ITEMS, BATCH = 8, 50, 8
 class Augmented(torch.utils.data.Dataset):
     """Fixed base samples plus a random augmentation from all three generators."""
 
-    def __init__(self) -> None:
+    def __init__(self, augment: bool = True) -> None:
+        self.augment = augment
         g = torch.Generator().manual_seed(1)
         self.x, self.y = torch.randn(ITEMS, FEATURES, generator=g), torch.randn(ITEMS, 1, generator=g)
 
@@ -37,6 +38,8 @@ class Augmented(torch.utils.data.Dataset):
         return ITEMS
 
     def __getitem__(self, i: int):
+        if not self.augment:
+            return self.x[i], self.y[i]
         noise = 0.1 * torch.randn(FEATURES) + float(np.random.normal(0, 0.1)) + random.gauss(0, 0.1)
         return self.x[i] + noise, self.y[i]
 
@@ -75,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--amp", action="store_true")
     p.add_argument("--break-at", type=int, default=None, help="leave the loop with break after this step")
+    p.add_argument("--no-augment", action="store_true", help="samples without random augmentation")
+    p.add_argument("--break-before-update", action="store_true",
+                   help="--break-at leaves the step after drawing its batches, before the update")
     p.add_argument("--step-sleep", type=float, default=0.0)
     return p.parse_args()
 
@@ -88,7 +94,7 @@ def make_loader(args: argparse.Namespace):
         return spotguard.DataLoader(Stream(), batch_size=BATCH)
     if args.pipeline == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
-        return StatefulDataLoader(Augmented(), shuffle=True, **common)
+        return StatefulDataLoader(Augmented(not args.no_augment), shuffle=True, **common)
     sampler = spotguard.ResumableSampler(ITEMS, seed=0)  # "plain": the pattern that cannot be exact
     return torch.utils.data.DataLoader(Augmented(), sampler=sampler, **common)
 
@@ -131,11 +137,15 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             for _ in range(args.accum):
                 x, y = next_batch()
+                if step == args.break_at and args.break_before_update:
+                    break
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
                     loss = nn.functional.mse_loss(model(x).float(), y) / args.accum
                 scaler.scale(loss).backward()
                 if args.pipeline == "plain":
                     loader.sampler.advance(len(x))
+            if step == args.break_at and args.break_before_update:
+                break
             scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)

@@ -27,7 +27,7 @@ PIPELINES = {
                                           "--drop-last"],
     "map-accum-amp-scaler": ["--accum", "2", "--amp"],
     "stream": ["--pipeline", "stream"],
-    "stateful-w2": ["--pipeline", "stateful", "--workers", "2"],
+    "stateful-w0": ["--pipeline", "stateful"],
 }
 
 
@@ -55,7 +55,7 @@ def finished(server: JobServer, root: Path, name: str, flags: list[str]) -> tupl
     output = out.read_text()
     assert rc == 0, output
     events = list(_record.read(record))
-    (finish,) = [e for e in events if e["event"] == "finish"]
+    finish = [e for e in events if e["event"] == "finish"][-1]
     return finish["digest"], output
 
 
@@ -63,10 +63,21 @@ def finished(server: JobServer, root: Path, name: str, flags: list[str]) -> tupl
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("pipeline", list(PIPELINES))
 def test_resumes_from_mid_run_checkpoints_are_bit_identical(server, tmp_path, pipeline):
-    flags = PIPELINES[pipeline]
+    resumes_from(server, tmp_path, PIPELINES[pipeline], RESUME_AT)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="torchdata 0.11: a StatefulDataLoader with workers, even over "
+                   "data with no randomness, ends in another state when resumed after its first epoch; "
+                   "spotguard warns (NotExactWarning) at its first save")
+def test_stateful_loader_with_workers_is_not_exact(server, tmp_path):
+    resumes_from(server, tmp_path, ["--pipeline", "stateful", "--workers", "2", "--no-augment"], (24,))
+
+
+def resumes_from(server: JobServer, tmp_path: Path, flags: list[str], steps: tuple[int, ...]) -> None:
     reference, output = finished(server, tmp_path, "ref", flags)
-    assert "NotExactWarning" not in output, output
-    for at in RESUME_AT:
+    assert ("NotExactWarning" in output) == ("--workers" in flags and "stateful" in flags), output
+    for at in steps:
         root = tmp_path / f"resume-{at}"
         root.mkdir()
         shutil.copytree(tmp_path / "ref" / step_name(at), root / f"from-{at}" / step_name(at))
@@ -79,3 +90,17 @@ def test_map_style_augmentation_does_not_depend_on_the_number_of_workers(server,
     none, _ = finished(server, tmp_path, "w0", [])
     two, _ = finished(server, tmp_path, "w2", ["--workers", "2"])
     assert none == two
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, stopped_at", [("after-update", 11), ("before-update", 10)])
+def test_break_out_of_the_loop_then_the_identical_command_is_bit_identical(server, tmp_path, where,
+                                                                            stopped_at):
+    """``break`` after the optimizer step counts that step; before it, the step and its batches are
+    undone; either way running the identical command again ends where an uninterrupted run ends."""
+    flags = ["--break-at", "10"] + (["--break-before-update"] if where == "before-update" else [])
+    reference, _ = finished(server, tmp_path, "ref", [])
+    early, output = finished(server, tmp_path, "job", flags)
+    assert f"final step={stopped_at}" in output
+    rerun, output = finished(server, tmp_path, "job", flags)
+    assert "final step=30" in output and rerun == reference

@@ -118,17 +118,23 @@ def main() -> None:
     def sampler():
         return getattr(loader, "sampler", None)
 
-    it = iter(loader) if args.iter == "before" else None
+    def new_epoch():
+        if not args.no_set_epoch and hasattr(sampler(), "set_epoch"):
+            sampler().set_epoch(sampler().epoch + 1)
+
+    def batches():  # README's way: a generator, so nothing starts before run.steps() loads
+        while True:
+            yield from loader
+            new_epoch()
+
+    it = iter(loader) if args.iter == "before" else batches()
 
     def next_batch():
         nonlocal it
-        if it is None:
-            it = iter(loader)
         try:
             return next(it)
-        except StopIteration:
-            if not args.no_set_epoch and hasattr(sampler(), "set_epoch"):
-                sampler().set_epoch(sampler().epoch + 1)
+        except StopIteration:  # only the iterator made before the loop ends
+            new_epoch()
             it = iter(loader)
             return next(it)
 

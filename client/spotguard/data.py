@@ -121,8 +121,8 @@ class _Keys:
     def __iter__(self) -> Iterator[tuple[int, int]]:
         s = self.resumable
         indices = iter(s)  # begins (or resumes) a pass: position and passes are current after it
-        base = (s.seed, s.rank, s.epoch, s.passes)
-        return ((index, sample_seed(*base, at)) for at, index in enumerate(indices, s.position))
+        base = sample_seed(s.seed, s.rank, s.epoch, s.passes)  # the per-sample part is one round
+        return ((index, sample_seed(base, at)) for at, index in enumerate(indices, s.position))
 
     def __len__(self) -> int:
         return len(self.resumable)

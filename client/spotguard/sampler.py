@@ -32,6 +32,13 @@ refused: it would silently name other samples. The position is per rank, and equ
 when each rank consumes the same number of samples per step, so rank 0's state may be loaded
 everywhere.
 
+:class:`spotguard.DataLoader` builds on this sampler: it advances it by each batch it hands out (a
+user ``advance`` call is then refused) and seeds each sample from (seed, rank, epoch, passes,
+position), which is why the state also counts :attr:`~ResumableSampler.passes`. Iterated by a
+plain torch ``DataLoader`` instead, the sampler warns at the first save (:class:`NotExactWarning`):
+torch draws that loader's iterator seeds from the global RNG, so the data order resumes but dropout
+and augmentation do not.
+
 For a torchdata ``StatefulDataLoader`` (which snapshots its own sampler and workers with each batch)
 :class:`LoaderState` makes the loader a checkpoint state entry.
 

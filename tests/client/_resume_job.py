@@ -138,6 +138,7 @@ def main() -> None:
             it = iter(loader)
             return next(it)
 
+    loss = torch.zeros(())
     with run:
         for step in run.steps(args.steps):
             optimizer.zero_grad(set_to_none=True)

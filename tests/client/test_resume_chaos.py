@@ -23,8 +23,9 @@ from test_resume_matrix import JOB, job_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS, KILLS, KILL_WITHIN = 200, 50, 0.3
-FLAGS = ["--workers", "2", "--save-every", "2", "--step-sleep", "0.002"]
+STEPS, KILLS, KILL_WITHIN = 1600, 50, 0.3
+"""A life trains at most KILL_WITHIN s, 30 steps of >= 10 ms: 50 lives can never finish the job."""
+FLAGS = ["--workers", "2", "--save-every", "2", "--step-sleep", "0.01"]
 
 
 def argv(ckpt: Path) -> list[str]:

@@ -5,7 +5,7 @@ The easy path is :class:`Run`; its parts (:class:`Checkpointer`, :class:`Guard`,
 ``__all__``; modules and names starting with ``_`` are private.
 
 ``import spotguard`` stays light: it imports neither torch nor the daemon's dependencies. Names whose
-module needs torch (:class:`Run`, :class:`Checkpointer` and its errors) are loaded on first use.
+module needs torch (:class:`Run`, :class:`Checkpointer` and its errors, :class:`DataLoader`) are loaded on first use.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from spotguard.cadence import Cadence, daly_interval, young_interval
 from spotguard.exit_codes import EXIT_FORCED, EXIT_PREEMPTED
 from spotguard.guard import Guard
 from spotguard.protocol import Kind, Notice
-from spotguard.sampler import LoaderState, ResumableSampler
+from spotguard.sampler import LoaderState, NotExactWarning, ResumableSampler
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import CheckpointError, Checkpointer, CommitInfo
+    from spotguard.data import DataLoader
     from spotguard.run import Run
 
 __version__ = "0.1.0"
@@ -39,6 +40,8 @@ __all__ = [
     "daly_interval",
     "ResumableSampler",
     "LoaderState",
+    "DataLoader",
+    "NotExactWarning",
     "rng",
     "EXIT_PREEMPTED",
     "EXIT_FORCED",
@@ -50,6 +53,7 @@ _LAZY = {
     "Checkpointer": "spotguard.checkpoint",
     "CommitInfo": "spotguard.checkpoint",
     "CheckpointError": "spotguard.checkpoint",
+    "DataLoader": "spotguard.data",
 }
 
 

@@ -29,8 +29,12 @@ At each step boundary (after the loop body, before the next step):
    way the process is expected to exit: the forced-exit watchdog stays armed and SIGTERM/SIGUSR1
    stay ignored (:meth:`Guard.close` with ``exiting=True``).
 
-Leaving the loop with ``break`` ends training at the current step without counting it: put the
-``break`` before the optimizer step, or the final save repeats that step's update on resume.
+Leaving the loop early with ``break`` (or ``return``) is safe: :meth:`finish` saves the state as
+it is, counting the step left mid-way as done when the optimizer given to ``Run`` stepped in it
+(an optimizer step hook tells), and as not done otherwise, in which case a ``spotguard.DataLoader``
+given as ``loader=`` is put back to where that step began, so its batches are trained on resume.
+The identical command then resumes after the last step that updated the model. Without an
+``optimizer=`` spotguard cannot tell and warns; leave the loop at a step's start then.
 
 Without ``job_id`` (or ``$SPOTGUARD_JOB_ID``) the run's id is derived from its command line and working directory
 (:mod:`spotguard._jobid`, logged at start), so two experiments never share checkpoints in the
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable, Iterator, Mapping
 
@@ -99,6 +104,7 @@ class Run:
         optimizer: Any = None,
         scheduler: Any = None,
         sampler: Any = None,
+        loader: Any = None,
         state: Mapping[str, Any] | None = None,
         job_id: str = "",
         keep: int = 3,
@@ -117,6 +123,8 @@ class Run:
         self.state = _build_state(model, optimizer, scheduler, sampler, state)
         if stop_lead < 0:
             raise ValueError("stop_lead must be >= 0")
+        if loader is not None:
+            self.state.setdefault("loader", _loader_entry(loader))
         self.save_margin, self.stop_lead, self.exit_on_stop = save_margin, stop_lead, exit_on_stop
         self._far_notice: str | None = None
         process_group = _default_group(process_group)
@@ -144,6 +152,10 @@ class Run:
         self._last_boundary: float | None = None
         self._pending_observation = False
         self._closed = False
+        self._open_step: tuple[int, Any] | None = None  # (optimizer steps, loader state) at a yield
+        self._optimizer_steps = 0
+        if hasattr(optimizer, "register_step_post_hook"):
+            optimizer.register_step_post_hook(self._count_optimizer_step)
 
     # ------------------------------------------------------------------ the loop
 
@@ -168,7 +180,9 @@ class Run:
         if self._boundary(self.step):
             return
         while self.step < total:
+            self._open_step = (self._optimizer_steps, self._loader_mark())
             yield self.step
+            self._open_step = None
             self.step += 1
             if self._boundary(self.step):
                 return
@@ -218,12 +232,36 @@ class Run:
         """Save the final state (if not saved yet), wait until it is committed, and close."""
         if self._closed:
             return
+        if not self.stopped:
+            self._close_open_step()
         if not self.stopped and self._saved_step != self.step:
             self._save(self.step, "final")
         last = self.checkpointer.wait(None)
         self.close()
         if not self.stopped and last is not None and last.step == self.step:
             self.record.emit("finish", step=self.step, digest=last.digest)
+
+    def _count_optimizer_step(self, *_: Any) -> None:
+        self._optimizer_steps += 1
+
+    def _loader_mark(self) -> Any:
+        loader = self.state.get("loader")
+        return loader.state_dict() if _is_spotguard_loader(loader) else None
+
+    def _close_open_step(self) -> None:
+        """The loop was left inside a step: count it when the optimizer stepped in it, else undo
+        the data it drew, so the final checkpoint names the state the model is really in."""
+        if self._open_step is None:
+            return
+        optimizer_steps, mark = self._open_step
+        self._open_step = None
+        if "optimizer" not in self.state or not hasattr(self.state["optimizer"], "register_step_post_hook"):
+            log.warning("the loop was left inside step %d and Run has no optimizer to tell whether it "
+                        "updated the model: saving it as not done", self.step)
+        elif self._optimizer_steps > optimizer_steps:
+            self.step += 1
+        elif mark is not None:
+            self.state["loader"].load_state_dict(mark)
 
     def close(self, *, exiting: bool = False) -> None:
         """Close the checkpointer (waiting for its save in flight) and the guard, without saving.
@@ -378,6 +416,25 @@ def _build_state(model: Any, optimizer: Any, scheduler: Any, sampler: Any,
     state.update(extra or {})
     state.setdefault("rng", _RngState())
     return state
+
+
+def _loader_entry(loader: Any) -> Any:
+    """The checkpoint entry of ``Run(loader=...)``: a spotguard.DataLoader is one; torchdata's
+    StatefulDataLoader goes through LoaderState; a plain DataLoader is refused with the fix."""
+    from spotguard.data import DataLoader
+    from spotguard.sampler import LoaderState
+
+    if isinstance(loader, DataLoader):
+        return loader
+    if callable(getattr(loader, "state_dict", None)):
+        return LoaderState(loader)
+    raise TypeError(f"Run(loader=) cannot resume a {type(loader).__name__} exactly: build it with "
+                    "spotguard.DataLoader (same arguments), or use torchdata's StatefulDataLoader")
+
+
+def _is_spotguard_loader(obj: Any) -> bool:
+    data = sys.modules.get("spotguard.data")
+    return data is not None and isinstance(obj, data.DataLoader)
 
 
 def _state_bytes(state: Mapping[str, Any]) -> int:

@@ -32,6 +32,13 @@ refused: it would silently name other samples. The position is per rank, and equ
 when each rank consumes the same number of samples per step, so rank 0's state may be loaded
 everywhere.
 
+:class:`spotguard.DataLoader` builds on this sampler: it advances it by each batch it hands out (a
+user ``advance`` call is then refused) and seeds each sample from (seed, rank, epoch, passes,
+position), which is why the state also counts :attr:`~ResumableSampler.passes`. Iterated by a
+plain torch ``DataLoader`` instead, the sampler warns at the first save (:class:`NotExactWarning`):
+torch draws that loader's iterator seeds from the global RNG, so the data order resumes but dropout
+and augmentation do not.
+
 For a torchdata ``StatefulDataLoader`` (which snapshots its own sampler and workers with each batch)
 :class:`LoaderState` makes the loader a checkpoint state entry.
 
@@ -48,7 +55,7 @@ import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
 
-__all__ = ["ResumableSampler", "LoaderState", "SamplerStateError"]
+__all__ = ["ResumableSampler", "LoaderState", "SamplerStateError", "NotExactWarning"]
 
 _FORMAT = 1
 _MUST_MATCH = ("num_items", "world_size", "seed", "shuffle", "drop_last")
@@ -56,6 +63,38 @@ _MUST_MATCH = ("num_items", "world_size", "seed", "shuffle", "drop_last")
 
 class SamplerStateError(ValueError):
     """The saved state does not belong to this sampler, or the loop advanced past the epoch."""
+
+
+class NotExactWarning(UserWarning):
+    """A data pipeline whose resume cannot be bit-identical, named at the first save with its fix."""
+
+
+PLAIN_LOADER_WARNING = (
+    "a ResumableSampler is iterated by a plain torch DataLoader: the loader draws each iterator's "
+    "seed from the global torch RNG and its workers' RNG streams start over on resume, so after a "
+    "resume dropout masks and random augmentations differ from an uninterrupted run. Build the "
+    "loader with spotguard.DataLoader (same arguments) to resume bit-identically.")
+
+
+STATEFUL_WORKERS_WARNING = (
+    "a StatefulDataLoader with workers does not resume bit-identically: its workers' RNG streams "
+    "start over on resume, so random augmentation drawn inside the dataset differs, and with torchdata "
+    "0.11 a resume after the first epoch ends in another state even without augmentation. For a "
+    "map-style dataset use spotguard.DataLoader (same arguments), or a StatefulDataLoader with "
+    "num_workers=0.")
+
+
+def _iterated_by_torch_loader(depth: int = 8) -> bool:
+    """Whether a torch DataLoader iterator is among the callers (a bounded look up the stack)."""
+    base = getattr(sys.modules.get("torch.utils.data.dataloader"), "_BaseDataLoaderIter", None)
+    frame = sys._getframe(2) if base is not None else None
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), base):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -93,8 +132,16 @@ class ResumableSampler:
         self.epoch = 0
         self.position = 0
         """Samples of this epoch handed to the loop on this rank (see :meth:`advance`)."""
+        self.passes = 0
+        """Passes begun over this sampler (fresh ``__iter__`` calls): with ``epoch`` and
+        ``position`` it names a sample's place in the run, from which :class:`spotguard.DataLoader`
+        derives the sample's random seed."""
+        self.restored = 0
+        """How many times a state was loaded: a loader iterator begun before that starts over."""
         self._resume_pending = False
         self._iterated = self._advanced = False
+        self._owner: Any = None
+        self._plain_loader = self._warned_plain = False
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next ``__iter__`` draws; a new epoch starts at position 0."""
@@ -108,6 +155,12 @@ class ResumableSampler:
 
     def advance(self, n_samples: int) -> None:
         """Record that the loop consumed ``n_samples`` more samples on this rank (one batch)."""
+        if self._owner is not None:
+            raise SamplerStateError("this sampler belongs to a spotguard.DataLoader, which advances it "
+                                    "by each batch it hands out: remove the sampler.advance() call")
+        self._advance(n_samples)
+
+    def _advance(self, n_samples: int) -> None:
         if n_samples < 0 or self.position + n_samples > self.num_samples:
             raise SamplerStateError(
                 f"advance({n_samples}) at position {self.position} passes the end of the epoch "
@@ -117,8 +170,11 @@ class ResumableSampler:
 
     def __iter__(self) -> Iterator[int]:
         start = self.position if self._resume_pending else 0
+        self.passes += 0 if self._resume_pending else 1
         self.position, self._resume_pending = start, False
         self._iterated = True
+        if self._owner is None and not self._plain_loader:
+            self._plain_loader = _iterated_by_torch_loader()
         return iter(self._indices()[start:])
 
     def __len__(self) -> int:
@@ -148,7 +204,11 @@ class ResumableSampler:
             self._iterated = False  # warn once per pass, not at every save
             warnings.warn("ResumableSampler.advance() was never called: the saved position is the "
                           "start of the epoch, so a resumed run repeats it", stacklevel=2)
+        if self._plain_loader and not self._warned_plain:
+            self._warned_plain = True
+            warnings.warn(PLAIN_LOADER_WARNING, NotExactWarning, stacklevel=2)
         return {"format": _FORMAT, "epoch": self.epoch, "position": self.position,
+                "passes": self.passes,
                 "rank": self.rank, **{key: getattr(self, key) for key in _MUST_MATCH}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -159,11 +219,13 @@ class ResumableSampler:
             if state.get(key) != getattr(self, key):
                 raise SamplerStateError(f"sampler state was saved with {key}={state.get(key)!r}, "
                                         f"this sampler has {key}={getattr(self, key)!r}")
-        epoch, position = state.get("epoch"), state.get("position")
+        epoch, position, passes = state.get("epoch"), state.get("position"), state.get("passes", 0)
         if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int)
-                and 0 <= position <= self.num_samples):
-            raise SamplerStateError(f"bad epoch/position in sampler state: {epoch!r}, {position!r}")
-        self.epoch, self.position, self._resume_pending = epoch, position, True
+                and 0 <= position <= self.num_samples and isinstance(passes, int) and passes >= 0):
+            raise SamplerStateError(f"bad epoch/position/passes in sampler state: {epoch!r}, "
+                                    f"{position!r}, {passes!r}")
+        self.epoch, self.position, self.passes, self._resume_pending = epoch, position, passes, True
+        self.restored += 1
 
 
 class LoaderState:
@@ -177,7 +239,13 @@ class LoaderState:
 
     Observed with torchdata 0.11: a loader built with ``generator=`` and ``num_workers=0`` resumes
     the interrupted epoch exactly but draws the *next* epoch's order differently; leave
-    ``generator`` unset (the sampler then seeds, and saves, a private generator).
+    ``generator`` unset (the sampler then seeds, and saves, a private generator). A loader left
+    without one would draw each iterator's base seed from the global torch RNG, at another point of
+    its stream in a resumed run, so this adapter gives it a private generator for that draw. Its
+    workers' RNG streams still start over on resume, and with torchdata 0.11 a loader with workers
+    resumed after its first epoch ends in another state even over data with no randomness
+    (measured, tests/client/test_resume_matrix.py): with ``num_workers > 0`` the first save warns
+    (:class:`NotExactWarning`). With ``num_workers=0`` it resumes bit-identically.
     """
 
     def __init__(self, loader: Any) -> None:
@@ -186,9 +254,16 @@ class LoaderState:
             raise TypeError(f"{type(loader).__name__} has no state_dict/load_state_dict: use "
                             "torchdata's StatefulDataLoader, or a DataLoader with a "
                             "ResumableSampler")
-        self.loader = loader
+        if getattr(loader, "generator", False) is None:
+            import torch  # the loader is torch's: its iterators' seeds must not come from the global RNG
+
+            loader.generator = torch.Generator().manual_seed(0)
+        self.loader, self._warned = loader, False
 
     def state_dict(self) -> dict[str, Any]:
+        if getattr(self.loader, "num_workers", 0) and not self._warned:
+            self._warned = True
+            warnings.warn(STATEFUL_WORKERS_WARNING, NotExactWarning, stacklevel=2)
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -41,7 +41,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/spotguard/spotguard.toml")
 
 Platform = Literal["auto", "aws", "gcp", "azure", "alibaba", "none"]
 
-CLIENT_VARIABLES = frozenset({"SPOTGUARD_RECORD", "SPOTGUARD_VENV"})
+CLIENT_VARIABLES = frozenset({"SPOTGUARD_RECORD", "SPOTGUARD_VENV", "SPOTGUARD_JOB_ID"})
 """``SPOTGUARD_*`` variables that are not daemon settings (read by the client or the scripts); any
 other name that is no setting is a typo, refused at start."""
 

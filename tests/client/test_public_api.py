@@ -17,7 +17,7 @@ def test_all_lists_every_public_name_and_nothing_private():
     public = {n for n in dir(spotguard) if not n.startswith("_")}
     modules = {"annotations", "importlib", "TYPE_CHECKING", "Any"}
     submodules = {"cadence", "exit_codes", "guard", "protocol", "sampler", "checkpoint", "run",
-                  "storage", "distributed", "integrations"}
+                  "storage", "distributed", "integrations", "data"}
     assert public - modules - submodules == set(spotguard.__all__) - {"__version__"}
 
 

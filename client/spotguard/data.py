@@ -1,0 +1,243 @@
+"""A torch ``DataLoader`` whose every random draw is a function of the run's position, so a resumed run
+replays an uninterrupted one bit for bit.
+
+::
+
+    loader = spotguard.DataLoader(dataset, batch_size=32, shuffle=True, num_workers=2, seed=0)
+    run = spotguard.Run("checkpoints", model=model, optimizer=opt, scheduler=sched, loader=loader)
+
+Why a plain ``torch.utils.data.DataLoader`` cannot resume exactly, and what this one does instead:
+
+* **The iterator's seed.** Each ``iter(loader)`` draws a base seed from ``loader.generator``, and
+  from the *global* torch RNG when that is ``None``. A resumed run creates its iterator at another
+  point of the global stream than the uninterrupted one, so every later dropout mask differs. This
+  loader owns a private generator, reseeded from (seed, rank, epoch, pass) before each iterator.
+* **The workers' RNG streams.** A worker seeds torch, NumPy and ``random`` once, then draws its
+  samples' augmentations in sequence; a resumed epoch starts fresh workers on other samples. This
+  loader seeds the three generators *per sample*, from (seed, rank, epoch, pass, position), in the
+  worker that loads it (in the main process with ``num_workers=0``, where the global generators are
+  put back afterwards, so augmentations never shift the training step's draws). A sample's
+  augmentation is then the same with any number of workers, any prefetch, and after any resume.
+* **The position.** The loop's position is the samples *handed to it*, not the samples the workers
+  prefetched: the loader advances its :class:`~spotguard.ResumableSampler` by each batch it returns,
+  so the loop needs no ``sampler.advance`` call.
+* **When the iterator is created.** ``iter(loader)`` starts nothing: workers, prefetch and the
+  sampler start at the first ``next()``, and start over if a checkpoint was loaded since, so an
+  iterator made before ``run.steps()`` loads the state still resumes at the saved position.
+
+An ``IterableDataset`` (a stream) is supported with ``num_workers=0`` when it has ``state_dict`` and
+``load_state_dict`` giving its position (items yielded so far): no worker prefetches, so the
+stream's position is what the loop consumed, and its augmentations draw from the main process's
+generators, which the checkpoint holds. A stream read by workers needs torchdata's
+``StatefulDataLoader`` (with :class:`~spotguard.LoaderState`); this loader refuses that case.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.utils.data as tud
+
+from spotguard.sampler import ResumableSampler, SamplerStateError
+
+__all__ = ["DataLoader", "sample_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(*parts: int) -> int:
+    """A 63-bit seed mixed from ``parts`` (splitmix64 per part): close inputs give unrelated seeds."""
+    x = 0x9E3779B97F4A7C15
+    for part in parts:
+        x = (x ^ (int(part) & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x >> 1
+
+
+@contextmanager
+def _global_rngs_kept() -> Iterator[None]:
+    """Put torch's CPU, NumPy's and Python's global generators back as they were on exit."""
+    np = sys.modules.get("numpy")
+    saved = (torch.get_rng_state(), random.getstate(), np.random.get_state() if np else None)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        if np is not None:
+            np.random.set_state(saved[2])
+
+
+def _seed_globals(seed: int) -> None:
+    """Seed the generators a dataset's augmentation draws from; CUDA's are left alone."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed & 0xFFFFFFFF)
+
+
+class _Seeded(tud.Dataset):
+    """The user's map-style dataset, fetched by keys ``(index, seed)``: each sample under its seed."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        with _global_rngs_kept():
+            out = []
+            for index, seed in keys:
+                _seed_globals(seed)
+                out.append(self.dataset[index])
+            return out
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling in a worker): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class _Keys:
+    """The sampler the torch loader sees: the ResumableSampler's indices, each with its seed.
+
+    Attribute reads go to the ResumableSampler, so ``loader.sampler.set_epoch(e)`` works as usual.
+    """
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self.resumable = sampler
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        s = self.resumable
+        indices = iter(s)  # begins (or resumes) a pass: position and passes are current after it
+        base = sample_seed(s.seed, s.rank, s.epoch, s.passes)  # the per-sample part is one round
+        return ((index, sample_seed(base, at)) for at, index in enumerate(indices, s.position))
+
+    def __len__(self) -> int:
+        return len(self.resumable)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "resumable":
+            raise AttributeError(name)
+        return getattr(self.resumable, name)
+
+
+class DataLoader(tud.DataLoader):
+    """``torch.utils.data.DataLoader`` with the same arguments, resumable bit-identically.
+
+    Map-style datasets: ``sampler`` must be a :class:`~spotguard.ResumableSampler`, or left out,
+    and one is built from ``shuffle`` and ``seed`` (and torch.distributed's rank and world size).
+    ``batch_sampler`` and ``generator`` are not accepted: the loader owns both. ``loader.sampler``
+    forwards to the ResumableSampler (``set_epoch``, ``epoch``...). Give the loader to
+    :class:`~spotguard.Run` as ``loader=``; its :meth:`state_dict` is the sampler's (or the stream's).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
+                 sampler: ResumableSampler | None = None, *, seed: int = 0, drop_last: bool = False,
+                 **kwargs: Any) -> None:
+        for name in ("batch_sampler", "generator"):
+            if kwargs.get(name) is not None:
+                raise TypeError(f"spotguard.DataLoader owns its {name}; leave it out")
+        kwargs.pop("batch_sampler", None), kwargs.pop("generator", None)
+        self.seed = int(seed)
+        generator = torch.Generator().manual_seed(self.seed)
+        if isinstance(dataset, tud.IterableDataset):
+            self.stream, self.resumable = _check_stream(dataset, sampler, kwargs), None
+            super().__init__(dataset, batch_size, drop_last=drop_last, generator=generator, **kwargs)
+            return
+        self.stream, self.resumable = None, _resumable(dataset, sampler, shuffle, self.seed)
+        self.resumable._owner = self
+        super().__init__(_Seeded(dataset), batch_size, sampler=_Keys(self.resumable),
+                         drop_last=drop_last, generator=generator, **kwargs)
+
+    def __iter__(self) -> "_Batches":
+        return _Batches(self)
+
+    def _torch_iter(self) -> Iterator[Any]:
+        """A fresh torch iterator (workers, prefetch), its base seed a function of the position."""
+        s = self.resumable
+        where = (s.rank, s.epoch, s.passes + (0 if s._resume_pending else 1)) if s else (0, 0, 0)
+        self.generator.manual_seed(sample_seed(self.seed, *where))
+        return super().__iter__()
+
+    def _handed_out(self) -> None:
+        """One batch went to the loop: advance the sampler by the samples in it."""
+        s = self.resumable
+        if s is not None:
+            s._advance(min(self.batch_size or 1, s.num_samples - s.position))
+
+    def _restored(self) -> int:
+        return self.resumable.restored if self.resumable is not None else self._stream_restored
+
+    _stream_restored = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.resumable is not None:
+            return {"sampler": self.resumable.state_dict()}
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.resumable is not None:
+            self.resumable.load_state_dict(state["sampler"])
+        else:
+            self.stream.load_state_dict(state["stream"])
+            self._stream_restored += 1
+
+
+class _Batches:
+    """``iter(loader)``: the torch iterator starts at the first ``next()``, and again after a load."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader, self._it, self._restored = loader, None, loader._restored()
+
+    def __iter__(self) -> "_Batches":
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None or self._restored != self.loader._restored():
+            self._restored = self.loader._restored()
+            self._it = self.loader._torch_iter()
+        batch = next(self._it)
+        self.loader._handed_out()
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def _resumable(dataset: Any, sampler: Any, shuffle: bool | None, seed: int) -> ResumableSampler:
+    if sampler is None:
+        return ResumableSampler(dataset, shuffle=bool(shuffle), seed=seed)
+    if not isinstance(sampler, ResumableSampler):
+        raise TypeError(f"spotguard.DataLoader needs a spotguard.ResumableSampler, got "
+                        f"{type(sampler).__name__}")
+    if shuffle:
+        raise ValueError("give shuffle to the ResumableSampler, not to the loader")
+    if sampler._owner is not None:
+        raise SamplerStateError("this ResumableSampler already belongs to another spotguard.DataLoader")
+    return sampler
+
+
+def _check_stream(dataset: Any, sampler: Any, kwargs: dict[str, Any]) -> Any:
+    if sampler is not None:
+        raise ValueError("an IterableDataset takes no sampler")
+    if kwargs.get("num_workers", 0):
+        raise ValueError("spotguard.DataLoader reads an IterableDataset in the main process only "
+                         "(num_workers=0): with workers, use torchdata's StatefulDataLoader and "
+                         "spotguard.LoaderState")
+    if not (callable(getattr(dataset, "state_dict", None))
+            and callable(getattr(dataset, "load_state_dict", None))):
+        raise TypeError(f"{type(dataset).__name__} is an IterableDataset without state_dict/"
+                        "load_state_dict: a stream must know its position to resume")
+    return dataset

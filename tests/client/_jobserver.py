@@ -1,0 +1,75 @@
+"""Run a job script many times as fresh processes without paying torch's import each time.
+
+A small server process imports torch and NumPy once, then for each request forks a child that runs
+the script as ``__main__`` with its own argv, environment and output file: every run is a separate
+process (own RNGs, own workers, killable by pid), started from a template that only imported
+libraries. On two busy cores this turns a 10 s start into a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+_SERVER = r"""
+import json, os, runpy, sys, traceback
+import numpy, threading, time, torch  # the expensive imports, once
+def orphaned(parent=os.getppid()):  # the test process died without closing us: exit too
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(0)
+threading.Thread(target=orphaned, daemon=True).start()
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.environ.clear(); os.environ.update(req["env"]); sys.argv = req["argv"]
+        fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 1); os.dup2(fd, 2)
+        code = 0
+        try:
+            runpy.run_path(req["argv"][0], run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc(); code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+class JobServer:
+    """``start(argv, env, out)`` forks one run and returns its pid; ``wait()`` returns its status."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+
+    def start(self, argv: list[str], env: dict[str, str], out: Path) -> int:
+        request = {"argv": argv, "env": env, "out": str(out)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["pid"]
+
+    def wait(self) -> int:
+        return json.loads(self.proc.stdout.readline())["rc"]
+
+    def run(self, argv: list[str], env: dict[str, str], out: Path) -> int:
+        self.start(argv, env, out)
+        return self.wait()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)

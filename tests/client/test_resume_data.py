@@ -1,0 +1,84 @@
+"""spotguard.DataLoader in process: what it refuses, what it warns about, and the invariants the
+matrix test relies on (global RNG untouched, position = batches handed out, lazy iterator)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchLoader, Dataset, IterableDataset
+
+import spotguard
+from spotguard.sampler import SamplerStateError
+
+
+class Noisy(Dataset):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i), torch.rand(()).item() + np.random.rand() + random.random()])
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(5)
+
+
+def test_refuses_what_it_cannot_resume(tmp_path):
+    with pytest.raises(TypeError, match="owns its generator"):
+        spotguard.DataLoader(Noisy(), generator=torch.Generator())
+    with pytest.raises(TypeError, match="ResumableSampler"):
+        spotguard.DataLoader(Noisy(), sampler=torch.utils.data.RandomSampler(Noisy()))
+    with pytest.raises(TypeError, match="know its position"):
+        spotguard.DataLoader(Stream())
+    with pytest.raises(ValueError, match="StatefulDataLoader"):
+        spotguard.DataLoader(Stream(), num_workers=2)
+    with pytest.raises(TypeError, match="spotguard.DataLoader"):
+        spotguard.Run(tmp_path, loader=TorchLoader(Noisy()), daemon=False)
+
+
+def test_loading_draws_nothing_from_the_global_generators_and_advances_the_sampler():
+    loader = spotguard.DataLoader(Noisy(), batch_size=4, shuffle=True, seed=3)
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    batches = [b for b in loader]
+    assert torch.equal(before[0], torch.get_rng_state()) and random.getstate() == before[2]
+    assert (np.random.get_state()[1] == before[1]).all()
+    assert [len(b) for b in batches] == [4, 4, 2] and loader.sampler.position == 10
+    with pytest.raises(SamplerStateError, match="remove the sampler.advance"):
+        loader.sampler.advance(1)
+
+
+def test_an_iterator_made_before_a_load_starts_at_the_loaded_position():
+    def make():
+        return spotguard.DataLoader(Noisy(), batch_size=3, shuffle=True, seed=1)
+
+    whole = [b for b in make()]
+    first = make()
+    it = iter(first)
+    next(it)
+    saved = first.state_dict()
+    resumed = make()
+    early = iter(resumed)  # made before the checkpoint is loaded, as a loop often does
+    resumed.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(list(early), whole[1:], strict=True))
+
+
+def test_a_plain_torch_loader_over_a_resumable_sampler_warns_once_at_the_first_save():
+    sampler = spotguard.ResumableSampler(10)
+    for _ in TorchLoader(Noisy(), sampler=sampler, batch_size=5):
+        sampler.advance(5)
+    with pytest.warns(spotguard.NotExactWarning, match="spotguard.DataLoader"):
+        sampler.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampler.state_dict()
+    alone = spotguard.ResumableSampler(10)  # iterated by the user's own code: exact, no warning
+    list(alone)
+    alone.advance(10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        alone.state_dict()

@@ -25,6 +25,7 @@ from spotguard.storage.base import (
     StoreOptions,
     TransientError,
     join_key,
+    transport_error,
 )
 
 __all__ = ["AzureStore"]
@@ -52,6 +53,8 @@ def _translate(what: str):
     except Exception as exc:
         if type(exc).__name__ == "CredentialUnavailableError":
             raise CredentialsError(f"{what}: no Azure credential available") from exc
+        if (translated := transport_error(what, exc)) is not None:
+            raise translated from exc
         raise
 
 
@@ -66,10 +69,14 @@ class AzureStore:
         self._container = container_client or self._make_client(container)
 
     def _make_client(self, container: str) -> Any:
-        from azure.storage.blob import BlobServiceClient
+        from azure.storage.blob import BlobServiceClient, ExponentialRetry
 
+        # The SDK's default backoff starts at 15 s and triples: one 503 would cost a minute.
+        retry = ExponentialRetry(initial_backoff=0.5, increment_base=1.5,
+                                 retry_total=max(0, self.options.max_attempts - 1))
         kwargs = {"max_block_size": self.options.part_size, "max_single_put_size": self.options.part_size,
-                  "retry_total": self.options.max_attempts}
+                  "retry_policy": retry,
+                  "connection_timeout": self.options.connect_timeout, "read_timeout": self.options.read_timeout}
         if self.options.azure_connection_string:
             service = BlobServiceClient.from_connection_string(self.options.azure_connection_string, **kwargs)
         else:

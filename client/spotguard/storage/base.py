@@ -13,12 +13,20 @@ Exceptions, translated once at each backend's boundary with ``raise ... from exc
     ├── TransientError         timeouts, resets, 5xx, throttling: worth retrying later
     └── IntegrityError         bytes read back do not match their checksum
 
+Every backend ends its translation with :func:`transport_error`, so a reset, a truncated body or a
+timeout raised by whatever layer (``urllib3``, ``requests``, ``http.client``, ``socket``, an SDK type
+no rule names) is a :class:`TransientError` too: nothing raw escapes a store call.
+
+Every request is bounded: ``StoreOptions.connect_timeout`` / ``read_timeout`` (seconds, per socket
+operation) and ``max_attempts`` are the defaults of every backend, set here and nowhere else.
+
 The SDKs are imported lazily, by the backend that needs them, so ``import spotguard`` stays light.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
@@ -33,6 +41,7 @@ __all__ = [
     "StoreOptions",
     "TransientError",
     "check_key",
+    "transport_error",
     "join_key",
     "open_store",
 ]
@@ -109,6 +118,15 @@ class StoreOptions:
     """May hold an account key: kept out of ``repr`` and logs."""
     max_attempts: int = 8
     """Attempts per request inside the SDK (standard retry modes with backoff)."""
+    connect_timeout: float = 5.0
+    """Seconds to open a connection; an endpoint that does not answer is retried, not waited on."""
+    read_timeout: float = 20.0
+    """Seconds any one socket read may stall (botocore's default of 60 s is half an AWS notice)."""
+
+    @property
+    def deadline(self) -> float:
+        """Seconds one call may spend in all its attempts, for SDKs that bound retries by time (GCS)."""
+        return (self.connect_timeout + self.read_timeout) * self.max_attempts
 
     @classmethod
     def of(cls, settings: Any) -> "StoreOptions":
@@ -123,6 +141,25 @@ class StoreOptions:
             if value is not None:
                 found[name] = value.get_secret_value() if hasattr(value, "get_secret_value") else value
         return cls(**found)
+
+
+_LOCAL_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_TRANSPORT_MODULES = ("urllib3", "requests", "http.client", "botocore", "s3transfer", "google", "azure")
+
+
+def transport_error(what: str, exc: BaseException) -> StoreError | None:
+    """The :class:`StoreError` for an exception no backend rule named, or None for a programming error.
+
+    Socket-level failures (resets, timeouts, TLS, truncated bodies) and any exception of an SDK or
+    transport package are transient; a local file that cannot be opened is a plain StoreError."""
+    if isinstance(exc, StoreError) or not isinstance(exc, Exception):
+        return None
+    if isinstance(exc, _LOCAL_OS_ERRORS):
+        return StoreError(f"{what}: {exc.strerror or type(exc).__name__}")
+    module = type(exc).__module__
+    if isinstance(exc, (OSError, socket.timeout)) or module.startswith(_TRANSPORT_MODULES):
+        return TransientError(f"{what}: {type(exc).__name__}")
+    return None
 
 
 _BAD_KEY = re.compile(r"(^|/)\.\.?(/|$)|^/|//|\x00")

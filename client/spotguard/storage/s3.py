@@ -3,7 +3,8 @@
 Uploads go through s3transfer (``upload_file``) with a tuned :class:`TransferConfig`: parts of
 ``options.part_size`` bytes, ``options.concurrency`` in flight, so one large tensor file saturates the
 link. Every request carries a CRC32 checksum that S3 verifies (``ChecksumAlgorithm``), and the file's
-sha256 travels as ``x-amz-meta-sha256``. Retries are botocore's ``standard`` mode. Credentials come
+sha256 travels as ``x-amz-meta-sha256``. Retries are botocore's ``standard`` mode, every request bounded by
+``options.connect_timeout``/``read_timeout``. Credentials come
 from boto3's default chain only and are never logged.
 
 botocore exceptions are translated in :func:`_translate`: 404/NoSuchKey/NoSuchBucket -> ``NotFound``,
@@ -25,6 +26,7 @@ from spotguard.storage.base import (
     StoreOptions,
     TransientError,
     join_key,
+    transport_error,
 )
 
 __all__ = ["S3Store"]
@@ -58,6 +60,8 @@ def _translate(what: str):
         raise CredentialsError(f"{what}: no AWS credentials found") from exc
     except (bex.ConnectionError, bex.HTTPClientError, bex.ReadTimeoutError) as exc:
         raise TransientError(f"{what}: {type(exc).__name__}") from exc
+    except KeyError as exc:  # s3transfer reading a reply a proxy truncated (no ContentLength)
+        raise TransientError(f"{what}: malformed reply (no {exc})") from exc
     except Exception as exc:  # s3transfer wraps failures of parts in its own types
         if type(exc).__module__.startswith(("s3transfer", "boto3.exceptions")):
             cause = exc.__cause__ or exc.__context__
@@ -65,6 +69,8 @@ def _translate(what: str):
                 with _translate(what):
                     raise cause
             raise TransientError(f"{what}: {exc}") from exc
+        if (translated := transport_error(what, exc)) is not None:  # e.g. urllib3 ProtocolError
+            raise translated from exc
         raise
 
 
@@ -85,6 +91,9 @@ class S3Store:
 
         config = Config(
             retries={"mode": "standard", "max_attempts": self.options.max_attempts},
+            connect_timeout=self.options.connect_timeout,
+            read_timeout=self.options.read_timeout,
+            tcp_keepalive=True,
             max_pool_connections=max(10, self.options.concurrency * 2),
             request_checksum_calculation="when_supported",
             response_checksum_validation="when_supported",

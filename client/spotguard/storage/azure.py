@@ -18,6 +18,7 @@ import contextlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
     CredentialsError,
     NotFound,
@@ -93,8 +94,12 @@ class AzureStore:
         return join_key(self.prefix, key)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
-        with open(path, "rb") as data, _translate(f"{self.url}: upload {key}"):
-            self._container.upload_blob(self._name(key), data, overwrite=True, validate_content=True,
+        """With ``sha256`` and ``size`` the bytes are read once and verified while sent (see
+        :mod:`._verify`): a mismatch raises ``IntegrityError`` before the block list is committed."""
+        verified = sha256 is not None and size is not None
+        opener = (lambda: VerifyingReader(path, sha256, size)) if verified else (lambda: open(path, "rb"))
+        with _translate(f"{self.url}: upload {key}"), opener() as data:
+            self._container.upload_blob(self._name(key), data, length=size, overwrite=True, validate_content=True,
                                         max_concurrency=self.options.concurrency,
                                         metadata={"sha256": sha256} if sha256 else None)
         return size if size is not None else Path(path).stat().st_size

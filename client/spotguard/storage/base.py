@@ -77,8 +77,10 @@ class Store(Protocol):
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
         """Upload ``path`` atomically under ``key``; return the bytes sent.
 
-        ``sha256``/``size`` describe the file (stored as metadata where the backend allows it);
-        the SDK's own transfer checksum (CRC32/CRC32C/MD5) guards the bytes on the wire."""
+        ``sha256``/``size`` describe the file (stored as metadata where the backend allows it). When
+        both are given the file is read once and hashed as it is sent; if those bytes do not hash to
+        ``sha256`` the backend raises :class:`IntegrityError` and stores nothing under ``key``. The
+        SDK's own transfer checksum (CRC32/CRC32C/MD5) guards the bytes on the wire."""
 
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write a small object atomically."""

@@ -11,8 +11,8 @@ Layout under the store's prefix (object stores have no rename, so order is the c
 follow bytes changed), then the manifest, then the pointer. A reader that starts from the pointer or
 a manifest therefore never sees a torn checkpoint: objects without a manifest are invisible, and the
 pending note keeps :meth:`Durable.prune` from collecting them while the upload runs. Integrity is end
-to end: the SDK checks each transfer (CRC32/CRC32C/MD5), new objects are hashed before they are
-uploaded, and :meth:`Durable.restore` re-hashes every file it downloads, falling back to the previous
+to end: the SDK checks each transfer (CRC32/CRC32C/MD5), new objects are hashed while they are
+uploaded (read once; a file changed after commit raises IntegrityError and stores nothing), and :meth:`Durable.restore` re-hashes every file it downloads, falling back to the previous
 checkpoint, with a warning, when one is corrupt or incomplete.
 
 Errors are :mod:`.base`'s; a checkpoint that fails verification raises :class:`IntegrityError`.
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spotguard.storage import _restore
-from spotguard.storage._local import ManifestError, read_manifest, sha256_file, step_name, validate_manifest
+from spotguard.storage._local import ManifestError, read_manifest, step_name, validate_manifest
 from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError, TransientError
 
 __all__ = ["Durable", "DurableInfo", "PruneReport", "object_key"]
@@ -154,8 +154,8 @@ class Durable:
         return sent
 
     def _send_one(self, path: Path, sha: str, size: int) -> int:
-        if path.stat().st_size != size or sha256_file(path) != sha:
-            raise IntegrityError(f"{path}: does not match its manifest (changed after commit?)")
+        """The store hashes the bytes as it sends them and refuses a mismatch (IntegrityError), so a
+        file changed after commit is never stored under the manifest's address."""
         send = lambda: self.store.put_file(object_key(sha), path, sha256=sha, size=size)  # noqa: E731
         return _retrying(send, self.attempts, object_key(sha))
 

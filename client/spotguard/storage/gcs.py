@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
     CredentialsError,
     IntegrityError,
@@ -93,12 +94,19 @@ class GcsStore:
         return self._bucket.blob(join_key(self.prefix, key), chunk_size=chunk or None)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        """With ``sha256`` the bytes are read once and verified while sent (see :mod:`._verify`):
+        a mismatch raises ``IntegrityError`` before the object is finalised."""
         size = size if size is not None else Path(path).stat().st_size
         blob = self._blob(key, large=size > self.options.part_size)
-        if sha256:
-            blob.metadata = {"sha256": sha256}
-        with _translate(f"{self.url}: upload {key}"):
-            blob.upload_from_filename(str(path), checksum="crc32c", retry=self._retry, timeout=self._timeout)
+        if sha256 is None:
+            with _translate(f"{self.url}: upload {key}"):
+                blob.upload_from_filename(str(path), checksum="crc32c", retry=self._retry, timeout=self._timeout)
+            return size
+        blob.metadata = {"sha256": sha256}
+        window = blob.chunk_size or size  # a retry rewinds at most one chunk
+        with VerifyingReader(path, sha256, size, window=max(window, 1)) as body, \
+                _translate(f"{self.url}: upload {key}"):
+            blob.upload_from_file(body, size=size, checksum="crc32c", retry=self._retry, timeout=self._timeout)
         return size
 
     def put_bytes(self, key: str, data: bytes) -> None:

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
     CredentialsError,
     NotFound,
@@ -114,13 +115,19 @@ class S3Store:
         return join_key(self.prefix, key)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        """With ``sha256`` and ``size`` the bytes are read once and verified while sent (see
+        :mod:`._verify`): a mismatch aborts the multipart upload and raises ``IntegrityError``."""
         extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32"}
-        if sha256:
-            extra["Metadata"] = {"sha256": sha256}
-        with _translate(f"{self.url}: upload {key}"):
-            self._client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=extra,
-                                     Config=self._transfer)
-        return size if size is not None else Path(path).stat().st_size
+        if sha256 is None or size is None:
+            with _translate(f"{self.url}: upload {key}"):
+                self._client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=extra,
+                                         Config=self._transfer)
+            return Path(path).stat().st_size
+        extra["Metadata"] = {"sha256": sha256}
+        with VerifyingReader(path, sha256, size) as body, _translate(f"{self.url}: upload {key}"):
+            self._client.upload_fileobj(body, self.bucket, self._key(key), ExtraArgs=extra,
+                                        Config=self._transfer)
+        return size
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with _translate(f"{self.url}: put {key}"):

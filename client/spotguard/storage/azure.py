@@ -25,6 +25,7 @@ from spotguard.storage.base import (
     StoreError,
     StoreOptions,
     TransientError,
+    check_size,
     join_key,
     transport_error,
 )
@@ -108,10 +109,11 @@ class AzureStore:
         with _translate(f"{self.url}: put {key}"):
             self._container.upload_blob(self._name(key), data, overwrite=True, validate_content=True)
 
-    def get_file(self, key: str, path: Path) -> None:
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         with _translate(f"{self.url}: download {key}"):
             stream = self._container.download_blob(self._name(key), validate_content=True,
                                                    max_concurrency=self.options.concurrency)
+            check_size(f"{self.url}: download {key}", stream.size, max_size)
             with open(path, "wb") as out:
                 stream.readinto(out)
 

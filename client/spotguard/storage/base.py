@@ -41,6 +41,7 @@ __all__ = [
     "StoreOptions",
     "TransientError",
     "check_key",
+    "check_size",
     "transport_error",
     "join_key",
     "open_store",
@@ -85,8 +86,9 @@ class Store(Protocol):
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write a small object atomically."""
 
-    def get_file(self, key: str, path: Path) -> None:
-        """Download ``key`` into ``path`` (created or truncated). :class:`NotFound` when absent."""
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
+        """Download ``key`` into ``path`` (created or truncated). :class:`NotFound` when absent;
+        :class:`IntegrityError`, before any byte is written, when the object is over ``max_size``."""
 
     def get_bytes(self, key: str) -> bytes:
         """Read a small object whole. :class:`NotFound` when absent."""
@@ -165,6 +167,13 @@ def transport_error(what: str, exc: BaseException) -> StoreError | None:
 
 
 _BAD_KEY = re.compile(r"(^|/)\.\.?(/|$)|^/|//|\x00")
+
+
+def check_size(what: str, size: int | None, max_size: int | None) -> None:
+    """Refuse an object larger than its manifest says, before downloading it (a hostile bucket
+    must not fill the disk)."""
+    if max_size is not None and size is not None and size > max_size:
+        raise IntegrityError(f"{what}: object is {size} bytes, its manifest says {max_size}")
 
 
 def check_key(key: str) -> str:

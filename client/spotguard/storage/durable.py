@@ -50,6 +50,21 @@ Progress = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` after each file is uploaded or skipped."""
 
 
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+"""A manifest lists files, not data: anything larger is damage or an attack."""
+
+
+def _step_of(text: str) -> int:
+    """A step number as written in keys and pointers: 1-10 decimal digits (``step-%010d``)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 10):
+        raise ValueError(f"not a step: {text[:20]!r}")
+    return int(text)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} in JSON")
+
+
 def object_key(sha256: str) -> str:
     return OBJECTS + sha256
 
@@ -179,10 +194,15 @@ class Durable:
         return sorted(steps)
 
     def latest(self, job_id: str) -> int | None:
-        """The step ``latest`` names; the newest manifest when the pointer is missing or unreadable."""
+        """The step ``latest`` names if that step has a manifest; else (pointer missing, unreadable,
+        or naming a step that does not exist: a damaged or hostile bucket) the newest manifest."""
         try:
-            text = self.store.get_bytes(f"jobs/{_job(job_id)}/latest").decode().strip()
-            return int(text.removeprefix("step-"))
+            text = self.store.get_bytes(f"jobs/{_job(job_id)}/latest")[:64].decode().strip()
+            step = _step_of(text.removeprefix("step-"))
+            if self.store.exists(manifest_key(job_id, step)):
+                return step
+            log.warning("durable %s: latest names %s, which has no manifest; using the newest manifest",
+                        job_id, step_name(step))
         except NotFound:
             pass
         except (ValueError, UnicodeDecodeError):
@@ -191,12 +211,19 @@ class Durable:
         return steps[-1] if steps else None
 
     def manifest(self, job_id: str, step: int) -> dict[str, Any]:
-        """The durable manifest of ``step``. :class:`NotFound`, or :class:`ManifestError` if corrupt."""
-        key = manifest_key(job_id, step)
+        """The durable manifest of ``step``. :class:`NotFound`, or :class:`ManifestError` if corrupt,
+        oversized, not plain JSON (NaN, deep nesting) or naming another step than its key."""
+        key, where = manifest_key(job_id, step), f"{self.store.url}/{manifest_key(job_id, step)}"
+        body = self.store.get_bytes(key)
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{where}: manifest of {len(body)} bytes is implausibly large")
         try:
-            return validate_manifest(json.loads(self.store.get_bytes(key)), f"{self.store.url}/{key}")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"{self.store.url}/{key}: corrupt manifest") from exc
+            data = validate_manifest(json.loads(body, parse_constant=_refuse_constant), where)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ManifestError(f"{where}: corrupt manifest") from exc
+        if data["step"] != step:
+            raise ManifestError(f"{where}: says step {data['step']}, its key says {step}")
+        return data
 
     def verify(self, job_id: str, step: int, *, deep: bool = True) -> list[str]:
         """Problems with durable ``step`` (empty when sound). ``deep`` downloads and re-hashes every

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
 from spotguard._fsync import fsync_dir
-from spotguard.storage.base import NotFound, StoreError, check_key
+from spotguard.storage.base import NotFound, StoreError, check_key, check_size
 
 __all__ = ["FileStore", "TMP_PREFIX", "atomic_write", "fsync_dir", "make_private_dirs"]
 
@@ -90,10 +90,12 @@ class FileStore:
         except OSError as exc:
             raise StoreError(f"{self.url}: cannot write {key}: {exc.strerror}") from exc
 
-    def get_file(self, key: str, path: Path) -> None:
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         try:
-            with open(self._path(key), "rb") as src, open(path, "wb") as out:
-                shutil.copyfileobj(src, out, 4 * 1024 * 1024)
+            with open(self._path(key), "rb") as src:
+                check_size(f"{self.url}: read {key}", os.fstat(src.fileno()).st_size, max_size)
+                with open(path, "wb") as out:
+                    shutil.copyfileobj(src, out, 4 * 1024 * 1024)
         except FileNotFoundError as exc:
             raise NotFound(f"{self.url}: no object {key}") from exc
         except OSError as exc:

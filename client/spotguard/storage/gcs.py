@@ -30,6 +30,7 @@ from spotguard.storage.base import (
     StoreError,
     StoreOptions,
     TransientError,
+    check_size,
     join_key,
     transport_error,
 )
@@ -113,13 +114,14 @@ class GcsStore:
         with _translate(f"{self.url}: put {key}"):
             self._blob(key).upload_from_string(data, checksum="crc32c", retry=self._retry, timeout=self._timeout)
 
-    def get_file(self, key: str, path: Path) -> None:
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         """Large objects are read as ``part_size`` ranges by ``concurrency`` threads, then the
         whole file's CRC32C is checked against the object's."""
         with _translate(f"{self.url}: download {key}"):
             blob = self._bucket.get_blob(join_key(self.prefix, key), retry=self._retry, timeout=self._timeout)
             if blob is None:
                 raise NotFound(f"{self.url}: download {key}: not found")
+            check_size(f"{self.url}: download {key}", blob.size, max_size)
             if (blob.size or 0) <= self.options.part_size:
                 return blob.download_to_filename(str(path), checksum="crc32c", retry=self._retry, timeout=self._timeout)
             from google.cloud.storage import transfer_manager

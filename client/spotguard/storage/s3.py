@@ -26,6 +26,7 @@ from spotguard.storage.base import (
     StoreError,
     StoreOptions,
     TransientError,
+    check_size,
     join_key,
     transport_error,
 )
@@ -134,8 +135,11 @@ class S3Store:
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
                                     ChecksumAlgorithm="CRC32")
 
-    def get_file(self, key: str, path: Path) -> None:
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         with _translate(f"{self.url}: download {key}"):
+            if max_size is not None:
+                head = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+                check_size(f"{self.url}: download {key}", head.get("ContentLength"), max_size)
             self._client.download_file(self.bucket, self._key(key), str(path), Config=self._transfer)
 
     def get_bytes(self, key: str) -> bytes:

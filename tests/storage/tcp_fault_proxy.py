@@ -2,7 +2,8 @@
 
 Unlike :mod:`storage_proxy` (an HTTP proxy that answers whole requests), this one relays raw TCP on
 127.0.0.1, so faults land where real networks put them: inside a body, inside a header, mid-upload.
-``mode`` applies to connections opened while it is set (switch it to ``None`` to heal):
+``mode`` applies to connections opened while it is set, and ``reset``/``stall``/``truncate`` also to
+pooled connections opened before (switch it to ``None`` to heal):
 
 * ``reset``     relay, then RST the connection after ``reset_after`` reply bytes or 32 KiB of request
 * ``503``       answer the first request head with ``503`` and close (the body is never read)
@@ -93,6 +94,7 @@ class TcpFaultProxy:
                     upload: bool, client: asyncio.StreamWriter) -> None:
         sent = 0
         while data := await src.read(self.trickle_bytes if mode == "trickle" else 65536):
+            mode = self.mode if self.mode in ("reset", "stall", "truncate") else mode  # pooled connections too
             if mode == "stall" and not upload:
                 await asyncio.sleep(3600)
             limit = {"reset": 32768 if upload else self.reset_after,

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from spotguard.storage import Durable, StoreError, StoreOptions, open_store
+from spotguard.storage import Durable, StoreError, StoreOptions, open_store, restore_newer
 from spotguard.storage.durable import object_key
 
 from conftest import azurite_connection_string
@@ -25,14 +25,16 @@ TIGHT = {"connect_timeout": 0.5, "read_timeout": 1.0, "max_attempts": 2, "part_s
          "concurrency": 2}
 
 
-def through(direct, backend: str, endpoint: str):
-    """The same bucket as ``direct``, reached through ``endpoint`` with tight bounds."""
+def target(direct, backend: str, endpoint: str) -> tuple[str, StoreOptions]:
+    """URL and options for the bucket of ``direct`` reached through ``endpoint`` with tight bounds."""
     bucket = direct.url.split("/")[2]
     if backend == "azure":
-        return open_store(f"az://{bucket}/pre", StoreOptions(
-            azure_connection_string=azurite_connection_string(endpoint), **TIGHT))
-    return open_store(f"{'s3' if backend == 's3' else 'gs'}://{bucket}/pre",
-                      StoreOptions(endpoint_url=endpoint, **TIGHT))
+        return f"az://{bucket}/pre", StoreOptions(azure_connection_string=azurite_connection_string(endpoint), **TIGHT)
+    return f"{'s3' if backend == 's3' else 'gs'}://{bucket}/pre", StoreOptions(endpoint_url=endpoint, **TIGHT)
+
+
+def through(direct, backend: str, endpoint: str):
+    return open_store(*target(direct, backend, endpoint))
 
 
 def every_call(store, tmp_path, payload: bytes) -> list[str]:
@@ -97,3 +99,15 @@ def test_every_call_is_a_store_error_or_right_then_heals(backend, request, new_b
     assert_no_torn_manifest(direct)
     assert restored.name == "step-0000000099"
     assert all((restored / rel).read_bytes() == data for rel, data in final.items())
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs", "azure"])
+def test_restore_at_job_start_fails_only_as_a_store_error(backend, request, new_bucket, tmp_path):
+    """Issue 12.3: a brand-new job (nothing local, no ``latest`` in the bucket) whose store resets
+    connections gets a StoreError, which ``Run`` logs before training on; never a raw exception."""
+    direct = new_bucket(backend)
+    with TcpFaultProxy(request.getfixturevalue(EMULATOR[backend]).url) as proxy:
+        proxy.mode = "reset"
+        with pytest.raises(StoreError):
+            restore_newer(tmp_path / "ckpt", "job", *target(direct, backend, proxy.url))
+        assert proxy.faulted

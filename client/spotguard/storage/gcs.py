@@ -75,7 +75,8 @@ class GcsStore:
         self._bucket = self._client.bucket(bucket)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        self._retry = DEFAULT_RETRY.with_deadline(self.options.deadline)
+        # The library's delays grow to 60 s: a store back after a burst would wait a minute for nothing.
+        self._retry = DEFAULT_RETRY.with_delay(initial=0.5, maximum=4.0).with_deadline(self.options.deadline)
         self._timeout = (self.options.connect_timeout, self.options.read_timeout)
 
     def _make_client(self) -> Any:

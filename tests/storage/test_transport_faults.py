@@ -106,8 +106,8 @@ def test_restore_at_job_start_fails_only_as_a_store_error(backend, request, new_
     """Issue 12.3: a brand-new job (nothing local, no ``latest`` in the bucket) whose store resets
     connections gets a StoreError, which ``Run`` logs before training on; never a raw exception."""
     direct = new_bucket(backend)
-    with TcpFaultProxy(request.getfixturevalue(EMULATOR[backend]).url) as proxy:
-        proxy.mode = "reset"
+    with TcpFaultProxy(request.getfixturevalue(EMULATOR[backend]).url, reset_after=20) as proxy:
+        proxy.mode = "reset"  # inside every reply's headers: even a 404 does not get through
         with pytest.raises(StoreError):
             restore_newer(tmp_path / "ckpt", "job", *target(direct, backend, proxy.url))
         assert proxy.faulted

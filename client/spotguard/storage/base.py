@@ -161,9 +161,18 @@ def transport_error(what: str, exc: BaseException) -> StoreError | None:
     if isinstance(exc, _LOCAL_OS_ERRORS):
         return StoreError(f"{what}: {exc.strerror or type(exc).__name__}")
     module = type(exc).__module__
-    if isinstance(exc, (OSError, socket.timeout)) or module.startswith(_TRANSPORT_MODULES):
+    if isinstance(exc, (OSError, socket.timeout)) or module.startswith(_TRANSPORT_MODULES) \
+            or _raised_in(exc, _TRANSPORT_MODULES):  # an SDK's ValueError/KeyError on a torn reply
         return TransientError(f"{what}: {type(exc).__name__}")
     return None
+
+
+def _raised_in(exc: BaseException, modules: tuple[str, ...]) -> bool:
+    """Whether the innermost frame that raised ``exc`` belongs to one of ``modules``."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith(modules)
 
 
 _BAD_KEY = re.compile(r"(^|/)\.\.?(/|$)|^/|//|\x00")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -13,7 +14,7 @@ def test_put_get_list_delete_roundtrip(store, tmp_path):
     big = os.urandom(2 * 1024 * 1024 + 123)  # > part_size: multipart / chunked / block upload
     src = tmp_path / "src.bin"
     src.write_bytes(big)
-    assert store.put_file("objects/sha256/aa", src, sha256="a" * 64, size=len(big)) == len(big)
+    assert store.put_file("objects/sha256/aa", src, sha256=hashlib.sha256(big).hexdigest(), size=len(big)) == len(big)
     store.put_bytes("jobs/j/latest", b"step-0000000001\n")
     assert store.exists("objects/sha256/aa") and not store.exists("objects/sha256/bb")
     assert sorted(store.list("")) == ["jobs/j/latest", "objects/sha256/aa"]

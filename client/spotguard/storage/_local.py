@@ -50,7 +50,8 @@ def sha256_file(path: Path, chunk: int = 4 * 1024 * 1024) -> str:
 
 def validate_manifest(data: Any, where: str) -> dict[str, Any]:
     """Return ``data`` if it is a usable manifest: right format, integer step, safe relpaths."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("step"), int):
+    if not isinstance(data, dict) or data.get("format") != FORMAT or type(data.get("step")) is not int \
+            or not 0 <= data["step"] < 10 ** 10:
         raise ManifestError(f"{where}: not a {FORMAT} manifest")
     files = data.get("files")
     if not isinstance(files, dict):
@@ -60,10 +61,18 @@ def validate_manifest(data: Any, where: str) -> dict[str, Any]:
             check_key(rel)
         except ValueError:
             raise ManifestError(f"{where}: unsafe file path {rel!r}") from None
-        if rel == MANIFEST or not isinstance(meta, dict) or not isinstance(meta.get("size"), int) \
+        if rel == MANIFEST or not isinstance(meta, dict) or not _is_size(meta.get("size")) \
                 or not _is_hex64(meta.get("sha256")):
             raise ManifestError(f"{where}: bad entry for {rel!r}")
     return data
+
+
+MAX_FILE_BYTES = 1 << 44
+"""16 TiB: no checkpoint file is larger; a manifest that says so is damaged or hostile."""
+
+
+def _is_size(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_FILE_BYTES
 
 
 def _is_hex64(value: Any) -> bool:

@@ -18,13 +18,16 @@ import contextlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
     CredentialsError,
     NotFound,
     StoreError,
     StoreOptions,
     TransientError,
+    check_size,
     join_key,
+    transport_error,
 )
 
 __all__ = ["AzureStore"]
@@ -52,6 +55,8 @@ def _translate(what: str):
     except Exception as exc:
         if type(exc).__name__ == "CredentialUnavailableError":
             raise CredentialsError(f"{what}: no Azure credential available") from exc
+        if (translated := transport_error(what, exc)) is not None:
+            raise translated from exc
         raise
 
 
@@ -66,10 +71,14 @@ class AzureStore:
         self._container = container_client or self._make_client(container)
 
     def _make_client(self, container: str) -> Any:
-        from azure.storage.blob import BlobServiceClient
+        from azure.storage.blob import BlobServiceClient, ExponentialRetry
 
+        # The SDK's default backoff starts at 15 s and triples: one 503 would cost a minute.
+        retry = ExponentialRetry(initial_backoff=0.5, increment_base=1.5,
+                                 retry_total=max(0, self.options.max_attempts - 1))
         kwargs = {"max_block_size": self.options.part_size, "max_single_put_size": self.options.part_size,
-                  "retry_total": self.options.max_attempts}
+                  "retry_policy": retry,
+                  "connection_timeout": self.options.connect_timeout, "read_timeout": self.options.read_timeout}
         if self.options.azure_connection_string:
             service = BlobServiceClient.from_connection_string(self.options.azure_connection_string, **kwargs)
         else:
@@ -86,8 +95,12 @@ class AzureStore:
         return join_key(self.prefix, key)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
-        with open(path, "rb") as data, _translate(f"{self.url}: upload {key}"):
-            self._container.upload_blob(self._name(key), data, overwrite=True, validate_content=True,
+        """With ``sha256`` and ``size`` the bytes are read once and verified while sent (see
+        :mod:`._verify`): a mismatch raises ``IntegrityError`` before the block list is committed."""
+        verified = sha256 is not None and size is not None
+        opener = (lambda: VerifyingReader(path, sha256, size)) if verified else (lambda: open(path, "rb"))
+        with _translate(f"{self.url}: upload {key}"), opener() as data:
+            self._container.upload_blob(self._name(key), data, length=size, overwrite=True, validate_content=True,
                                         max_concurrency=self.options.concurrency,
                                         metadata={"sha256": sha256} if sha256 else None)
         return size if size is not None else Path(path).stat().st_size
@@ -96,10 +109,11 @@ class AzureStore:
         with _translate(f"{self.url}: put {key}"):
             self._container.upload_blob(self._name(key), data, overwrite=True, validate_content=True)
 
-    def get_file(self, key: str, path: Path) -> None:
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         with _translate(f"{self.url}: download {key}"):
             stream = self._container.download_blob(self._name(key), validate_content=True,
                                                    max_concurrency=self.options.concurrency)
+            check_size(f"{self.url}: download {key}", stream.size, max_size)
             with open(path, "wb") as out:
                 stream.readinto(out)
 

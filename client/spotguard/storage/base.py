@@ -13,12 +13,20 @@ Exceptions, translated once at each backend's boundary with ``raise ... from exc
     ├── TransientError         timeouts, resets, 5xx, throttling: worth retrying later
     └── IntegrityError         bytes read back do not match their checksum
 
+Every backend ends its translation with :func:`transport_error`, so a reset, a truncated body or a
+timeout raised by whatever layer (``urllib3``, ``requests``, ``http.client``, ``socket``, an SDK type
+no rule names) is a :class:`TransientError` too: nothing raw escapes a store call.
+
+Every request is bounded: ``StoreOptions.connect_timeout`` / ``read_timeout`` (seconds, per socket
+operation) and ``max_attempts`` are the defaults of every backend, set here and nowhere else.
+
 The SDKs are imported lazily, by the backend that needs them, so ``import spotguard`` stays light.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
@@ -33,6 +41,8 @@ __all__ = [
     "StoreOptions",
     "TransientError",
     "check_key",
+    "check_size",
+    "transport_error",
     "join_key",
     "open_store",
 ]
@@ -68,14 +78,17 @@ class Store(Protocol):
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
         """Upload ``path`` atomically under ``key``; return the bytes sent.
 
-        ``sha256``/``size`` describe the file (stored as metadata where the backend allows it);
-        the SDK's own transfer checksum (CRC32/CRC32C/MD5) guards the bytes on the wire."""
+        ``sha256``/``size`` describe the file (stored as metadata where the backend allows it). When
+        both are given the file is read once and hashed as it is sent; if those bytes do not hash to
+        ``sha256`` the backend raises :class:`IntegrityError` and stores nothing under ``key``. The
+        SDK's own transfer checksum (CRC32/CRC32C/MD5) guards the bytes on the wire."""
 
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write a small object atomically."""
 
-    def get_file(self, key: str, path: Path) -> None:
-        """Download ``key`` into ``path`` (created or truncated). :class:`NotFound` when absent."""
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
+        """Download ``key`` into ``path`` (created or truncated). :class:`NotFound` when absent;
+        :class:`IntegrityError`, before any byte is written, when the object is over ``max_size``."""
 
     def get_bytes(self, key: str) -> bytes:
         """Read a small object whole. :class:`NotFound` when absent."""
@@ -109,6 +122,15 @@ class StoreOptions:
     """May hold an account key: kept out of ``repr`` and logs."""
     max_attempts: int = 8
     """Attempts per request inside the SDK (standard retry modes with backoff)."""
+    connect_timeout: float = 5.0
+    """Seconds to open a connection; an endpoint that does not answer is retried, not waited on."""
+    read_timeout: float = 20.0
+    """Seconds any one socket read may stall (botocore's default of 60 s is half an AWS notice)."""
+
+    @property
+    def deadline(self) -> float:
+        """Seconds one call may spend in all its attempts, for SDKs that bound retries by time (GCS)."""
+        return (self.connect_timeout + self.read_timeout) * self.max_attempts
 
     @classmethod
     def of(cls, settings: Any) -> "StoreOptions":
@@ -125,7 +147,42 @@ class StoreOptions:
         return cls(**found)
 
 
+_LOCAL_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_TRANSPORT_MODULES = ("urllib3", "requests", "http.client", "botocore", "s3transfer", "google", "azure")
+
+
+def transport_error(what: str, exc: BaseException) -> StoreError | None:
+    """The :class:`StoreError` for an exception no backend rule named, or None for a programming error.
+
+    Socket-level failures (resets, timeouts, TLS, truncated bodies) and any exception of an SDK or
+    transport package are transient; a local file that cannot be opened is a plain StoreError."""
+    if isinstance(exc, StoreError) or not isinstance(exc, Exception):
+        return None
+    if isinstance(exc, _LOCAL_OS_ERRORS):
+        return StoreError(f"{what}: {exc.strerror or type(exc).__name__}")
+    module = type(exc).__module__
+    if isinstance(exc, (OSError, socket.timeout)) or module.startswith(_TRANSPORT_MODULES) \
+            or _raised_in(exc, _TRANSPORT_MODULES):  # an SDK's ValueError/KeyError on a torn reply
+        return TransientError(f"{what}: {type(exc).__name__}")
+    return None
+
+
+def _raised_in(exc: BaseException, modules: tuple[str, ...]) -> bool:
+    """Whether the innermost frame that raised ``exc`` belongs to one of ``modules``."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith(modules)
+
+
 _BAD_KEY = re.compile(r"(^|/)\.\.?(/|$)|^/|//|\x00")
+
+
+def check_size(what: str, size: int | None, max_size: int | None) -> None:
+    """Refuse an object larger than its manifest says, before downloading it (a hostile bucket
+    must not fill the disk)."""
+    if max_size is not None and size is not None and size > max_size:
+        raise IntegrityError(f"{what}: object is {size} bytes, its manifest says {max_size}")
 
 
 def check_key(key: str) -> str:

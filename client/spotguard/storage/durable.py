@@ -11,8 +11,8 @@ Layout under the store's prefix (object stores have no rename, so order is the c
 follow bytes changed), then the manifest, then the pointer. A reader that starts from the pointer or
 a manifest therefore never sees a torn checkpoint: objects without a manifest are invisible, and the
 pending note keeps :meth:`Durable.prune` from collecting them while the upload runs. Integrity is end
-to end: the SDK checks each transfer (CRC32/CRC32C/MD5), new objects are hashed before they are
-uploaded, and :meth:`Durable.restore` re-hashes every file it downloads, falling back to the previous
+to end: the SDK checks each transfer (CRC32/CRC32C/MD5), new objects are hashed while they are
+uploaded (read once; a file changed after commit raises IntegrityError and stores nothing), and :meth:`Durable.restore` re-hashes every file it downloads, falling back to the previous
 checkpoint, with a warning, when one is corrupt or incomplete.
 
 Errors are :mod:`.base`'s; a checkpoint that fails verification raises :class:`IntegrityError`.
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spotguard.storage import _restore
-from spotguard.storage._local import ManifestError, read_manifest, sha256_file, step_name, validate_manifest
+from spotguard.storage._local import ManifestError, read_manifest, step_name, validate_manifest
 from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError, TransientError
 
 __all__ = ["Durable", "DurableInfo", "PruneReport", "object_key"]
@@ -48,6 +48,21 @@ _MANIFEST = re.compile(r"^jobs/([^/]+)/manifests/step-(\d{10})\.json$")
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` after each file is uploaded or skipped."""
+
+
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+"""A manifest lists files, not data: anything larger is damage or an attack."""
+
+
+def _step_of(text: str) -> int:
+    """A step number as written in keys and pointers: 1-10 decimal digits (``step-%010d``)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 10):
+        raise ValueError(f"not a step: {text[:20]!r}")
+    return int(text)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} in JSON")
 
 
 def object_key(sha256: str) -> str:
@@ -154,8 +169,8 @@ class Durable:
         return sent
 
     def _send_one(self, path: Path, sha: str, size: int) -> int:
-        if path.stat().st_size != size or sha256_file(path) != sha:
-            raise IntegrityError(f"{path}: does not match its manifest (changed after commit?)")
+        """The store hashes the bytes as it sends them and refuses a mismatch (IntegrityError), so a
+        file changed after commit is never stored under the manifest's address."""
         send = lambda: self.store.put_file(object_key(sha), path, sha256=sha, size=size)  # noqa: E731
         return _retrying(send, self.attempts, object_key(sha))
 
@@ -179,10 +194,15 @@ class Durable:
         return sorted(steps)
 
     def latest(self, job_id: str) -> int | None:
-        """The step ``latest`` names; the newest manifest when the pointer is missing or unreadable."""
+        """The step ``latest`` names if that step has a manifest; else (pointer missing, unreadable,
+        or naming a step that does not exist: a damaged or hostile bucket) the newest manifest."""
         try:
-            text = self.store.get_bytes(f"jobs/{_job(job_id)}/latest").decode().strip()
-            return int(text.removeprefix("step-"))
+            text = self.store.get_bytes(f"jobs/{_job(job_id)}/latest")[:64].decode().strip()
+            step = _step_of(text.removeprefix("step-"))
+            if self.store.exists(manifest_key(job_id, step)):
+                return step
+            log.warning("durable %s: latest names %s, which has no manifest; using the newest manifest",
+                        job_id, step_name(step))
         except NotFound:
             pass
         except (ValueError, UnicodeDecodeError):
@@ -191,12 +211,19 @@ class Durable:
         return steps[-1] if steps else None
 
     def manifest(self, job_id: str, step: int) -> dict[str, Any]:
-        """The durable manifest of ``step``. :class:`NotFound`, or :class:`ManifestError` if corrupt."""
-        key = manifest_key(job_id, step)
+        """The durable manifest of ``step``. :class:`NotFound`, or :class:`ManifestError` if corrupt,
+        oversized, not plain JSON (NaN, deep nesting) or naming another step than its key."""
+        key, where = manifest_key(job_id, step), f"{self.store.url}/{manifest_key(job_id, step)}"
+        body = self.store.get_bytes(key)
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{where}: manifest of {len(body)} bytes is implausibly large")
         try:
-            return validate_manifest(json.loads(self.store.get_bytes(key)), f"{self.store.url}/{key}")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"{self.store.url}/{key}: corrupt manifest") from exc
+            data = validate_manifest(json.loads(body, parse_constant=_refuse_constant), where)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ManifestError(f"{where}: corrupt manifest") from exc
+        if data["step"] != step:
+            raise ManifestError(f"{where}: says step {data['step']}, its key says {step}")
+        return data
 
     def verify(self, job_id: str, step: int, *, deep: bool = True) -> list[str]:
         """Problems with durable ``step`` (empty when sound). ``deep`` downloads and re-hashes every

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
 from spotguard._fsync import fsync_dir
-from spotguard.storage.base import NotFound, StoreError, check_key
+from spotguard.storage.base import NotFound, StoreError, check_key, check_size
 
 __all__ = ["FileStore", "TMP_PREFIX", "atomic_write", "fsync_dir", "make_private_dirs"]
 
@@ -70,10 +70,15 @@ class FileStore:
         atomic_write(final, write)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        """With ``sha256`` and ``size`` the copy is verified as it is written (see :mod:`._verify`):
+        a mismatch raises ``IntegrityError`` and the temporary file is removed, never renamed."""
+        from spotguard.storage._verify import VerifyingReader
+
+        verified = sha256 is not None and size is not None
         try:
-            with open(path, "rb") as src:
+            with (VerifyingReader(path, sha256, size) if verified else open(path, "rb")) as src:
                 self._atomic_write(key, lambda out: shutil.copyfileobj(src, out, 4 * 1024 * 1024))
-            return os.path.getsize(path)
+            return size if verified else os.path.getsize(path)
         except FileNotFoundError as exc:
             raise StoreError(f"{path}: no such file") from exc
         except OSError as exc:
@@ -85,10 +90,12 @@ class FileStore:
         except OSError as exc:
             raise StoreError(f"{self.url}: cannot write {key}: {exc.strerror}") from exc
 
-    def get_file(self, key: str, path: Path) -> None:
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         try:
-            with open(self._path(key), "rb") as src, open(path, "wb") as out:
-                shutil.copyfileobj(src, out, 4 * 1024 * 1024)
+            with open(self._path(key), "rb") as src:
+                check_size(f"{self.url}: read {key}", os.fstat(src.fileno()).st_size, max_size)
+                with open(path, "wb") as out:
+                    shutil.copyfileobj(src, out, 4 * 1024 * 1024)
         except FileNotFoundError as exc:
             raise NotFound(f"{self.url}: no object {key}") from exc
         except OSError as exc:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Mapping
 
 from spotguard.storage._local import ManifestError, read_manifest
-from spotguard.storage.base import StoreOptions, open_store
+from spotguard.storage.base import StoreError, StoreOptions, open_store
 from spotguard.storage.durable import Durable
 
 __all__ = ["restore_newer", "local_latest_step", "store_from_env", "DEFAULT_JOB"]
@@ -61,7 +61,10 @@ def restore_newer(root: str | os.PathLike[str], job_id: str, url: str,
     local one; return the restored directory, or None when the local copy is as new (or the store
     holds nothing for the job)."""
     root = Path(root)
-    durable = Durable(open_store(url, options))
+    try:
+        durable = Durable(open_store(url, options))
+    except ValueError as exc:  # a bad URL must not stop training either
+        raise StoreError(str(exc)) from exc
     job = job_id or DEFAULT_JOB
     remote = durable.latest(job)
     if remote is None:

@@ -3,7 +3,8 @@
 Objects up to ``options.part_size`` go in one multipart request; larger ones in a resumable upload of
 ``part_size`` chunks (a reset costs one chunk, not the file), and are downloaded as parallel ranges. Uploads and downloads carry CRC32C
 checks (``checksum="crc32c"``); the file's sha256 is stored as object metadata. Every call passes
-the library's ``DEFAULT_RETRY`` (exponential backoff on 429/5xx/resets), uploads included: our keys
+the library's ``DEFAULT_RETRY`` (exponential backoff on 429/5xx/resets, ``options.deadline`` in all) and
+``timeout=(connect_timeout, read_timeout)``, uploads included: our keys
 are content-addressed or small pointers, so repeating a put is harmless.
 
 Credentials come from Application Default Credentials. An emulator (fake-gcs-server) is used when
@@ -21,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
     CredentialsError,
     IntegrityError,
@@ -28,7 +30,9 @@ from spotguard.storage.base import (
     StoreError,
     StoreOptions,
     TransientError,
+    check_size,
     join_key,
+    transport_error,
 )
 
 __all__ = ["GcsStore"]
@@ -54,6 +58,8 @@ def _translate(what: str):
     except Exception as exc:
         if type(exc).__name__ == "DataCorruption":  # google.resumable_media.common.DataCorruption
             raise IntegrityError(f"{what}: crc32c mismatch") from exc
+        if (translated := transport_error(what, exc)) is not None:  # e.g. ChunkedEncodingError
+            raise translated from exc
         raise
 
 
@@ -69,7 +75,9 @@ class GcsStore:
         self._bucket = self._client.bucket(bucket)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        self._retry = DEFAULT_RETRY.with_deadline(300.0)
+        # The library's delays grow to 60 s: a store back after a burst would wait a minute for nothing.
+        self._retry = DEFAULT_RETRY.with_delay(initial=0.5, maximum=4.0).with_deadline(self.options.deadline)
+        self._timeout = (self.options.connect_timeout, self.options.read_timeout)
 
     def _make_client(self) -> Any:
         from google.cloud import storage
@@ -88,46 +96,54 @@ class GcsStore:
         return self._bucket.blob(join_key(self.prefix, key), chunk_size=chunk or None)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        """With ``sha256`` the bytes are read once and verified while sent (see :mod:`._verify`):
+        a mismatch raises ``IntegrityError`` before the object is finalised."""
         size = size if size is not None else Path(path).stat().st_size
         blob = self._blob(key, large=size > self.options.part_size)
-        if sha256:
-            blob.metadata = {"sha256": sha256}
-        with _translate(f"{self.url}: upload {key}"):
-            blob.upload_from_filename(str(path), checksum="crc32c", retry=self._retry)
+        if sha256 is None:
+            with _translate(f"{self.url}: upload {key}"):
+                blob.upload_from_filename(str(path), checksum="crc32c", retry=self._retry, timeout=self._timeout)
+            return size
+        blob.metadata = {"sha256": sha256}
+        window = blob.chunk_size or size  # a retry rewinds at most one chunk
+        with VerifyingReader(path, sha256, size, window=max(window, 1)) as body, \
+                _translate(f"{self.url}: upload {key}"):
+            blob.upload_from_file(body, size=size, checksum="crc32c", retry=self._retry, timeout=self._timeout)
         return size
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with _translate(f"{self.url}: put {key}"):
-            self._blob(key).upload_from_string(data, checksum="crc32c", retry=self._retry)
+            self._blob(key).upload_from_string(data, checksum="crc32c", retry=self._retry, timeout=self._timeout)
 
-    def get_file(self, key: str, path: Path) -> None:
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         """Large objects are read as ``part_size`` ranges by ``concurrency`` threads, then the
         whole file's CRC32C is checked against the object's."""
         with _translate(f"{self.url}: download {key}"):
-            blob = self._bucket.get_blob(join_key(self.prefix, key), retry=self._retry)
+            blob = self._bucket.get_blob(join_key(self.prefix, key), retry=self._retry, timeout=self._timeout)
             if blob is None:
                 raise NotFound(f"{self.url}: download {key}: not found")
+            check_size(f"{self.url}: download {key}", blob.size, max_size)
             if (blob.size or 0) <= self.options.part_size:
-                return blob.download_to_filename(str(path), checksum="crc32c", retry=self._retry)
+                return blob.download_to_filename(str(path), checksum="crc32c", retry=self._retry, timeout=self._timeout)
             from google.cloud.storage import transfer_manager
 
             transfer_manager.download_chunks_concurrently(
                 blob, str(path), chunk_size=self.options.part_size, worker_type=transfer_manager.THREAD,
-                max_workers=self.options.concurrency, download_kwargs={"retry": self._retry},
+                max_workers=self.options.concurrency, download_kwargs={"retry": self._retry, "timeout": self._timeout},
                 crc32c_checksum=True)
 
     def get_bytes(self, key: str) -> bytes:
         with _translate(f"{self.url}: get {key}"):
-            return self._blob(key).download_as_bytes(checksum="crc32c", retry=self._retry)
+            return self._blob(key).download_as_bytes(checksum="crc32c", retry=self._retry, timeout=self._timeout)
 
     def exists(self, key: str) -> bool:
         with _translate(f"{self.url}: head {key}"):
-            return self._blob(key).exists(retry=self._retry)
+            return self._blob(key).exists(retry=self._retry, timeout=self._timeout)
 
     def list(self, prefix: str) -> Iterator[str]:
         base = f"{self.prefix}/" if self.prefix else ""
         with _translate(f"{self.url}: list {prefix}"):
-            for blob in self._client.list_blobs(self._bucket, prefix=base + prefix, retry=self._retry):
+            for blob in self._client.list_blobs(self._bucket, prefix=base + prefix, retry=self._retry, timeout=self._timeout):
                 yield blob.name[len(base):]
 
     def delete(self, keys: Iterable[str]) -> None:
@@ -136,13 +152,14 @@ class GcsStore:
         for key in keys:
             with _translate(f"{self.url}: delete {key}"):
                 try:
-                    self._blob(key).delete(retry=self._retry)
+                    self._blob(key).delete(retry=self._retry, timeout=self._timeout)
                 except gex.NotFound:
                     pass
 
     def check(self) -> None:
         try:
             with _translate(f"storage {self.url}"):
-                self._bucket.reload(retry=None, timeout=30)
+                self._bucket.reload(retry=self._retry,
+                                    timeout=self._timeout)
         except NotFound as exc:
             raise NotFound(f"storage {self.url}: bucket {self._bucket.name!r} does not exist") from exc

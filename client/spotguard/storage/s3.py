@@ -3,7 +3,8 @@
 Uploads go through s3transfer (``upload_file``) with a tuned :class:`TransferConfig`: parts of
 ``options.part_size`` bytes, ``options.concurrency`` in flight, so one large tensor file saturates the
 link. Every request carries a CRC32 checksum that S3 verifies (``ChecksumAlgorithm``), and the file's
-sha256 travels as ``x-amz-meta-sha256``. Retries are botocore's ``standard`` mode. Credentials come
+sha256 travels as ``x-amz-meta-sha256``. Retries are botocore's ``standard`` mode, every request bounded by
+``options.connect_timeout``/``read_timeout``. Credentials come
 from boto3's default chain only and are never logged.
 
 botocore exceptions are translated in :func:`_translate`: 404/NoSuchKey/NoSuchBucket -> ``NotFound``,
@@ -18,13 +19,16 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
     CredentialsError,
     NotFound,
     StoreError,
     StoreOptions,
     TransientError,
+    check_size,
     join_key,
+    transport_error,
 )
 
 __all__ = ["S3Store"]
@@ -58,6 +62,8 @@ def _translate(what: str):
         raise CredentialsError(f"{what}: no AWS credentials found") from exc
     except (bex.ConnectionError, bex.HTTPClientError, bex.ReadTimeoutError) as exc:
         raise TransientError(f"{what}: {type(exc).__name__}") from exc
+    except KeyError as exc:  # s3transfer reading a reply a proxy truncated (no ContentLength)
+        raise TransientError(f"{what}: malformed reply (no {exc})") from exc
     except Exception as exc:  # s3transfer wraps failures of parts in its own types
         if type(exc).__module__.startswith(("s3transfer", "boto3.exceptions")):
             cause = exc.__cause__ or exc.__context__
@@ -65,6 +71,8 @@ def _translate(what: str):
                 with _translate(what):
                     raise cause
             raise TransientError(f"{what}: {exc}") from exc
+        if (translated := transport_error(what, exc)) is not None:  # e.g. urllib3 ProtocolError
+            raise translated from exc
         raise
 
 
@@ -85,6 +93,9 @@ class S3Store:
 
         config = Config(
             retries={"mode": "standard", "max_attempts": self.options.max_attempts},
+            connect_timeout=self.options.connect_timeout,
+            read_timeout=self.options.read_timeout,
+            tcp_keepalive=True,
             max_pool_connections=max(10, self.options.concurrency * 2),
             request_checksum_calculation="when_supported",
             response_checksum_validation="when_supported",
@@ -105,21 +116,30 @@ class S3Store:
         return join_key(self.prefix, key)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+        """With ``sha256`` and ``size`` the bytes are read once and verified while sent (see
+        :mod:`._verify`): a mismatch aborts the multipart upload and raises ``IntegrityError``."""
         extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32"}
-        if sha256:
-            extra["Metadata"] = {"sha256": sha256}
-        with _translate(f"{self.url}: upload {key}"):
-            self._client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=extra,
-                                     Config=self._transfer)
-        return size if size is not None else Path(path).stat().st_size
+        if sha256 is None or size is None:
+            with _translate(f"{self.url}: upload {key}"):
+                self._client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=extra,
+                                         Config=self._transfer)
+            return Path(path).stat().st_size
+        extra["Metadata"] = {"sha256": sha256}
+        with VerifyingReader(path, sha256, size) as body, _translate(f"{self.url}: upload {key}"):
+            self._client.upload_fileobj(body, self.bucket, self._key(key), ExtraArgs=extra,
+                                        Config=self._transfer)
+        return size
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with _translate(f"{self.url}: put {key}"):
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
                                     ChecksumAlgorithm="CRC32")
 
-    def get_file(self, key: str, path: Path) -> None:
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         with _translate(f"{self.url}: download {key}"):
+            if max_size is not None:
+                head = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+                check_size(f"{self.url}: download {key}", head.get("ContentLength"), max_size)
             self._client.download_file(self.bucket, self._key(key), str(path), Config=self._transfer)
 
     def get_bytes(self, key: str) -> bytes:

@@ -146,3 +146,19 @@ def test_the_last_durable_step_and_its_age_survive_a_daemon_restart(daemon_facto
     assert after["spotguard_upload_last_durable_step"] == 40, second.output()
     age = after["spotguard_upload_last_durable_age_seconds"]
     assert age == age and age >= before["spotguard_upload_last_durable_age_seconds"]  # not NaN, not reset
+
+
+def test_human_status_names_a_refused_checkpoint_and_the_upload_worker(daemon_factory, tmp_path):
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{tmp_path / 'bucket'}"})
+    ckpt = commit_dir(daemon.checkpoint_root, 50, {"w.bin": b"w" * 100})
+    (ckpt / "w.bin").unlink()
+    os.mkfifo(ckpt / "w.bin")  # not a regular file: the upload queue refuses it
+    assert daemon.request(CommitRequest(pid=os.getpid(), job_id="job", path=str(ckpt), step=50)).ok
+    deadline = time.monotonic() + 30
+    while not daemon.request(StatusRequest()).data["uploads"]["refused"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    human = subprocess.run([sys.executable, "-m", "spotguard_daemon", "status"], capture_output=True,
+                           text=True, env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)})
+    assert human.returncode == 0, human.stderr
+    assert f"job job: step 50 REFUSED ({ckpt}): " in human.stdout, human.stdout
+    assert "upload worker: alive, restarts: 0; journal: ok" in human.stdout

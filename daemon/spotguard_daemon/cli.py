@@ -156,7 +156,8 @@ def status(config: str | None, as_json: bool, timeout: float) -> None:
 
 
 def _human_uploads(uploads: dict[str, Any]) -> list[str]:
-    """The upload queue: store, what waits, bytes pending, and the last durable step of each job."""
+    """The upload queue: store, what waits, bytes pending, each job's last durable step and last
+    refused checkpoint, and whether the worker and its journal are well."""
     import time
 
     queued = [u for u in (uploads.get("pending") or [])]
@@ -168,6 +169,13 @@ def _human_uploads(uploads: dict[str, Any]) -> list[str]:
     for job, durable in sorted((uploads.get("durable") or {}).items()):
         age = time.time() - durable.get("at", time.time())
         lines.append(f"  job {job}: step {durable.get('step')} durable, {age:.0f} s ago")
+    for job, refused in sorted((uploads.get("refused") or {}).items()):
+        lines.append(f"  job {job}: step {refused.get('step')} REFUSED ({refused.get('path')}): "
+                     f"{refused.get('error')}")
+    if worker := uploads.get("worker"):
+        lines.append(f"  upload worker: {'alive' if worker.get('alive') else 'DOWN'}, "
+                     f"restarts: {worker.get('restarts', 0)}; journal: "
+                     + ("ok" if uploads.get("journal_ok", True) else "NOT WRITABLE"))
     return lines
 
 

@@ -99,7 +99,7 @@ class Journal:
                     queue[upload.job_id] = upload
                 else:
                     log.warning("journaled checkpoint %s is gone; not uploading it", upload.path)
-            durable = {str(k): dict(v) for k, v in body.get("durable", {}).items()}
+            durable = {str(k): dict(v) for k, v in body.get("durable", {}).items() if _sound(v)}
         except FileNotFoundError:
             return {}, {}
         except (ValueError, TypeError, AttributeError, OSError) as exc:
@@ -108,3 +108,9 @@ class Journal:
         if queue:
             log.info("resuming %d journaled upload(s)", len(queue))
         return queue, durable
+
+
+def _sound(entry: Any) -> bool:
+    """A journaled durable entry the queue can use: a step and the time it became durable."""
+    return isinstance(entry, dict) and type(entry.get("step")) is int \
+        and isinstance(entry.get("at"), (int, float)) and not isinstance(entry.get("at"), bool)

@@ -113,6 +113,7 @@ class UploadQueue:
         self.journal = Journal(journal, self.metrics.journal_errors)
         self._queue, self._durable = self.journal.load()
         self.metrics.depth.set(len(self._queue))
+        self._restore_durable_step()
 
     # ------------------------------------------------------------------ public
 
@@ -304,10 +305,11 @@ class UploadQueue:
         except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
             self._failed(upload, exc)
         else:
+            durable_at = time.time()  # the pointer is written: durable now, not after retention
             self.metrics.bytes.inc(info.bytes_uploaded)
             self.metrics.seconds.observe(info.seconds)
             self._prune(upload.job_id)
-            self._finish(upload, info)
+            self._finish(upload, info, durable_at)
 
     def _progress_hook(self, upload: Upload, started: float) -> Callable[[int, int], None]:
         def progress(done: int, total: int) -> None:
@@ -366,11 +368,11 @@ class UploadQueue:
             self._enqueue(upload)
             self._cond.notify_all()
 
-    def _finish(self, upload: Upload, info: DurableInfo | None) -> None:
+    def _finish(self, upload: Upload, info: DurableInfo | None, durable_at: float = 0.0) -> None:
         with self._cond:
             self._current = None
             if info is not None:
-                self._durable[upload.job_id] = {"step": info.step, "at": time.time(),
+                self._durable[upload.job_id] = {"step": info.step, "at": durable_at or time.time(),
                                                 "key": info.manifest_key}
                 self.metrics.durable_step.set(info.step)
             self.metrics.depth.set(len(self._queue))
@@ -384,6 +386,13 @@ class UploadQueue:
     def _age(self) -> float:
         times = [d["at"] for d in self._durable.values()]
         return time.time() - max(times) if times else float("nan")
+
+    def _restore_durable_step(self) -> None:
+        """Set the last-durable-step gauge from the journal, so that a restarted daemon does not
+        report 0 (the age gauge reads the journaled times already)."""
+        newest = max(self._durable.values(), key=lambda d: d["at"], default=None)
+        if newest is not None:
+            self.metrics.durable_step.set(newest["step"])
 
     def _save_journal(self) -> None:
         """Journal what is queued, uploading and durable; never raises (see :class:`Journal`)."""

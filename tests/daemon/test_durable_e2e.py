@@ -118,3 +118,47 @@ def test_the_client_is_told_and_can_ask_which_step_is_durable(daemon_factory, tm
         assert late.durable_step() == 30  # a new process asks the daemon's status
     finally:
         late.close()
+
+
+def scrape(daemon) -> dict[str, float]:
+    """The daemon's /metrics, read over HTTP from the URL its status reply gives."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(daemon.request(StatusRequest()).data["metrics"], timeout=5) as response:
+        text = response.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_the_last_durable_step_and_its_age_survive_a_daemon_restart(daemon_factory, tmp_path):
+    env = {"SPOTGUARD_STORAGE__URL": f"file://{tmp_path / 'bucket'}"}
+    first = daemon_factory(env=env)
+    with zmq.Context() as ctx, subscribe(ctx, first.pub_endpoint) as sub:
+        ckpt = commit_dir(first.checkpoint_root, 40, {"w.bin": b"w" * 100})
+        assert first.request(CommitRequest(pid=os.getpid(), job_id="job", path=str(ckpt), step=40)).ok
+        wait_durable(sub, 40)
+    before = scrape(first)
+    assert before["spotguard_upload_last_durable_step"] == 40
+    assert first.stop() == 0
+    second = daemon_factory(env=env)  # same state directory: the journal of the first
+    after = scrape(second)
+    assert after["spotguard_upload_last_durable_step"] == 40, second.output()
+    age = after["spotguard_upload_last_durable_age_seconds"]
+    assert age == age and age >= before["spotguard_upload_last_durable_age_seconds"]  # not NaN, not reset
+
+
+def test_human_status_names_a_refused_checkpoint_and_the_upload_worker(daemon_factory, tmp_path):
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{tmp_path / 'bucket'}"})
+    ckpt = commit_dir(daemon.checkpoint_root, 50, {"w.bin": b"w" * 100})
+    (ckpt / "w.bin").unlink()
+    os.mkfifo(ckpt / "w.bin")  # not a regular file: the upload queue refuses it
+    assert daemon.request(CommitRequest(pid=os.getpid(), job_id="job", path=str(ckpt), step=50)).ok
+    deadline = time.monotonic() + 30
+    while not daemon.request(StatusRequest()).data["uploads"]["refused"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    human = subprocess.run([sys.executable, "-m", "spotguard_daemon", "status"], capture_output=True,
+                           text=True, env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)})
+    assert human.returncode == 0, human.stderr
+    assert f"job job: step 50 REFUSED ({ckpt}): " in human.stdout, human.stdout
+    assert "upload worker: alive, restarts: 0; journal: ok" in human.stdout

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 from spotguard.storage.durable import Durable
 from spotguard.storage.file import FileStore
 from spotguard_daemon.uploads import UploadQueue
@@ -156,3 +157,35 @@ def test_older_or_equal_steps_are_ignored(tmp_path, make_ckpt, older):
     queue.submit("job", make_ckpt(tmp_path / "ckpt", 5, {"a": b"a"}), 5)
     queue.submit("job", make_ckpt(tmp_path / "other", 4 if older else 5, {"a": b"b"}), 4 if older else 5)
     assert [u["step"] for u in queue.status()["pending"]] == [5]
+
+
+def test_durable_age_counts_from_the_pointer_write_not_from_retention(tmp_path, make_ckpt):
+    pruned_at: list[float] = []
+
+    class RecordingDurable(Durable):
+        def prune(self, job_id, keep, **kwargs):
+            pruned_at.append(time.time())
+            return super().prune(job_id, keep, **kwargs)
+
+    queue = UploadQueue(RecordingDurable(FileStore(tmp_path / "bucket")), tmp_path / "state" / "uploads.json")
+    queue.start()
+    try:
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 1, {"w.bin": b"w" * 100}), 1)
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    durable_at = queue.status()["durable"]["job"]["at"]
+    pointer = tmp_path / "bucket" / "jobs" / "job" / "latest"
+    assert pointer.stat().st_mtime <= durable_at + 0.01 and durable_at <= pruned_at[0]
+
+
+def test_a_restarted_queue_reports_the_journaled_durable_step_and_skips_damaged_entries(tmp_path):
+    journal = tmp_path / "state" / "uploads.json"
+    journal.parent.mkdir()
+    journal.write_text(json.dumps({"version": 1, "pending": [], "durable": {
+        "a": {"step": 7, "at": 100.0}, "b": {"step": 9, "at": 200.0}, "c": {"step": "x", "at": 300.0},
+        "d": {"step": 11, "at": None}, "e": [1]}}))
+    registry = CollectorRegistry()
+    queue = UploadQueue(Durable(FileStore(tmp_path / "bucket")), journal, registry=registry)
+    assert registry.get_sample_value("spotguard_upload_last_durable_step") == 9
+    assert sorted(queue.status()["durable"]) == ["a", "b"]

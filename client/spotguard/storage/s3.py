@@ -2,8 +2,11 @@
 
 Uploads go through s3transfer (``upload_file``) with a tuned :class:`TransferConfig`: parts of
 ``options.part_size`` bytes, ``options.concurrency`` in flight, so one large tensor file saturates the
-link. Every request carries a CRC32 checksum that S3 verifies (``ChecksumAlgorithm``), and the file's
-sha256 travels as ``x-amz-meta-sha256``. Retries are botocore's ``standard`` mode, every request bounded by
+link. S3 checks what it receives: an object sent in one request (``put_bytes``, and ``put_file`` below
+``part_size``) carries its expected sha256 (``x-amz-checksum-sha256``; the content address for
+checkpoint objects), so S3 refuses bytes that are not those the manifest names; every part of a
+multipart upload carries a CRC32 (``ChecksumAlgorithm``) that S3 verifies. The file's sha256 also
+travels as ``x-amz-meta-sha256``. Retries are botocore's ``standard`` mode, every request bounded by
 ``options.connect_timeout``/``read_timeout``. Credentials come
 from boto3's default chain only and are never logged.
 
@@ -13,8 +16,10 @@ botocore exceptions are translated in :func:`_translate`: 404/NoSuchKey/NoSuchBu
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -76,6 +81,10 @@ def _translate(what: str):
         raise
 
 
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
 class S3Store:
     """Objects under ``s3://bucket/prefix``; ``client`` may be injected (tests, custom sessions)."""
 
@@ -125,6 +134,8 @@ class S3Store:
                                          Config=self._transfer)
             return Path(path).stat().st_size
         extra["Metadata"] = {"sha256": sha256}
+        if size < self.options.part_size:  # one PutObject: S3 checks the bytes against the hash
+            extra = {"Metadata": extra["Metadata"], "ChecksumSHA256": _b64(bytes.fromhex(sha256))}
         with VerifyingReader(path, sha256, size) as body, _translate(f"{self.url}: upload {key}"):
             self._client.upload_fileobj(body, self.bucket, self._key(key), ExtraArgs=extra,
                                         Config=self._transfer)
@@ -133,7 +144,7 @@ class S3Store:
     def put_bytes(self, key: str, data: bytes) -> None:
         with _translate(f"{self.url}: put {key}"):
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
-                                    ChecksumAlgorithm="CRC32")
+                                    ChecksumSHA256=_b64(hashlib.sha256(data).digest()))
 
     def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         with _translate(f"{self.url}: download {key}"):

@@ -24,8 +24,8 @@ import spotguard
 
 
 class Noisy(torch.utils.data.Dataset):
-    """Fixed samples plus a random augmentation (torch, NumPy and ``random``) drawn in the worker that
-    loads them."""
+    """Fixed samples plus a random augmentation (torch, NumPy and ``random``) drawn in the
+    worker that loads them."""
 
     def __init__(self, n: int = 1000, features: int = 16) -> None:
         g = torch.Generator().manual_seed(0)

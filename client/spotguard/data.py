@@ -23,7 +23,8 @@ Why a plain ``torch.utils.data.DataLoader`` cannot resume exactly, and what this
   so the loop needs no ``sampler.advance`` call.
 * **SIGTERM.** A machine's shutdown sends SIGTERM to every process (systemd), workers included, and
   torch's loader raises in the main process, mid-save, when a worker dies of it. This loader's
-  workers ignore SIGTERM: the main process saves and stops them as usual (they also exit when it dies).
+  workers ignore SIGTERM: the main process saves and stops them as usual (they also exit when it
+  dies).
 * **When the iterator is created.** ``iter(loader)`` starts nothing: workers, prefetch and the
   sampler start at the first ``next()``, and start over if a checkpoint was loaded since, so an
   iterator made before ``run.steps()`` loads the state still resumes at the saved position.
@@ -223,7 +224,7 @@ class _Batches:
 
 
 def _worker_init(user_init: Any, worker_id: int) -> None:
-    """In each worker: ignore SIGTERM (the main process decides when workers stop), then the user's."""
+    """In each worker: ignore SIGTERM (the main process decides when workers stop); the user's."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if user_init is not None:
         user_init(worker_id)

@@ -201,7 +201,8 @@ class Drill:
         with open(self.report / f"daemon-{launch.index:02d}.log", "w") as log:
             proc = self._spawn([sys.executable, "-m", "spotguard_daemon", "daemon", "--config",
                                 str(config), "--platform", "none", "--runtime-dir", str(runtime),
-                                "--state-dir", str(state), "--checkpoint-root", str(self.root or os.getcwd())], env, log)
+                                "--state-dir", str(state),
+                                "--checkpoint-root", str(self.root or os.getcwd())], env, log)
         endpoint, give_up = f"ipc://{runtime}/requests.sock", time.monotonic() + 30.0
         while _status(endpoint) is None:
             if proc.poll() is not None or time.monotonic() > give_up:

@@ -1,11 +1,11 @@
-"""A README-style job over a *plain* ``torch.utils.data.DataLoader``, for ``spotguard drill``'s tests.
+"""A README-style job over a *plain* torch ``DataLoader``, for ``spotguard drill``'s tests.
 
     python drill_loader_job.py --ckpt-dir DIR [--steps N] [--step-sleep S]
 
 Everything else is done right (model, optimizer and scheduler in the checkpoint), but the loader is
-torch's own: shuffled from the global RNG, two workers whose augmentation draws from torch, NumPy and
-``random``, and no position in the checkpoint. A resumed run restarts its epoch with other batches,
-so it cannot end where an uninterrupted one does; the drill must say so.
+torch's own: shuffled from the global RNG, two workers whose augmentation draws from torch, NumPy
+and ``random``, and no position in the checkpoint. A resumed run restarts its epoch with other
+batches, so it cannot end where an uninterrupted one does; the drill must say so.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``spotguard drill`` on DataLoader pipelines with workers: the README's way passes, torch's own fails.
+"""``spotguard drill`` on DataLoader pipelines with workers: the README's passes, torch's fails.
 
 examples/train_loader.py (``spotguard.DataLoader`` with two workers, shuffling, augmentation from
 torch, NumPy and ``random``, dropout, AdamW, a warm-up + cosine LambdaLR) must survive every kind of
@@ -21,11 +21,11 @@ from test_drill_e2e import ROOT, drill, passed_every_kind
 @pytest.mark.timeout(300)
 def test_the_dataloader_example_passes_every_kind_of_preemption(tmp_path):
     done = drill(tmp_path, "-n", "4", "--seed", "3", job=[
-        sys.executable, str(ROOT / "examples" / "train_loader.py"), "--steps", "60", "--workers", "2",
-        "--save-every", "10", "--step-sleep", "0.03", "--ckpt-dir", "ckpt"])
+        sys.executable, str(ROOT / "examples" / "train_loader.py"), "--steps", "60",
+        "--workers", "2", "--save-every", "10", "--step-sleep", "0.03", "--ckpt-dir", "ckpt"])
     report = passed_every_kind(tmp_path, done)
     # SIGTERM reaches the loader's workers too; a relaunch never resumes from the moved-aside
-    # reference checkpoints (a daemon watching the working directory once uploaded and restored them)
+    # reference checkpoints (a daemon watching the working directory once uploaded, restored them)
     rows = report["preemptions"]
     assert all(row["steps_lost"] == 0 for row in rows if row["kind"] in ("notice", "sigterm"))
     assert all(row["resumed_from"] <= row["at_step"] for row in rows)

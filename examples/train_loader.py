@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
+import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,7 +24,8 @@ import spotguard
 
 
 class Noisy(torch.utils.data.Dataset):
-    """Fixed samples plus a random augmentation drawn in the worker that loads them."""
+    """Fixed samples plus a random augmentation (torch, NumPy and ``random``) drawn in the
+    worker that loads them."""
 
     def __init__(self, n: int = 1000, features: int = 16) -> None:
         g = torch.Generator().manual_seed(0)
@@ -32,7 +36,8 @@ class Noisy(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i] + 0.05 * torch.randn(self.x.shape[1]), self.y[i]
+        noise = 0.05 * torch.randn(self.x.shape[1]) + torch.from_numpy(np.random.normal(0, 0.01, 1))
+        return self.x[i] * random.uniform(0.9, 1.1) + noise.float(), self.y[i]
 
 
 def main() -> None:
@@ -41,6 +46,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default="checkpoints")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--save-every", type=int, default=None)
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -58,6 +64,7 @@ def main() -> None:
             yield from loader
             loader.sampler.set_epoch(loader.sampler.epoch + 1)
 
+    loss = None  # stays None when resumed at the last step: nothing is left to train
     with run:
         for step, (x, y) in zip(run.steps(args.steps), batches()):
             loss = nn.functional.mse_loss(model(x), y)
@@ -66,7 +73,10 @@ def main() -> None:
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
-    print(f"final step={run.step} epoch={loader.sampler.epoch} loss={loss.item():.4f}", flush=True)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+    shown = "-" if loss is None else f"{loss.item():.4f}"
+    print(f"final step={run.step} epoch={loader.sampler.epoch} loss={shown}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ Why a plain ``torch.utils.data.DataLoader`` cannot resume exactly, and what this
 * **The position.** The loop's position is the samples *handed to it*, not the samples the workers
   prefetched: the loader advances its :class:`~spotguard.ResumableSampler` by each batch it returns,
   so the loop needs no ``sampler.advance`` call.
+* **SIGTERM.** A machine's shutdown sends SIGTERM to every process (systemd), workers included, and
+  torch's loader raises in the main process, mid-save, when a worker dies of it. This loader's
+  workers ignore SIGTERM: the main process saves and stops them as usual (they also exit when it
+  dies).
 * **When the iterator is created.** ``iter(loader)`` starts nothing: workers, prefetch and the
   sampler start at the first ``next()``, and start over if a checkpoint was loaded since, so an
   iterator made before ``run.steps()`` loads the state still resumes at the saved position.
@@ -34,7 +38,9 @@ generators, which the checkpoint holds. A stream read by workers needs torchdata
 
 from __future__ import annotations
 
+import functools
 import random
+import signal
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -151,6 +157,7 @@ class DataLoader(tud.DataLoader):
                 raise TypeError(f"spotguard.DataLoader owns its {name}; leave it out")
         kwargs.pop("batch_sampler", None), kwargs.pop("generator", None)
         self.seed = int(seed)
+        kwargs["worker_init_fn"] = functools.partial(_worker_init, kwargs.get("worker_init_fn"))
         generator = torch.Generator().manual_seed(self.seed)
         if isinstance(dataset, tud.IterableDataset):
             self.stream, self.resumable = _check_stream(dataset, sampler, kwargs), None
@@ -214,6 +221,13 @@ class _Batches:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+
+def _worker_init(user_init: Any, worker_id: int) -> None:
+    """In each worker: ignore SIGTERM (the main process decides when workers stop); the user's."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if user_init is not None:
+        user_init(worker_id)
 
 
 def _resumable(dataset: Any, sampler: Any, shuffle: bool | None, seed: int) -> ResumableSampler:

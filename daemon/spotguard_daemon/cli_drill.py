@@ -74,6 +74,10 @@ class Drill:
         self.fractions = sorted(self.rng.uniform(0.05, 0.9) for _ in range(preemptions))
         self.sockets = Path(tempfile.mkdtemp(prefix="sg-drill-", dir="/tmp"))
         self.procs: list[subprocess.Popen] = []
+        self.root: Path | None = None
+        """The job's checkpoint directory, from the reference's start: the drill's daemons watch it
+        alone, never the working directory, where the moved reference checkpoints would be found,
+        uploaded and restored by a relaunch that has no local checkpoint yet."""
         self.tree: set[int] = set()
         """Every descendant of the running launch seen so far: torchrun starts its workers in
         sessions of their own, and they outlive a torchrun killed with SIGKILL."""
@@ -86,6 +90,8 @@ class Drill:
         launch = Launch(0)
         self.run_launch(launch, None)
         start = launch.first("start")
+        if start:
+            self.root = Path(start["root"])
         if start and start.get("resumed_from") is None and Path(start["root"]).is_dir():
             shutil.move(start["root"], self.report / "reference-checkpoints")
         return launch
@@ -195,7 +201,8 @@ class Drill:
         with open(self.report / f"daemon-{launch.index:02d}.log", "w") as log:
             proc = self._spawn([sys.executable, "-m", "spotguard_daemon", "daemon", "--config",
                                 str(config), "--platform", "none", "--runtime-dir", str(runtime),
-                                "--state-dir", str(state), "--checkpoint-root", os.getcwd()], env, log)
+                                "--state-dir", str(state),
+                                "--checkpoint-root", str(self.root or os.getcwd())], env, log)
         endpoint, give_up = f"ipc://{runtime}/requests.sock", time.monotonic() + 30.0
         while _status(endpoint) is None:
             if proc.poll() is not None or time.monotonic() > give_up:

@@ -3,7 +3,9 @@ matrix test relies on (global RNG untouched, position = batches handed out, lazy
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import warnings
 
 import numpy as np
@@ -82,3 +84,25 @@ def test_a_plain_torch_loader_over_a_resumable_sampler_warns_once_at_the_first_s
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         alone.state_dict()
+
+
+class SelfTerminating(Dataset):
+    """Each sample sends its worker SIGTERM (as a machine's shutdown does to every process)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return torch.tensor([float(i), float(os.environ.get("SG_TEST_INIT", "-1"))])
+
+
+def test_workers_survive_sigterm_and_the_users_worker_init_still_runs():
+    def init(worker_id: int) -> None:
+        os.environ["SG_TEST_INIT"] = str(worker_id)
+
+    loader = spotguard.DataLoader(SelfTerminating(), batch_size=2, shuffle=False, num_workers=1,
+                                  worker_init_fn=init)
+    batches = list(loader)
+    assert torch.cat(batches)[:, 0].sort().values.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert torch.cat(batches)[:, 1].tolist() == [0.0] * 4

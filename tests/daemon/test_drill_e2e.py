@@ -33,6 +33,17 @@ def drill(tmp_path: Path, *options: str, job: list[str]) -> subprocess.Completed
     return done
 
 
+def passed_every_kind(tmp_path: Path, done: subprocess.CompletedProcess) -> dict:
+    """The drill's report, once checked to say PASSED after one preemption of each kind."""
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "spotguard drill: PASSED" in done.stdout
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["passed"] and all(check["ok"] for check in report["checks"])
+    assert sorted(row["kind"] for row in report["preemptions"]) == [
+        "notice", "short-notice", "sigkill", "sigterm"]
+    return report
+
+
 def job(*args: str) -> list[str]:
     return [sys.executable, str(JOB), "--ckpt-dir", "ckpt", *args]
 
@@ -43,12 +54,7 @@ def test_the_example_job_passes_every_kind_of_preemption(tmp_path):
     done = drill(tmp_path, "-n", "4", "--seed", "7", job=[
         sys.executable, str(ROOT / "examples" / "train_plain.py"), "--steps", "150",
         "--save-every", "10", "--step-sleep", "0.02", "--ckpt-dir", "ckpt"])
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "spotguard drill: PASSED" in done.stdout
-    report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert report["passed"] and all(check["ok"] for check in report["checks"])
-    assert sorted(row["kind"] for row in report["preemptions"]) == [
-        "notice", "short-notice", "sigkill", "sigterm"]
+    report = passed_every_kind(tmp_path, done)
     warned = [row for row in report["preemptions"] if row["kind"] in ("notice", "sigterm")]
     assert all(row["steps_lost"] == 0 for row in warned)
     assert (tmp_path / "report" / "reference-checkpoints").is_dir()  # moved aside, not deleted

@@ -64,8 +64,11 @@ then registers and asks status."""
 class Daemon:
     """One daemon process. ``watchers`` overrides detection (tests); ``registry`` the metrics'."""
 
-    def __init__(self, settings: Settings, *, watchers: list | None = None, registry=None) -> None:
+    def __init__(self, settings: Settings, *, watchers: list | None = None, registry=None,
+                 on_ready: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
+        self._on_ready = on_ready
+        """Called once serving (the CLI says where commits may lie only once start-up succeeded)."""
         self.daemon_id = uuid.uuid4().hex[:12]
         self.started_at = utcnow()
         self.platform = settings.platform
@@ -144,6 +147,7 @@ class Daemon:
             systemd.notify("READY=1")
             log.info("spotguard daemon %s ready (platform %s, %d watchers)", __version__,
                      self.platform, len(watchers))
+            self._on_ready()
             await self._until_done()
         finally:
             await self._shutdown(watchers)

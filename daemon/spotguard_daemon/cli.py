@@ -112,9 +112,8 @@ def _run_daemon(settings: Settings) -> None:
     from spotguard_daemon.server import ServerError
 
     logs.configure(settings.log_level, settings.log_format)
-    _announce_root(settings)
     try:
-        sys.exit(asyncio.run(Daemon(settings).run()))
+        sys.exit(asyncio.run(Daemon(settings, on_ready=lambda: _announce_root(settings)).run()))
     except (ServerError, OSError) as exc:
         _fail(1, f"cannot start: {exc}")
 

@@ -20,7 +20,7 @@ import pytest
 
 from _example import Proc, final, isolated_env, run_to_end
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 2000
 """Long enough that 25 kills, each at most KILL_WITHIN seconds into a life, never finish the job."""

@@ -50,7 +50,7 @@ from spotguard._daemon_client import DaemonLink
 from spotguard._watchdog import Watchdog
 from spotguard.exit_codes import EXIT_FORCED
 from spotguard.protocol import (CancelEvent, CommitRequest, DurableEvent, Kind, Notice, NoticeEvent,
-                                SafeRequest, StatusRequest)
+                                RegisterRequest, SafeRequest, StatusRequest)
 
 __all__ = ["Guard", "DEFAULT_SIGNAL_DEADLINES"]
 
@@ -187,11 +187,18 @@ class Guard:
         reply = self._link.request(StatusRequest())
         return reply.data if reply is not None and reply.ok else None
 
-    def report_commit(self, info: Any) -> bool:
-        """Tell the daemon a checkpoint was committed (a ``CommitInfo``); False if none answered."""
+    def report_resume(self, step: int) -> bool:
+        """Tell the daemon this process resumed from the checkpoint of ``step`` (a restart, for its
+        goodput metrics) by registering again with ``resumed_from_step``; False if none answered."""
+        return self._request(RegisterRequest(pid=os.getpid(), rank=self.rank, job_id=self.job_id,
+                                             resumed_from_step=step))
+
+    def report_commit(self, info: Any, save_seconds: float | None = None) -> bool:
+        """Tell the daemon a checkpoint was committed (a ``CommitInfo``) and how long the loop was
+        blocked saving it; False if none answered."""
         files = info.files if isinstance(info.files, int) else len(info.files)
         message = CommitRequest(pid=os.getpid(), job_id=self.job_id, path=str(info.path), step=info.step,
-                                size_bytes=int(info.size_bytes or 0), files=files)
+                                size_bytes=int(info.size_bytes or 0), files=files, save_seconds=save_seconds)
         if self._link is None:
             return False
         reply = self._link.request(message) if self._link.alive else None

@@ -167,10 +167,14 @@ Event = Annotated[
 
 
 class RegisterRequest(_Message):
+    """Register a client process. A process that resumed from a checkpoint registers again with
+    ``resumed_from_step`` (optional; older clients leave it out), which the daemon counts as a restart."""
+
     type: Literal["register"] = "register"
     pid: int = Field(gt=0)
     rank: int = Field(default=0, ge=0)
     job_id: str = Field(default="", max_length=256)
+    resumed_from_step: int | None = Field(default=None, ge=0)
 
 
 class UnregisterRequest(_Message):
@@ -203,6 +207,8 @@ class CommitRequest(_Message):
     step: int = Field(ge=0)
     size_bytes: int = Field(default=0, ge=0)
     files: int = Field(default=0, ge=0)
+    save_seconds: float | None = Field(default=None, ge=0, le=7 * 24 * 3600)
+    """How long the training loop was blocked by this save (optional; for the goodput metrics)."""
 
 
 class NotifyRequest(_Message):

@@ -171,6 +171,7 @@ class Run:
         self.start_step = self.step
         if self.resumed_from is not None:
             log.info("resumed from step %d (%s)", self.step, self.resumed_from.path)
+            self.guard.report_resume(self.step)
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,
                           skipped=self.checkpointer.skipped, total=total, entries=sorted(self.state))
@@ -376,7 +377,7 @@ class Run:
         self.record.emit("commit", step=info.step, kind=self._save_kinds.pop(info.step, "periodic"),
                          digest=info.digest, path=str(info.path), bytes=stats.bytes,
                          blocking_s=round(stats.blocking_seconds, 6), persist_s=round(stats.persist_seconds, 6))
-        self.guard.report_commit(info)
+        self.guard.report_commit(info, save_seconds=max(0.0, stats.blocking_seconds or 0.0))
         if self._user_on_commit is not None:
             self._user_on_commit(info)
 

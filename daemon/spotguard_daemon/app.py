@@ -81,7 +81,7 @@ class Daemon:
         self.handler = RequestHandler(self.store, platform=self.platform,
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
                                       on_change=self._clients_changed, on_commit=self._committed,
-                                      known_step=self.queue.durable_step)
+                                      known_step=self.queue.durable_step, metrics=self.metrics)
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
                              pending_ids=lambda: [n.id for n in self.store.pending()],

@@ -41,6 +41,7 @@ from spotguard.protocol import (
 )
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
+from spotguard_daemon.metrics import Metrics
 from spotguard_daemon.peers import Client, may_act_for, process_start_time
 from spotguard_daemon.server import current_peer
 from spotguard_daemon.store import NoticeStore
@@ -135,8 +136,10 @@ class RequestHandler:
     def __init__(self, store: NoticeStore, *, platform: str, checkpoint_root: Path | None,
                  info: Callable[[], dict[str, Any]], on_commit: CommitHook | None = None,
                  on_change: Callable[[], None] | None = None,
-                 known_step: Callable[[str], int | None] | None = None) -> None:
+                 known_step: Callable[[str], int | None] | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.store = store
+        self.metrics = metrics or Metrics()
         self.clients: dict[int, Client] = {}
         self.on_commit = on_commit or (lambda request, path: None)
         self.platform = platform
@@ -209,10 +212,20 @@ class RequestHandler:
         if not known and not self._make_room(client):
             return Reply(ok=False, error=f"register refused: {MAX_CLIENTS} clients are registered")
         self.clients[request.pid] = client
+        self._count_restart(request)
         log.info("client pid %d registered (rank %d, job %r, signal %s)", request.pid, request.rank,
                  request.job_id, "yes" if client.uid is not None else "no")
         self._on_change()
         return Reply(ok=True, data={"notices": self._notices(), "signal": client.public()["signal"]})
+
+    def _count_restart(self, request: RegisterRequest) -> None:
+        """Count a rank-0 resume and the committed steps it re-runs (see :mod:`.metrics`)."""
+        if request.resumed_from_step is None or request.rank != 0:
+            return
+        job = request.job_id or DEFAULT_JOB
+        known = self._known_step(job)
+        newest = max(self._newest.get(job, -1), -1 if known is None else known)
+        self.metrics.resumed(newest - request.resumed_from_step if newest >= 0 else 0)
 
     def _unregister(self, request: UnregisterRequest) -> Reply:
         client = self.clients.get(request.pid)
@@ -252,6 +265,7 @@ class RequestHandler:
             self._refused("commit", exc)
             return Reply(ok=False, error=f"commit refused: {exc}")
         self.on_commit(request, path)
+        self.metrics.save_reported(request.save_seconds)
         return Reply(ok=True, data={"path": str(path)})
 
     def _check_order(self, job: str, step: int) -> None:

@@ -13,6 +13,13 @@ counter of announcements cannot say.
 until the nearest deadline, negative once passed, NaN when nothing with a deadline is pending (so an
 alert such as ``spotguard_notice_deadline_seconds < 60`` stays quiet).
 
+Goodput (clients report it; older clients do not, and then these stay at zero):
+``spotguard_job_restarts_total`` counts rank-0 processes that resumed from a checkpoint;
+``spotguard_steps_redone_total`` adds, per restart, the newest step committed for that job through
+this daemon minus the step resumed from: work committed but not resumed (e.g. lost with the node's
+disk). Steps run after the newest commit and lost at the stop are not known to the daemon, so they
+are not counted. ``spotguard_checkpoint_save_seconds`` is the time the loop was blocked per save.
+
 Exceptions: none; the HTTP endpoint's bind error (``OSError``) reaches the caller of :meth:`serve`.
 """
 
@@ -32,6 +39,7 @@ __all__ = ["Metrics"]
 log = logging.getLogger(__name__)
 
 _POLL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_SAVE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -60,6 +68,14 @@ class Metrics:
         self.deliveries = Counter("spotguard_deliveries_total", "Notice deliveries beside the sockets, "
                                   "by channel (signal, hook, webhook) and outcome.",
                                   ["channel", "outcome"], registry=r)
+        self.restarts = Counter("spotguard_job_restarts_total", "Processes (rank 0) that registered "
+                                "saying they resumed from a checkpoint.", registry=r)
+        self.steps_redone = Counter("spotguard_steps_redone_total", "Steps re-run after restarts: the "
+                                    "newest step committed for the job on this daemon minus the step "
+                                    "resumed from (steps after the newest commit are not seen).", registry=r)
+        self.save_seconds = Histogram("spotguard_checkpoint_save_seconds", "Seconds the training loop "
+                                      "was blocked by one checkpoint save, as reported with its commit.",
+                                      buckets=_SAVE_BUCKETS, registry=r)
         self.deadline.set(math.nan)
         self._server = None
 
@@ -96,6 +112,15 @@ class Metrics:
 
     def request_served(self, kind: str, ok: bool) -> None:
         self.requests.labels(type=kind, outcome="ok" if ok else "error").inc()
+
+    def resumed(self, steps_redone: int) -> None:
+        """A job restarted from a checkpoint, re-running ``steps_redone`` committed steps."""
+        self.restarts.inc()
+        self.steps_redone.inc(max(0, steps_redone))
+
+    def save_reported(self, seconds: float | None) -> None:
+        if seconds is not None:
+            self.save_seconds.observe(seconds)
 
     def delivered(self, channel: str, ok: bool) -> None:
         self.deliveries.labels(channel=channel, outcome="ok" if ok else "error").inc()

@@ -1,0 +1,87 @@
+"""Goodput metrics of a real daemon subprocess: restarts, committed steps re-run, save time.
+
+The job is a real :class:`spotguard.Run` that commits through the daemon, loses its newest local
+checkpoint (the daemon's store restores it) and is relaunched; then the same figures over raw protocol requests,
+and a rank-1 or plain (not resumed) registration that must count nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from spotguard import Run
+from spotguard.protocol import CommitRequest, RegisterRequest, StatusRequest
+
+
+def samples(daemon) -> dict[str, float]:
+    url = daemon.request(StatusRequest()).data["metrics"]
+    text = httpx.get(url, timeout=5).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels
+            or set(s.labels) == {"le"} and s.labels["le"] == "+Inf"}
+
+
+def run_steps(root, total: int) -> Run:
+    model = torch.nn.Linear(2, 1)
+    run = Run(root, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), save_every=2,
+              job_id="goodput", exit_on_stop=False)
+    for _ in run.steps(total):
+        pass
+    run.finish()
+    return run
+
+
+@pytest.fixture
+def daemon(daemon_factory, monkeypatch):
+    daemon = daemon_factory()
+    for key in [k for k in os.environ if k.startswith("SPOTGUARD_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SPOTGUARD_RUNTIME_DIR", str(daemon.runtime_dir))
+    return daemon
+
+
+def test_a_relaunched_run_counts_a_restart_and_the_committed_steps_it_reruns(daemon):
+    root = daemon.checkpoint_root / "job"
+    run_steps(root, 6)  # commits steps 2, 4, 6
+    before = samples(daemon)
+    assert before["spotguard_job_restarts_total"] == 0
+    assert before["spotguard_checkpoint_save_seconds_count"] >= 3
+    shutil.rmtree(root / "step-0000000006")  # lost with the node; the daemon's store still has it
+    assert run_steps(root, 8).start_step == 6
+    after = samples(daemon)
+    assert after["spotguard_job_restarts_total"] == 1
+    assert after["spotguard_steps_redone_total"] == 0  # nothing committed was re-run
+    assert after["spotguard_checkpoint_save_seconds_count"] == before["spotguard_checkpoint_save_seconds_count"] + 1
+
+
+def commit(daemon, job: str, step: int, seconds: float):
+    path = daemon.checkpoint_root / job / f"step-{step:010d}"
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps({"step": step}))
+    return daemon.request(CommitRequest(pid=os.getpid(), job_id=job, path=str(path), step=step,
+                                        save_seconds=seconds))
+
+
+def test_protocol_requests_feed_the_goodput_metrics(daemon):
+    pid = os.getpid()
+    assert daemon.request(RegisterRequest(pid=pid, job_id="a")).ok
+    assert commit(daemon, "a", 10, 0.5).ok and commit(daemon, "a", 30, 1.5).ok
+    assert daemon.request(RegisterRequest(pid=pid, job_id="a", rank=1, resumed_from_step=10)).ok
+    assert daemon.request(RegisterRequest(pid=pid, job_id="b", resumed_from_step=7)).ok  # no commit seen
+    assert daemon.request(RegisterRequest(pid=pid, job_id="a", resumed_from_step=10)).ok
+    values = samples(daemon)
+    assert values["spotguard_job_restarts_total"] == 2  # rank 1 is not counted
+    assert values["spotguard_steps_redone_total"] == 20
+    assert values["spotguard_checkpoint_save_seconds_count"] == 2
+    assert values["spotguard_checkpoint_save_seconds_sum"] == 2.0
+
+
+def test_out_of_bounds_goodput_fields_are_refused(daemon):
+    reply = daemon.request(RegisterRequest.model_construct(pid=os.getpid(), resumed_from_step=-1))
+    assert not reply.ok and "resumed_from_step" in reply.error
+    assert samples(daemon)["spotguard_job_restarts_total"] == 0

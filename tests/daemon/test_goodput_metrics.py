@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import httpx
 import pytest
@@ -51,6 +52,10 @@ def test_a_relaunched_run_counts_a_restart_and_the_committed_steps_it_reruns(dae
     before = samples(daemon)
     assert before["spotguard_job_restarts_total"] == 0
     assert before["spotguard_checkpoint_save_seconds_count"] >= 3
+    for _ in range(150):  # the daemon uploads in the background: wait until step 6 is durable
+        if samples(daemon).get("spotguard_upload_last_durable_step") == 6:
+            break
+        time.sleep(0.2)
     shutil.rmtree(root / "step-0000000006")  # lost with the node; the daemon's store still has it
     assert run_steps(root, 8).start_step == 6
     after = samples(daemon)

@@ -1,7 +1,7 @@
 """Issue 12: a real daemon uploads through a TCP fault proxy to each emulator and is SIGKILLed mid-upload.
 
 Several jobs commit checkpoints while the proxy cycles every fault mode (resets mid-body, 503s,
-trickle, stalls, truncation) and the daemon is killed and restarted twice. Once the faults stop,
+trickle, stalls, truncation) and the daemon is SIGKILLed mid-upload after each round and restarted. Once the faults stop,
 within a bound, each job's newest checkpoint is durable, every checkpoint retention keeps restores
 byte-identically, no manifest in the bucket is torn, and the upload worker never died.
 """
@@ -27,7 +27,7 @@ from test_adversarial_uploads import write_ckpt  # noqa: E402  (one engine layou
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 JOBS = ("a", "b", "c")
-KILLS = 2
+KILLS = 3  # one after every round: the newest steps survive only in the journal
 DURABLE_WITHIN = 120.0  # a stalled connection costs the store's 20 s read timeout per attempt
 
 
@@ -73,7 +73,7 @@ def test_sigkilled_daemon_behind_faults_makes_every_kept_checkpoint_durable(back
         daemon = daemon_factory(env=env)
         stop = threading.Event()
         cycler = cycle_modes(proxy, stop)
-        for round_ in range(KILLS + 1):
+        for round_ in range(KILLS):
             for step in (2 * round_ + 1, 2 * round_ + 2):
                 for job in JOBS:
                     files = {"w.bin": os.urandom(300_000), "sub/o.bin": os.urandom(40_000)}
@@ -82,14 +82,15 @@ def test_sigkilled_daemon_behind_faults_makes_every_kept_checkpoint_durable(back
                     reply = daemon.request(CommitRequest(pid=os.getpid(), job_id=job, path=str(ckpt), step=step))
                     assert reply.ok, reply.error
                 time.sleep(1.0)
-            if round_ < KILLS:
-                daemon.kill()  # SIGKILL, mid-upload: the proxy keeps every upload slow or failing
-                daemon = daemon_factory(env=env)
+            busy = daemon.request(StatusRequest()).data["uploads"]
+            assert busy["uploading"] or busy["pending"], "nothing in flight: the kill would prove nothing"
+            daemon.kill()  # SIGKILL, mid-upload: the proxy keeps every upload slow or failing
+            daemon = daemon_factory(env=env)
         stop.set()
         cycler.join(5)
         assert proxy.faulted, "no connection was faulted: the test proves nothing"
         healed = time.monotonic()
-        newest = 2 * KILLS + 2
+        newest = 2 * KILLS
         store = Durable(direct)
         wait_until(lambda: all(store.latest(job) == newest for job in JOBS), "every job's newest step",
                    daemon, DURABLE_WITHIN)

@@ -12,6 +12,10 @@ finalised) and nothing appears under the wrong address.
 SDK retries re-send bytes they already read: a non-seekable reader makes S3 and Azure buffer each
 part; for SDKs that seek back (GCS resumable uploads rewind to the last acknowledged chunk) the
 reader replays the last ``window`` bytes from memory, never from the file.
+
+``interrupt`` (if given) is called before each fresh read from the file, so a caller can abandon a
+transfer of a multi-GB file at the next chunk (its exception, a :class:`.base.Interrupted`, aborts the
+upload the same way) instead of after the whole file.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import hashlib
 import io
 import os
 from pathlib import Path
+from typing import Callable
 
 from spotguard.storage.base import IntegrityError, StoreError
 
@@ -30,13 +35,15 @@ class VerifyingReader(io.RawIOBase):
     """A read-once view of ``path`` that raises :class:`IntegrityError` unless its first ``size``
     bytes hash to ``sha256``. ``window`` > 0 makes it seekable back by up to that many bytes."""
 
-    def __init__(self, path: Path, sha256: str, size: int, *, window: int = 0) -> None:
+    def __init__(self, path: Path, sha256: str, size: int, *, window: int = 0,
+                 interrupt: Callable[[], None] | None = None) -> None:
         super().__init__()
         try:
             self._file = open(path, "rb")  # noqa: SIM115 (closed by close())
         except OSError as exc:
             raise StoreError(f"{path}: cannot read ({exc.strerror})") from exc
         self.path, self.sha256, self.size, self.window = Path(path), sha256, size, window
+        self.interrupt = interrupt
         self._digest = hashlib.sha256()
         self._read = 0          # bytes taken from the file (and hashed)
         self._pos = 0           # what the caller has consumed
@@ -79,6 +86,8 @@ class VerifyingReader(io.RawIOBase):
         return data
 
     def _fresh(self, n: int) -> bytes:
+        if self.interrupt is not None:
+            self.interrupt()
         data = b""
         while len(data) < n:  # SDKs take a short read for the end of the stream
             try:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
     CredentialsError,
+    Interrupted,
     NotFound,
     StoreError,
     StoreOptions,
@@ -39,6 +40,8 @@ def _translate(what: str):
 
     try:
         yield
+    except Interrupted:  # the caller's own abandonment: not a store failure
+        raise
     except aex.ResourceNotFoundError as exc:
         raise NotFound(f"{what}: not found ({exc.error_code or 404})") from exc
     except aex.ClientAuthenticationError as exc:
@@ -94,11 +97,12 @@ class AzureStore:
     def _name(self, key: str) -> str:
         return join_key(self.prefix, key)
 
-    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None,
+                 interrupt: Callable[[], None] | None = None) -> int:
         """With ``sha256`` and ``size`` the bytes are read once and verified while sent (see
         :mod:`._verify`): a mismatch raises ``IntegrityError`` before the block list is committed."""
         verified = sha256 is not None and size is not None
-        opener = (lambda: VerifyingReader(path, sha256, size)) if verified else (lambda: open(path, "rb"))
+        opener = (lambda: VerifyingReader(path, sha256, size, interrupt=interrupt)) if verified else (lambda: open(path, "rb"))
         with _translate(f"{self.url}: upload {key}"), opener() as data:
             self._container.upload_blob(self._name(key), data, length=size, overwrite=True, validate_content=True,
                                         max_concurrency=self.options.concurrency,

@@ -13,6 +13,9 @@ Exceptions, translated once at each backend's boundary with ``raise ... from exc
     ├── TransientError         timeouts, resets, 5xx, throttling: worth retrying later
     └── IntegrityError         bytes read back do not match their checksum
 
+:class:`Interrupted` is no StoreError: a caller's ``interrupt`` hook raises it (a subclass) from inside
+an upload's read, and every backend, and :class:`.durable.Durable`'s retries, let it pass as itself.
+
 Every backend ends its translation with :func:`transport_error`, so a reset, a truncated body or a
 timeout raised by whatever layer (``urllib3``, ``requests``, ``http.client``, ``socket``, an SDK type
 no rule names) is a :class:`TransientError` too: nothing raw escapes a store call.
@@ -29,12 +32,13 @@ import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
 __all__ = [
     "CredentialsError",
     "IntegrityError",
+    "Interrupted",
     "NotFound",
     "Store",
     "StoreError",
@@ -46,6 +50,11 @@ __all__ = [
     "join_key",
     "open_store",
 ]
+
+
+class Interrupted(Exception):
+    """Base of what an ``interrupt`` hook raises to abandon an upload mid-file: never translated,
+    never retried, and nothing is stored under the key (the transfer is aborted, not committed)."""
 
 
 class StoreError(Exception):
@@ -75,13 +84,16 @@ class Store(Protocol):
     url: str
     """Where the store lives, e.g. ``s3://bucket/prefix``; never contains credentials."""
 
-    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None,
+                 interrupt: Callable[[], None] | None = None) -> int:
         """Upload ``path`` atomically under ``key``; return the bytes sent.
 
         ``sha256``/``size`` describe the file (stored as metadata where the backend allows it). When
         both are given the file is read once and hashed as it is sent; if those bytes do not hash to
         ``sha256`` the backend raises :class:`IntegrityError` and stores nothing under ``key``. The
-        SDK's own transfer checksum (CRC32/CRC32C/MD5) guards the bytes on the wire."""
+        SDK's own transfer checksum (CRC32/CRC32C/MD5) guards the bytes on the wire. With both,
+        ``interrupt()`` is called before each chunk is read from ``path``; an :class:`Interrupted` it
+        raises abandons the upload at once (nothing stored under ``key``) and propagates as itself."""
 
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write a small object atomically."""
@@ -156,7 +168,7 @@ def transport_error(what: str, exc: BaseException) -> StoreError | None:
 
     Socket-level failures (resets, timeouts, TLS, truncated bodies) and any exception of an SDK or
     transport package are transient; a local file that cannot be opened is a plain StoreError."""
-    if isinstance(exc, StoreError) or not isinstance(exc, Exception):
+    if isinstance(exc, (StoreError, Interrupted)) or not isinstance(exc, Exception):
         return None
     if isinstance(exc, _LOCAL_OS_ERRORS):
         return StoreError(f"{what}: {exc.strerror or type(exc).__name__}")

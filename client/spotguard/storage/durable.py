@@ -123,8 +123,12 @@ class Durable:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def upload(self, local_ckpt_dir: Path, job_id: str, progress: Progress | None = None) -> DurableInfo:
+    def upload(self, local_ckpt_dir: Path, job_id: str, progress: Progress | None = None,
+               interrupt: Callable[[], None] | None = None) -> DurableInfo:
         """Make the committed local checkpoint ``local_ckpt_dir`` durable; return what was sent.
+
+        ``interrupt()`` is called before each chunk of each file is read (``Store.put_file``); an
+        :class:`.base.Interrupted` it raises abandons the upload mid-file, unretried, as itself.
 
         Raises :class:`ManifestError` for a bad local manifest, :class:`IntegrityError` when a
         local file does not match its manifest, and the store's errors (retry later on
@@ -134,7 +138,7 @@ class Durable:
         by_hash = {meta["sha256"]: (rel, meta["size"]) for rel, meta in manifest["files"].items()}
         pending = f"jobs/{_job(job_id)}/pending/{int(time.time())}-{uuid.uuid4().hex[:8]}.json"
         self.store.put_bytes(pending, json.dumps({"hashes": sorted(by_hash)}).encode())
-        sent = self._send_objects(ckpt, by_hash, progress)
+        sent = self._send_objects(ckpt, by_hash, progress, interrupt)
         key = manifest_key(job_id, manifest["step"])
         durable = {"version": 1, "name": ckpt.name, "objects": OBJECTS, "uploaded": time.time()}
         body = json.dumps({**manifest, "durable": durable}, indent=1).encode()
@@ -152,13 +156,13 @@ class Durable:
         return info
 
     def _send_objects(self, ckpt: Path, by_hash: dict[str, tuple[str, int]],
-                      progress: Progress | None) -> list[int]:
+                      progress: Progress | None, interrupt: Callable[[], None] | None) -> list[int]:
         total, done, sent, lock = sum(s for _, s in by_hash.values()), [0], [], threading.Lock()
 
         def one(sha: str) -> None:
             rel, size = by_hash[sha]
             if not self.store.exists(object_key(sha)):
-                sent.append(self._send_one(ckpt / rel, sha, size))
+                sent.append(self._send_one(ckpt / rel, sha, size, interrupt))
             with lock:
                 done[0] += size
                 if progress:
@@ -168,10 +172,11 @@ class Durable:
             list(pool.map(one, sorted(by_hash, key=lambda h: -by_hash[h][1])))
         return sent
 
-    def _send_one(self, path: Path, sha: str, size: int) -> int:
+    def _send_one(self, path: Path, sha: str, size: int, interrupt: Callable[[], None] | None = None) -> int:
         """The store hashes the bytes as it sends them and refuses a mismatch (IntegrityError), so a
         file changed after commit is never stored under the manifest's address."""
-        send = lambda: self.store.put_file(object_key(sha), path, sha256=sha, size=size)  # noqa: E731
+        send = lambda: self.store.put_file(object_key(sha), path, sha256=sha, size=size,  # noqa: E731
+                                           interrupt=interrupt)
         return _retrying(send, self.attempts, object_key(sha))
 
     def _advance_pointer(self, job_id: str, step: int) -> None:

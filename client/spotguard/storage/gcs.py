@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
     CredentialsError,
     IntegrityError,
+    Interrupted,
     NotFound,
     StoreError,
     StoreOptions,
@@ -46,6 +47,8 @@ def _translate(what: str):
 
     try:
         yield
+    except Interrupted:  # the caller's own abandonment: not a store failure
+        raise
     except gex.NotFound as exc:
         raise NotFound(f"{what}: not found") from exc
     except (gex.Forbidden, gex.Unauthorized, aex.DefaultCredentialsError, aex.RefreshError) as exc:
@@ -95,7 +98,8 @@ class GcsStore:
         chunk = self.options.part_size // (256 * 1024) * (256 * 1024) if large else None
         return self._bucket.blob(join_key(self.prefix, key), chunk_size=chunk or None)
 
-    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None,
+                 interrupt: Callable[[], None] | None = None) -> int:
         """With ``sha256`` the bytes are read once and verified while sent (see :mod:`._verify`):
         a mismatch raises ``IntegrityError`` before the object is finalised."""
         size = size if size is not None else Path(path).stat().st_size
@@ -106,7 +110,7 @@ class GcsStore:
             return size
         blob.metadata = {"sha256": sha256}
         window = blob.chunk_size or size  # a retry rewinds at most one chunk
-        with VerifyingReader(path, sha256, size, window=max(window, 1)) as body, \
+        with VerifyingReader(path, sha256, size, window=max(window, 1), interrupt=interrupt) as body, \
                 _translate(f"{self.url}: upload {key}"):
             blob.upload_from_file(body, size=size, checksum="crc32c", retry=self._retry, timeout=self._timeout)
         return size

@@ -22,11 +22,12 @@ import datetime as dt
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
     CredentialsError,
+    Interrupted,
     NotFound,
     StoreError,
     StoreOptions,
@@ -52,6 +53,8 @@ def _translate(what: str):
 
     try:
         yield
+    except Interrupted:  # the caller's own abandonment: not a store failure
+        raise
     except bex.ClientError as exc:
         err = exc.response.get("Error", {})
         code, status = str(err.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
@@ -124,7 +127,8 @@ class S3Store:
     def _key(self, key: str) -> str:
         return join_key(self.prefix, key)
 
-    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None) -> int:
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None,
+                 interrupt: Callable[[], None] | None = None) -> int:
         """With ``sha256`` and ``size`` the bytes are read once and verified while sent (see
         :mod:`._verify`): a mismatch aborts the multipart upload and raises ``IntegrityError``."""
         extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32"}
@@ -136,7 +140,7 @@ class S3Store:
         extra["Metadata"] = {"sha256": sha256}
         if size < self.options.part_size:  # one PutObject: S3 checks the bytes against the hash
             extra = {"Metadata": extra["Metadata"], "ChecksumSHA256": _b64(bytes.fromhex(sha256))}
-        with VerifyingReader(path, sha256, size) as body, _translate(f"{self.url}: upload {key}"):
+        with VerifyingReader(path, sha256, size, interrupt=interrupt) as body, _translate(f"{self.url}: upload {key}"):
             self._client.upload_fileobj(body, self.bucket, self._key(key), ExtraArgs=extra,
                                         Config=self._transfer)
         return size

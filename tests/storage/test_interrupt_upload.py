@@ -1,0 +1,66 @@
+"""An upload is abandoned mid-file (issue 12.5): ``put_file(..., interrupt=)`` calls the hook before each
+chunk it reads, and an :class:`Interrupted` the hook raises propagates as itself from every backend
+(not translated into a StoreError, not retried by Durable), leaves no object under the key (the
+multipart / resumable / block upload is never committed; the file store's temporary file is removed),
+and the same file uploads whole afterwards."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from spotguard.storage import Durable
+from spotguard.storage.base import Interrupted
+from spotguard.storage.durable import object_key
+
+BIG = 9 * 1024 * 1024 + 4321  # > 2 chunks of every backend (1 MiB parts here, 4 MiB file copies)
+
+
+class Abandoned(Interrupted):
+    pass
+
+
+def interrupt_after(chunks: int) -> tuple[list[int], callable]:
+    calls = [0]
+
+    def interrupt() -> None:
+        calls[0] += 1
+        if calls[0] > chunks:
+            raise Abandoned(f"after {chunks} chunks")
+    return calls, interrupt
+
+
+def leftovers(store) -> list[str]:
+    """Temporary files or unfinished multipart uploads a backend can list."""
+    if store.url.startswith("file://"):
+        return [p.name for p in store.root.rglob("*") if p.name.startswith(".tmp-")]
+    if store.url.startswith("s3://"):
+        return [u["Key"] for u in store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", [])]
+    return []
+
+
+def test_interrupt_abandons_put_file_mid_file(store, tmp_path):
+    data = os.urandom(BIG)
+    path, sha = tmp_path / "w.bin", hashlib.sha256(data).hexdigest()
+    path.write_bytes(data)
+    calls, interrupt = interrupt_after(2)
+    with pytest.raises(Abandoned, match="after 2 chunks"):
+        store.put_file("objects/w", path, sha256=sha, size=len(data), interrupt=interrupt)
+    assert calls[0] == 3  # stopped at the third chunk, not after the whole file
+    assert not store.exists("objects/w") and list(store.list("objects/")) == []
+    assert leftovers(store) == []
+    assert store.put_file("objects/w", path, sha256=sha, size=len(data), interrupt=lambda: None) == len(data)
+    assert store.get_bytes("objects/w") == data
+
+
+def test_durable_lets_interrupted_pass_unretried(store, make_ckpt, tmp_path):
+    data = os.urandom(BIG)
+    ckpt = make_ckpt(tmp_path / "local", 1, {"w.bin": data})
+    calls, interrupt = interrupt_after(1)
+    with pytest.raises(Abandoned):
+        Durable(store, attempts=4).upload(ckpt, "job", interrupt=interrupt)
+    assert calls[0] == 2  # one attempt: Interrupted is not a TransientError to retry
+    assert not store.exists(object_key(hashlib.sha256(data).hexdigest()))
+    assert Durable(store).upload(ckpt, "job").objects_uploaded == 1

@@ -7,8 +7,9 @@
 
 * **One job, one checkpoint in flight, newest first.** A newer commit of a job supersedes an older
   one still queued; while a notice is pending (``urgent``), another job's newer commit pre-empts the
-  upload in flight at the next file boundary (it is queued again and resumes, reusing the objects
-  already sent). One already uploading is abandoned at the next file boundary unless
+  upload in flight at the next chunk read, inside a file (it is queued again and resumes, reusing the
+  objects already sent; the part-sent file is sent again). One already uploading is abandoned at the
+  next chunk unless
   ``finish_superseded`` (its objects stay in the bucket and the newer checkpoint reuses them, so the
   abandoned work is not lost). Uploads and retention of one prefix run one at a time, as
   :mod:`spotguard.storage.durable` requires.
@@ -27,11 +28,11 @@
   (benchmarks/bench_upload.py, 1 GB) a one-thread training loop slowed by several times at nice 0
   (eight runnable hashing/copy threads), by more than 10 % at nice 10, and by less at nice 19. The
   price: on cores saturated by training an upload progresses slowly, until a notice stops it.
-* **Bounded.** File-level concurrency is the store's (``storage.concurrency``); bandwidth is capped on
-  average per file (``storage.bandwidth_mbps``); transient store errors are retried with exponential
-  backoff, forever but never slower than ``retry_max`` seconds apart, because a checkpoint that is
-  not durable yet is exactly what must not be dropped; a failed upload waits without holding up
-  other jobs'.
+* **Bounded.** File-level concurrency is the store's (``storage.concurrency``); bandwidth
+  (``storage.bandwidth_mbps``) is capped chunk by chunk on the bytes read, so it holds inside a
+  file; transient store errors are retried with exponential backoff, forever but never slower
+  than ``retry_max`` seconds apart, because a checkpoint that is not durable yet is exactly what
+  must not be dropped; a failed upload waits without holding up other jobs'.
 
 Exceptions: none escape the worker; failures are logged once per attempt and retried, and an error
 that escapes anyway restarts the worker (``spotguard_upload_worker_restarts_total``).
@@ -50,7 +51,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry
 from spotguard._priority import lower_priority
 from spotguard.storage._local import ManifestError
-from spotguard.storage.base import IntegrityError, StoreOptions, open_store
+from spotguard.storage.base import IntegrityError, Interrupted, StoreOptions, open_store
 from spotguard.storage.durable import Durable, DurableInfo, manifest_key
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
@@ -67,12 +68,13 @@ INTEGRITY_ATTEMPTS = 3
 """A checkpoint whose files disagree with its manifest this many times in a row is refused."""
 
 
-class Superseded(Exception):
-    """Raised inside an upload's progress callback to abandon it for a newer checkpoint."""
+class Superseded(Interrupted):
+    """Raised inside an upload's hooks (before a chunk is read, after a file) to abandon it for a
+    newer checkpoint."""
 
 
-class Preempted(Exception):
-    """Raised inside an upload's progress callback to let another job's newer checkpoint go first
+class Preempted(Interrupted):
+    """Raised inside an upload's hooks to let another job's newer checkpoint go first
     while a notice is pending; the pre-empted upload is queued again (its objects are reused)."""
 
 
@@ -287,8 +289,8 @@ class UploadQueue:
             _check_job(upload.job_id)
             with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
                                 self.staging) as ckpt:
-                info = self.durable.upload(ckpt, upload.job_id,
-                                           progress=self._progress_hook(upload, started))
+                progress, interrupt = self._hooks(upload, started)
+                info = self.durable.upload(ckpt, upload.job_id, progress=progress, interrupt=interrupt)
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
             self._finish(upload, None)
@@ -311,19 +313,42 @@ class UploadQueue:
             self._prune(upload.job_id)
             self._finish(upload, info, durable_at)
 
-    def _progress_hook(self, upload: Upload, started: float) -> Callable[[int, int], None]:
+    def _hooks(self, upload: Upload,
+               started: float) -> tuple[Callable[[int, int], None], Callable[[int], None]]:
+        """``Durable.upload``'s ``progress`` (after each file) and ``interrupt`` (before each chunk is
+        read): both raise Superseded/Preempted to abandon the upload; ``interrupt`` also paces the
+        bytes read to ``bytes_per_second``, waiting on the condition so that a newer commit stops
+        the wait at once."""
+        read = [0]
+
         def progress(done: int, total: int) -> None:
             with self._cond:
                 self._progress = (done, total)
-                if self._abandon is None:
-                    self._abandon = self._why_abandon(upload)
-                if self._abandon is not None:
-                    raise self._abandon()
-            if self.bytes_per_second:
-                ahead = done / self.bytes_per_second - (time.monotonic() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
-        return progress
+                self._check_abandon(upload)
+
+        def interrupt(n: int) -> None:
+            with self._cond:
+                read[0] += n  # paid for before it is read: no burst above the cap, even at the end
+                while True:
+                    self._check_abandon(upload)
+                    ahead = self._ahead(read[0], started)
+                    if ahead <= 0:
+                        break
+                    self._cond.wait(min(ahead, 1.0))
+        return progress, interrupt
+
+    def _check_abandon(self, upload: Upload) -> None:
+        """Raise why the upload in flight is abandoned, if it is; lock held."""
+        if self._abandon is None:
+            self._abandon = self._why_abandon(upload)
+        if self._abandon is not None:
+            raise self._abandon()
+
+    def _ahead(self, sent: int, started: float) -> float:
+        """Seconds the upload is ahead of ``bytes_per_second`` after ``sent`` bytes (<= 0: go on)."""
+        if not self.bytes_per_second:
+            return 0.0
+        return sent / self.bytes_per_second - (time.monotonic() - started)
 
     def _why_abandon(self, upload: Upload) -> type[Exception] | None:
         """Superseded by a newer commit of its job, or pre-empted by another job's newer commit

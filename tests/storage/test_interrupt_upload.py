@@ -1,13 +1,14 @@
-"""An upload is abandoned mid-file (issue 12.5): ``put_file(..., interrupt=)`` calls the hook before each
-chunk it reads, and an :class:`Interrupted` the hook raises propagates as itself from every backend
-(not translated into a StoreError, not retried by Durable), leaves no object under the key (the
-multipart / resumable / block upload is never committed; the file store's temporary file is removed),
-and the same file uploads whole afterwards."""
+"""An upload is abandoned mid-file (issue 12.5): ``put_file(..., interrupt=)`` calls the hook with
+the size of each chunk before it reads it, and an :class:`Interrupted` the hook raises propagates as
+itself from every backend (not translated into a StoreError, not retried by Durable), leaves no
+object under the key (the multipart / resumable / block upload is never committed; the file store's
+temporary file is removed), and the same file uploads whole afterwards."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from typing import Callable
 
 import pytest
 
@@ -15,17 +16,18 @@ from spotguard.storage import Durable
 from spotguard.storage.base import Interrupted
 from spotguard.storage.durable import object_key
 
-BIG = 9 * 1024 * 1024 + 4321  # > 2 chunks of every backend (1 MiB parts here, 4 MiB file copies)
+BIG = 16 * 1024 * 1024 + 4321  # > 3 chunks of every backend (S3 parts >= 5 MiB, file copies 4 MiB)
 
 
 class Abandoned(Interrupted):
     pass
 
 
-def interrupt_after(chunks: int) -> tuple[list[int], callable]:
+def interrupt_after(chunks: int) -> tuple[list[int], Callable[[int], None]]:
     calls = [0]
 
-    def interrupt() -> None:
+    def interrupt(n: int) -> None:
+        assert 0 < n <= 5 * 1024 * 1024
         calls[0] += 1
         if calls[0] > chunks:
             raise Abandoned(f"after {chunks} chunks")
@@ -37,7 +39,8 @@ def leftovers(store) -> list[str]:
     if store.url.startswith("file://"):
         return [p.name for p in store.root.rglob("*") if p.name.startswith(".tmp-")]
     if store.url.startswith("s3://"):
-        return [u["Key"] for u in store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", [])]
+        listing = store._client.list_multipart_uploads(Bucket=store.bucket)
+        return [u["Key"] for u in listing.get("Uploads", [])]
     return []
 
 
@@ -51,7 +54,8 @@ def test_interrupt_abandons_put_file_mid_file(store, tmp_path):
     assert calls[0] == 3  # stopped at the third chunk, not after the whole file
     assert not store.exists("objects/w") and list(store.list("objects/")) == []
     assert leftovers(store) == []
-    assert store.put_file("objects/w", path, sha256=sha, size=len(data), interrupt=lambda: None) == len(data)
+    sent = store.put_file("objects/w", path, sha256=sha, size=len(data), interrupt=lambda n: None)
+    assert sent == len(data)
     assert store.get_bytes("objects/w") == data
 
 

@@ -13,9 +13,10 @@ SDK retries re-send bytes they already read: a non-seekable reader makes S3 and 
 part; for SDKs that seek back (GCS resumable uploads rewind to the last acknowledged chunk) the
 reader replays the last ``window`` bytes from memory, never from the file.
 
-``interrupt`` (if given) is called before each fresh read from the file, so a caller can abandon a
-transfer of a multi-GB file at the next chunk (its exception, a :class:`.base.Interrupted`, aborts the
-upload the same way) instead of after the whole file.
+``interrupt(n)`` (if given) is called before each fresh read of ``n`` bytes from the file, so a
+caller can pace a transfer (a bandwidth cap that holds inside a file) or abandon a multi-GB file
+at its next chunk instead of after the whole file: its exception, a :class:`.base.Interrupted`,
+aborts the upload as an IntegrityError does.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class VerifyingReader(io.RawIOBase):
     bytes hash to ``sha256``. ``window`` > 0 makes it seekable back by up to that many bytes."""
 
     def __init__(self, path: Path, sha256: str, size: int, *, window: int = 0,
-                 interrupt: Callable[[], None] | None = None) -> None:
+                 interrupt: Callable[[int], None] | None = None) -> None:
         super().__init__()
         try:
             self._file = open(path, "rb")  # noqa: SIM115 (closed by close())
@@ -87,7 +88,7 @@ class VerifyingReader(io.RawIOBase):
 
     def _fresh(self, n: int) -> bytes:
         if self.interrupt is not None:
-            self.interrupt()
+            self.interrupt(n)
         data = b""
         while len(data) < n:  # SDKs take a short read for the end of the stream
             try:

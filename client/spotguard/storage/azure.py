@@ -98,11 +98,12 @@ class AzureStore:
         return join_key(self.prefix, key)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None,
-                 interrupt: Callable[[], None] | None = None) -> int:
+                 interrupt: Callable[[int], None] | None = None) -> int:
         """With ``sha256`` and ``size`` the bytes are read once and verified while sent (see
         :mod:`._verify`): a mismatch raises ``IntegrityError`` before the block list is committed."""
         verified = sha256 is not None and size is not None
-        opener = (lambda: VerifyingReader(path, sha256, size, interrupt=interrupt)) if verified else (lambda: open(path, "rb"))
+        opener = (lambda: VerifyingReader(path, sha256, size, interrupt=interrupt)) if verified \
+            else (lambda: open(path, "rb"))
         with _translate(f"{self.url}: upload {key}"), opener() as data:
             self._container.upload_blob(self._name(key), data, length=size, overwrite=True, validate_content=True,
                                         max_concurrency=self.options.concurrency,

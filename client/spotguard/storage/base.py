@@ -13,8 +13,9 @@ Exceptions, translated once at each backend's boundary with ``raise ... from exc
     ├── TransientError         timeouts, resets, 5xx, throttling: worth retrying later
     └── IntegrityError         bytes read back do not match their checksum
 
-:class:`Interrupted` is no StoreError: a caller's ``interrupt`` hook raises it (a subclass) from inside
-an upload's read, and every backend, and :class:`.durable.Durable`'s retries, let it pass as itself.
+:class:`Interrupted` is no StoreError: a caller's ``interrupt`` hook raises it (a subclass) from
+inside an upload's read, and every backend and :class:`.durable.Durable`'s retries let it pass as
+itself.
 
 Every backend ends its translation with :func:`transport_error`, so a reset, a truncated body or a
 timeout raised by whatever layer (``urllib3``, ``requests``, ``http.client``, ``socket``, an SDK type
@@ -85,15 +86,16 @@ class Store(Protocol):
     """Where the store lives, e.g. ``s3://bucket/prefix``; never contains credentials."""
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None,
-                 interrupt: Callable[[], None] | None = None) -> int:
+                 interrupt: Callable[[int], None] | None = None) -> int:
         """Upload ``path`` atomically under ``key``; return the bytes sent.
 
         ``sha256``/``size`` describe the file (stored as metadata where the backend allows it). When
         both are given the file is read once and hashed as it is sent; if those bytes do not hash to
         ``sha256`` the backend raises :class:`IntegrityError` and stores nothing under ``key``. The
         SDK's own transfer checksum (CRC32/CRC32C/MD5) guards the bytes on the wire. With both,
-        ``interrupt()`` is called before each chunk is read from ``path``; an :class:`Interrupted` it
-        raises abandons the upload at once (nothing stored under ``key``) and propagates as itself."""
+        ``interrupt(n)`` is called before each chunk of ``n`` bytes is read from ``path``; an
+        :class:`Interrupted` it raises abandons the upload at once (nothing stored under ``key``)
+        and propagates as itself."""
 
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write a small object atomically."""

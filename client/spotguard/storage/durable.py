@@ -124,11 +124,12 @@ class Durable:
     # -- writing ---------------------------------------------------------------------------------
 
     def upload(self, local_ckpt_dir: Path, job_id: str, progress: Progress | None = None,
-               interrupt: Callable[[], None] | None = None) -> DurableInfo:
+               interrupt: Callable[[int], None] | None = None) -> DurableInfo:
         """Make the committed local checkpoint ``local_ckpt_dir`` durable; return what was sent.
 
-        ``interrupt()`` is called before each chunk of each file is read (``Store.put_file``); an
-        :class:`.base.Interrupted` it raises abandons the upload mid-file, unretried, as itself.
+        ``interrupt(n)`` is called before each chunk of ``n`` bytes of each file is read
+        (``Store.put_file``); an :class:`.base.Interrupted` it raises abandons the upload mid-file,
+        unretried, as itself.
 
         Raises :class:`ManifestError` for a bad local manifest, :class:`IntegrityError` when a
         local file does not match its manifest, and the store's errors (retry later on
@@ -156,7 +157,8 @@ class Durable:
         return info
 
     def _send_objects(self, ckpt: Path, by_hash: dict[str, tuple[str, int]],
-                      progress: Progress | None, interrupt: Callable[[], None] | None) -> list[int]:
+                      progress: Progress | None,
+                      interrupt: Callable[[int], None] | None) -> list[int]:
         total, done, sent, lock = sum(s for _, s in by_hash.values()), [0], [], threading.Lock()
 
         def one(sha: str) -> None:
@@ -172,7 +174,8 @@ class Durable:
             list(pool.map(one, sorted(by_hash, key=lambda h: -by_hash[h][1])))
         return sent
 
-    def _send_one(self, path: Path, sha: str, size: int, interrupt: Callable[[], None] | None = None) -> int:
+    def _send_one(self, path: Path, sha: str, size: int,
+                  interrupt: Callable[[int], None] | None = None) -> int:
         """The store hashes the bytes as it sends them and refuses a mismatch (IntegrityError), so a
         file changed after commit is never stored under the manifest's address."""
         send = lambda: self.store.put_file(object_key(sha), path, sha256=sha, size=size,  # noqa: E731

@@ -70,14 +70,15 @@ class FileStore:
         atomic_write(final, write)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None,
-                 interrupt: Callable[[], None] | None = None) -> int:
+                 interrupt: Callable[[int], None] | None = None) -> int:
         """With ``sha256`` and ``size`` the copy is verified as it is written (see :mod:`._verify`):
         a mismatch raises ``IntegrityError`` and the temporary file is removed, never renamed."""
         from spotguard.storage._verify import VerifyingReader
 
         verified = sha256 is not None and size is not None
         try:
-            with (VerifyingReader(path, sha256, size, interrupt=interrupt) if verified else open(path, "rb")) as src:
+            with (VerifyingReader(path, sha256, size, interrupt=interrupt) if verified
+                  else open(path, "rb")) as src:
                 self._atomic_write(key, lambda out: shutil.copyfileobj(src, out, 4 * 1024 * 1024))
             return size if verified else os.path.getsize(path)
         except FileNotFoundError as exc:

@@ -99,7 +99,7 @@ class GcsStore:
         return self._bucket.blob(join_key(self.prefix, key), chunk_size=chunk or None)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None,
-                 interrupt: Callable[[], None] | None = None) -> int:
+                 interrupt: Callable[[int], None] | None = None) -> int:
         """With ``sha256`` the bytes are read once and verified while sent (see :mod:`._verify`):
         a mismatch raises ``IntegrityError`` before the object is finalised."""
         size = size if size is not None else Path(path).stat().st_size

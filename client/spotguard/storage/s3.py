@@ -128,7 +128,7 @@ class S3Store:
         return join_key(self.prefix, key)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None, size: int | None = None,
-                 interrupt: Callable[[], None] | None = None) -> int:
+                 interrupt: Callable[[int], None] | None = None) -> int:
         """With ``sha256`` and ``size`` the bytes are read once and verified while sent (see
         :mod:`._verify`): a mismatch aborts the multipart upload and raises ``IntegrityError``."""
         extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32"}
@@ -140,7 +140,8 @@ class S3Store:
         extra["Metadata"] = {"sha256": sha256}
         if size < self.options.part_size:  # one PutObject: S3 checks the bytes against the hash
             extra = {"Metadata": extra["Metadata"], "ChecksumSHA256": _b64(bytes.fromhex(sha256))}
-        with VerifyingReader(path, sha256, size, interrupt=interrupt) as body, _translate(f"{self.url}: upload {key}"):
+        with VerifyingReader(path, sha256, size, interrupt=interrupt) as body, \
+                _translate(f"{self.url}: upload {key}"):
             self._client.upload_fileobj(body, self.bucket, self._key(key), ExtraArgs=extra,
                                         Config=self._transfer)
         return size

@@ -12,8 +12,7 @@ from typing import Callable
 
 import pytest
 
-from spotguard.storage import Durable
-from spotguard.storage.base import Interrupted
+from spotguard.storage import Durable, Interrupted
 from spotguard.storage.durable import object_key
 
 BIG = 16 * 1024 * 1024 + 4321  # > 3 chunks of every backend (S3 parts >= 5 MiB, file copies 4 MiB)

@@ -9,6 +9,7 @@ from spotguard.storage._local import ManifestError
 from spotguard.storage.base import (
     CredentialsError,
     IntegrityError,
+    Interrupted,
     NotFound,
     Store,
     StoreError,
@@ -24,6 +25,7 @@ __all__ = [
     "Durable",
     "DurableInfo",
     "IntegrityError",
+    "Interrupted",
     "ManifestError",
     "NotFound",
     "PruneReport",

@@ -89,7 +89,7 @@ def containers():
             return name
 
     yield Containers
-    for name in names:
+    for name in reversed(names):  # a trainer that joined the daemon's network namespace goes first
         podman("rm", "-f", "-t", "0", name, check=False)
 
 

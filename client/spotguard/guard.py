@@ -32,6 +32,11 @@ Contract:
   report ``False``. A commit report that got no answer is kept (the newest ``MAX_UNSENT_COMMITS``)
   and sent again by the background thread once the daemon answers, so a checkpoint committed while
   the daemon was down or restarting is still made durable; an error reply drops it (logged).
+* Rank 0 reports its progress (:meth:`report_progress`, called at every step boundary: it only
+  notes the step and the time) and the background thread sends the newest one to the daemon at
+  most every ``progress_interval`` seconds (``$SPOTGUARD_PROGRESS_SECONDS``, default 5), and once
+  more at :meth:`close`. A step never waits for the daemon; a report that got no answer is
+  tried again an interval later, or replaced by a newer one.
 
 Exceptions: none of its own; it raises only for invalid arguments (``ValueError``).
 """
@@ -50,7 +55,7 @@ from spotguard._daemon_client import DaemonLink
 from spotguard._watchdog import Watchdog
 from spotguard.exit_codes import EXIT_FORCED
 from spotguard.protocol import (CancelEvent, CommitRequest, DurableEvent, Kind, Notice, NoticeEvent,
-                                RegisterRequest, SafeRequest, StatusRequest)
+                                ProgressRequest, RegisterRequest, SafeRequest, StatusRequest, utcnow)
 
 __all__ = ["Guard", "DEFAULT_SIGNAL_DEADLINES"]
 
@@ -60,6 +65,11 @@ MAX_UNSENT_COMMITS = 16
 """Commit reports kept for re-sending while the daemon does not answer (the oldest go first)."""
 RESEND_SECONDS = 1.0
 """How often the background thread retries the kept commit reports."""
+
+PROGRESS_ENV = "SPOTGUARD_PROGRESS_SECONDS"
+DEFAULT_PROGRESS_SECONDS = 5.0
+"""How often rank 0 tells the daemon its progress: the figures of steps lost at a stop are lower
+bounds by up to this much; each report is one small request from the background thread."""
 
 DEFAULT_SIGNAL_DEADLINES: Mapping[int, float | None] = {signal.SIGTERM: 30.0, signal.SIGUSR1: None}
 """SIGTERM: Kubernetes' default grace period is 30 s. SIGUSR1: a stop request with no deadline."""
@@ -84,9 +94,11 @@ class Guard:
         force_exit_timeout: float = 120.0,
         request_timeout: float = 0.5,
         daemon_signal: int | None = signal.SIGUSR1,
+        progress_interval: float | None = None,
     ) -> None:
         if force_exit_margin < 0 or force_exit_timeout <= 0:
             raise ValueError("force_exit_margin must be >= 0 and force_exit_timeout > 0")
+        self._progress_interval = _progress_interval(progress_interval)
         self.job_id = job_id
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self._signal_deadlines = dict(signal_deadlines)
@@ -106,6 +118,11 @@ class Guard:
         self._stopping = False
         self._unsent: dict[tuple[str, str], CommitRequest] = {}
         self._resend_at = 0.0
+        self._progress: tuple[int, datetime] | None = None
+        self._progress_sent: tuple[int, datetime] | None = None
+        self._progress_at = 0.0
+        self.progress_acknowledged: int | None = None
+        """The newest step the daemon acknowledged in a progress report (None before the first)."""
         self._previous: dict[int, Any] = {}
         self._closed = threading.Event()
         self._link = None
@@ -208,6 +225,26 @@ class Guard:
             log.warning("the daemon refused checkpoint %s: %s", message.path, reply.error)
         return reply is not None and reply.ok
 
+    def report_progress(self, step: int) -> None:
+        """Note that ``step`` steps are done (rank 0 only); the background thread sends it. Cheap:
+        called at every step boundary, it takes no lock and does no I/O."""
+        if self.rank == 0 and self._link is not None and (self._progress is None or self._progress[0] != step):
+            self._progress = (step, utcnow())
+
+    def _send_progress(self, *, now: bool = False) -> None:
+        """Send the newest progress if it is new and the interval passed (guard thread)."""
+        progress = self._progress
+        if progress is None or progress == self._progress_sent or self._link is None \
+                or not self._link.alive or (not now and time.monotonic() < self._progress_at):
+            return
+        self._progress_at = time.monotonic() + self._progress_interval
+        reply = self._link.request(ProgressRequest(pid=os.getpid(), job_id=self.job_id, step=progress[0],
+                                                   at=progress[1]))
+        if reply is not None:  # answered: not sent again (no answer: tried again next interval)
+            self._progress_sent = progress
+            if reply.ok:
+                self.progress_acknowledged = progress[0]
+
     def _keep_unsent(self, message: CommitRequest) -> None:
         with self._lock:
             self._unsent[(message.job_id, message.path)] = message
@@ -257,6 +294,7 @@ class Guard:
         self._closed.set()
         self._thread.join(timeout=5)
         if self._link is not None:
+            self._send_progress(now=True)
             self._link.close()
         if exiting:
             self._ignore_signals()
@@ -282,6 +320,7 @@ class Guard:
                     self._closed.wait(0.05)
                 self._take_signals()
                 self._resend_commits()
+                self._send_progress()
             except Exception:  # noqa: BLE001 - the guard must never die silently mid-run
                 log.exception("spotguard guard loop error; continuing")
                 self._closed.wait(0.5)
@@ -385,6 +424,19 @@ class Guard:
         self._watchdog.disarm()
         if self._force_at:
             self._watchdog.arm(min(self._force_at.values()))
+
+
+def _progress_interval(given: float | None) -> float:
+    """``given``, else ``$SPOTGUARD_PROGRESS_SECONDS``, else the default; ValueError unless > 0."""
+    if given is None:
+        raw = os.environ.get(PROGRESS_ENV, "")
+        try:
+            given = float(raw) if raw else DEFAULT_PROGRESS_SECONDS
+        except ValueError:
+            raise ValueError(f"${PROGRESS_ENV}={raw!r} is not a number of seconds") from None
+    if not given > 0:
+        raise ValueError(f"progress_interval must be > 0 seconds, not {given}")
+    return given
 
 
 def _signal_notice(signum: int, at: float, grace: float | None, count: int) -> Notice:

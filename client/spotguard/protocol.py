@@ -11,7 +11,7 @@ Sockets (ZeroMQ):
   event: ``notice``, ``cancel``, ``heartbeat``, ``durable``.
 * **ROUTER** (daemon) <- REQ (clients): one JSON request frame, one JSON reply frame
   (:class:`Reply`). Request types: ``register``, ``unregister``, ``status``, ``safe``, ``commit``,
-  ``notify``.
+  ``notify``, ``progress``.
 
 Exceptions::
 
@@ -43,6 +43,7 @@ __all__ = [
     "SafeRequest",
     "CommitRequest",
     "NotifyRequest",
+    "ProgressRequest",
     "Request",
     "Reply",
     "ProtocolError",
@@ -220,8 +221,23 @@ class NotifyRequest(_Message):
     detail: str = Field(default="", max_length=1024)
 
 
+class ProgressRequest(_Message):
+    """Rank 0 of a job reached ``step`` (steps completed) at ``at``; sent at most every few seconds.
+
+    The daemon keeps the newest report per job, so that a restart resuming from an older step can
+    count the steps (and training time) lost after the last commit (see the daemon's goodput docs).
+    """
+
+    type: Literal["progress"] = "progress"
+    pid: int = Field(gt=0)
+    job_id: str = Field(default="", max_length=256)
+    step: int = Field(ge=0, lt=2**63)
+    at: AwareDatetime
+
+
 Request = Annotated[
-    Union[RegisterRequest, UnregisterRequest, StatusRequest, SafeRequest, CommitRequest, NotifyRequest],
+    Union[RegisterRequest, UnregisterRequest, StatusRequest, SafeRequest, CommitRequest, NotifyRequest,
+          ProgressRequest],
     Field(discriminator="type"),
 ]
 
@@ -268,7 +284,8 @@ def decode_event(data: bytes, limit: int = 1024 * 1024) -> NoticeEvent | CancelE
 
 def decode_request(
     data: bytes, limit: int = MAX_MESSAGE_BYTES
-) -> RegisterRequest | UnregisterRequest | StatusRequest | SafeRequest | CommitRequest | NotifyRequest:
+) -> (RegisterRequest | UnregisterRequest | StatusRequest | SafeRequest | CommitRequest | NotifyRequest
+      | ProgressRequest):
     return _decode(_REQUEST, data, limit)
 
 

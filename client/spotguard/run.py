@@ -40,7 +40,9 @@ Without ``job_id`` (or ``$SPOTGUARD_JOB_ID``) the run's id is derived from its c
 (:mod:`spotguard._jobid`, logged at start), so two experiments never share checkpoints in the
 durable store; a checkpoint that does not fit the state is refused with a message naming the fix.
 
-Every commit is reported to the daemon (``CommitRequest``). Nothing needs a daemon. With
+Every commit is reported to the daemon (``CommitRequest``), and rank 0's progress every few seconds
+(``ProgressRequest``, sent by the guard's thread; see :class:`~spotguard.guard.Guard`), so the daemon
+can count the steps a restart loses after the last commit. Nothing needs a daemon. With
 ``$SPOTGUARD_RECORD`` set, the run's start, progress, commits, stop and final state digest are
 appended to that file (:mod:`spotguard._record`) for ``spotguard drill`` and ``spotguard run``.
 """
@@ -292,6 +294,7 @@ class Run:
         """Act on the agreed decision after ``done`` steps; True when the loop must end."""
         self._observe()
         self.record.progress(done)
+        self.guard.report_progress(done)
         due = self.cadence.due(done)  # asked at every boundary so its count moves alike everywhere
         if due and self._fixed_cadence:
             self._save(done)  # a fixed step count is due at the same step on every rank

@@ -41,6 +41,7 @@ from spotguard.storage.base import StoreError
 
 from spotguard_daemon import systemd, uploads
 from spotguard_daemon.delivery import Delivery
+from spotguard_daemon.goodput import GoodputLedger
 from spotguard_daemon.handlers import RequestHandler
 from spotguard_daemon.metrics import Metrics
 from spotguard_daemon.server import Server, ServerError, lock_runtime_dir
@@ -81,7 +82,8 @@ class Daemon:
         self.handler = RequestHandler(self.store, platform=self.platform,
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
                                       on_change=self._clients_changed, on_commit=self._committed,
-                                      known_step=self.queue.durable_step, metrics=self.metrics)
+                                      known_step=self.queue.durable_step, metrics=self.metrics,
+                                      ledger=GoodputLedger(settings.state_dir / "goodput.json"))
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
                              pending_ids=lambda: [n.id for n in self.store.pending()],
@@ -323,6 +325,7 @@ class Daemon:
         next_ping = loop.time()
         while True:
             self.store.expire()
+            self.handler.ledger.flush()
             self.metrics.clients.set(self.handler.reap())
             self._acknowledge_ready()
             if watchdog is not None and loop.time() >= next_ping:
@@ -395,6 +398,7 @@ class Daemon:
             except Exception as exc:
                 log.debug("closing watcher %s: %s", getattr(watcher, "name", watcher), exc)
         self.queue.close()
+        self.handler.ledger.flush(force=True)
         self.server.close()
         self.metrics.close()
         log.info("spotguard daemon stopped")

@@ -7,7 +7,8 @@ walks every client for every request.
 Who may do what (the peer's credentials come from :data:`~spotguard_daemon.server.current_peer`;
 the rules are in :mod:`spotguard_daemon.peers`): ``register``, ``unregister`` and ``safe`` only for
 the sender's own processes (root: any); a process is signalled only when its owner was proven.
-``status``, ``commit`` and ``notify`` are open to every peer that can reach the socket.
+``progress`` likewise names a process of the sender's. ``status``, ``commit`` and ``notify`` are open
+to every peer that can reach the socket.
 
 Bounds: at most ``MAX_CLIENTS`` registrations (dead ones are reaped a slice at a time by
 :meth:`RequestHandler.reap`, and all at once when the table is full) and ``MAX_MANUAL`` pending
@@ -21,6 +22,9 @@ the request's. Steps are ordered per job: a step older than one already accepted
 job is refused, never answered ``ok`` and dropped. An accepted commit is passed to
 ``on_commit(request, resolved_path)``; the storage engine should still open the files with care (the
 tree may change after the check).
+
+Goodput: commits, ``progress`` reports and rank-0 restarts feed the
+:class:`~spotguard_daemon.goodput.GoodputLedger`, whose losses go to the metrics.
 
 Exceptions: none; every refusal is an error :class:`~spotguard.protocol.Reply`.
 """
@@ -37,10 +41,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spotguard.protocol import (
-    CommitRequest, NotifyRequest, RegisterRequest, Reply, Request, SafeRequest, UnregisterRequest,
+    CommitRequest, NotifyRequest, ProgressRequest, RegisterRequest, Reply, Request, SafeRequest,
+    UnregisterRequest,
 )
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
+from spotguard_daemon.goodput import GoodputLedger
 from spotguard_daemon.metrics import Metrics
 from spotguard_daemon.peers import Client, may_act_for, process_start_time
 from spotguard_daemon.server import current_peer
@@ -137,9 +143,10 @@ class RequestHandler:
                  info: Callable[[], dict[str, Any]], on_commit: CommitHook | None = None,
                  on_change: Callable[[], None] | None = None,
                  known_step: Callable[[str], int | None] | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, ledger: GoodputLedger | None = None) -> None:
         self.store = store
         self.metrics = metrics or Metrics()
+        self.ledger = ledger or GoodputLedger()
         self.clients: dict[int, Client] = {}
         self.on_commit = on_commit or (lambda request, path: None)
         self.platform = platform
@@ -226,6 +233,9 @@ class RequestHandler:
         known = self._known_step(job)
         newest = max(self._newest.get(job, -1), -1 if known is None else known)
         self.metrics.resumed(newest - request.resumed_from_step if newest >= 0 else 0)
+        loss = self.ledger.restarted(job, request.resumed_from_step)
+        if loss is not None:
+            self.metrics.lost(loss)
 
     def _unregister(self, request: UnregisterRequest) -> Reply:
         client = self.clients.get(request.pid)
@@ -265,8 +275,16 @@ class RequestHandler:
             self._refused("commit", exc)
             return Reply(ok=False, error=f"commit refused: {exc}")
         self.on_commit(request, path)
+        self.ledger.committed(request.job_id or DEFAULT_JOB, request.step)
         self.metrics.save_reported(request.save_seconds)
         return Reply(ok=True, data={"path": str(path)})
+
+    def _progress(self, request: ProgressRequest) -> Reply:
+        if not may_act_for(current_peer.get(), request.pid, self.clients.get(request.pid)):
+            return Reply(ok=False, error=f"progress refused: pid {request.pid} is not the sender's")
+        trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at)
+        self.metrics.training.inc(trained)
+        return Reply(ok=True)
 
     def _check_order(self, job: str, step: int) -> None:
         """Record ``step`` as the job's newest; ValueError when an accepted step is newer."""

@@ -17,8 +17,16 @@ Goodput (clients report it; older clients do not, and then these stay at zero):
 ``spotguard_job_restarts_total`` counts rank-0 processes that resumed from a checkpoint;
 ``spotguard_steps_redone_total`` adds, per restart, the newest step committed for that job through
 this daemon minus the step resumed from: work committed but not resumed (e.g. lost with the node's
-disk). Steps run after the newest commit and lost at the stop are not known to the daemon, so they
-are not counted. ``spotguard_checkpoint_save_seconds`` is the time the loop was blocked per save.
+disk). ``spotguard_checkpoint_save_seconds`` is the time the loop was blocked per save.
+Rank 0 also reports its progress (step reached, and when) every few seconds, and each restart adds
+what it lost after the checkpoint it resumed from (:mod:`.goodput` has the exact rules):
+``spotguard_steps_lost_total`` the newest reported step minus the step resumed from;
+``spotguard_time_lost_seconds_total`` the training time those steps took (from step R reached to
+the newest report); ``spotguard_downtime_seconds_total`` from the newest report before the stop to
+the relaunched rank 0's registration. ``spotguard_training_seconds_total`` adds the time between
+consecutive progress reports of a running job (its wall time training, saves included), the
+denominator of a goodput ratio. Only the daemon of the node where rank 0 ran knows the reports: a
+job relaunched on a fresh node counts a restart and no loss.
 
 Exceptions: none; the HTTP endpoint's bind error (``OSError``) reaches the caller of :meth:`serve`.
 """
@@ -33,6 +41,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from spotguard.protocol import TERMINATING_KINDS, Notice, utcnow
+
+from spotguard_daemon.goodput import Loss
 
 __all__ = ["Metrics"]
 
@@ -73,6 +83,15 @@ class Metrics:
         self.steps_redone = Counter("spotguard_steps_redone_total", "Steps re-run after restarts: the "
                                     "newest step committed for the job on this daemon minus the step "
                                     "resumed from (steps after the newest commit are not seen).", registry=r)
+        self.steps_lost = Counter("spotguard_steps_lost_total", "Steps trained after the checkpoint a "
+                                  "restart resumed from, and trained again: newest progress reported "
+                                  "minus the step resumed from.", registry=r)
+        self.time_lost = Counter("spotguard_time_lost_seconds", "Training seconds those lost steps "
+                                 "took (step resumed from reached -> newest progress report).", registry=r)
+        self.downtime = Counter("spotguard_downtime_seconds", "Seconds from a job's newest progress "
+                                "report to the registration of its relaunched rank 0.", registry=r)
+        self.training = Counter("spotguard_training_seconds", "Seconds between consecutive progress "
+                                "reports of running jobs (training wall time, saves included).", registry=r)
         self.save_seconds = Histogram("spotguard_checkpoint_save_seconds", "Seconds the training loop "
                                       "was blocked by one checkpoint save, as reported with its commit.",
                                       buckets=_SAVE_BUCKETS, registry=r)
@@ -117,6 +136,12 @@ class Metrics:
         """A job restarted from a checkpoint, re-running ``steps_redone`` committed steps."""
         self.restarts.inc()
         self.steps_redone.inc(max(0, steps_redone))
+
+    def lost(self, loss: Loss) -> None:
+        """Add what one restart lost after its last commit (``seconds`` None: unknown, not added)."""
+        self.steps_lost.inc(loss.steps)
+        self.time_lost.inc(loss.seconds or 0.0)
+        self.downtime.inc(loss.downtime)
 
     def save_reported(self, seconds: float | None) -> None:
         if seconds is not None:

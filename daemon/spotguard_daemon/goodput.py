@@ -1,0 +1,164 @@
+"""Goodput bookkeeping per job: what a restart lost after the job's last commit.
+
+The daemon learns three things about a job from its clients: progress reports from rank 0
+(``progress``: step reached and when, at most every few seconds), commits (``commit``: a step was
+saved), and restarts (``register`` with ``resumed_from_step`` R from rank 0). When a job restarts,
+:meth:`GoodputLedger.restarted` compares what it knew of the previous run with R and returns a
+:class:`Loss`:
+
+* ``steps``: the newest reported step minus R (never negative): steps trained after the checkpoint
+  resumed from and trained again by the restart;
+* ``seconds``: the training time those steps took: the newest report's time minus the time step R was
+  reached (the earliest of the commit's arrival and the first report at or past R; the restart that
+  resumed from R sets it to the restart's time). None when R's time is not known (pruned, or older
+  than this daemon's state);
+* ``downtime``: the restart's registration minus the newest report's time: from the last report
+  before the stop to the relaunched process having loaded its checkpoint.
+
+Reports are sampled (one per ``progress_interval`` at most), so ``steps`` and ``seconds`` are lower
+bounds by up to one interval and ``downtime`` an upper bound by as much; their sum is exact. Only
+this node's daemon is told: a job whose rank 0 comes back on another node (a fresh node after a
+preemption) is counted as a restart there with nothing known of its past, so no loss.
+
+Bounds: at most ``MAX_JOBS`` jobs (the least recently updated are forgotten) and ``MAX_COMMITS``
+commit times per job. Persistence: ``<state_dir>/goodput.json`` (0600, atomic) is written at most every
+``FLUSH_SECONDS`` while something changed (:meth:`GoodputLedger.flush`, called by the daemon's
+housekeeping) and at shutdown, so a daemon restarted between a job's stop and its relaunch still
+counts the loss; a daemon killed outright loses the last few seconds of reports.
+
+Exceptions: none; an unreadable state file is logged and ignored, an unwritable one logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
+
+from spotguard_daemon.store import write_private_atomic
+
+__all__ = ["GoodputLedger", "Loss", "JobRecord"]
+
+log = logging.getLogger(__name__)
+
+MAX_JOBS = 1024
+MAX_COMMITS = 16
+FLUSH_SECONDS = 5.0
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Loss:
+    """What one restart lost (see the module docstring); ``seconds`` None when unknown."""
+
+    steps: int
+    seconds: float | None
+    downtime: float
+
+
+@dataclass
+class JobRecord:
+    step: int
+    """The newest step reported (or resumed from)."""
+    at: float
+    """When it was reached (Unix seconds)."""
+    reached: dict[int, float] = field(default_factory=dict)
+    """Committed step -> the earliest time it is known to have been reached in the current run."""
+
+
+class GoodputLedger:
+    """Per-job progress and commit times, bounded and persisted; see the module docstring."""
+
+    def __init__(self, path: Path | None = None, *, clock: Callable[[], float] = time.time,
+                 max_jobs: int = MAX_JOBS) -> None:
+        self._path, self._clock, self._max_jobs = path, clock, max_jobs
+        self._jobs: OrderedDict[str, JobRecord] = OrderedDict()
+        self._dirty = False
+        self._written_at = float("-inf")
+        self._load()
+
+    def progress(self, job: str, step: int, at: datetime) -> float:
+        """Record a progress report; return the training seconds it adds (0 for a first report or
+        one whose step went back, which starts a new run of the job)."""
+        when = min(at.timestamp(), self._clock())
+        record = self._jobs.get(job)
+        trained = when - record.at if record is not None and step >= record.step else 0.0
+        if record is None:
+            record = JobRecord(step, when)
+        record.step, record.at = step, when
+        for done, reached in record.reached.items():
+            if done <= step and when < reached:
+                record.reached[done] = when
+        self._touch(job, record)
+        return max(0.0, trained)
+
+    def committed(self, job: str, step: int) -> None:
+        """Record a commit's arrival (or the earlier report that showed the step reached)."""
+        now = self._clock()
+        record = self._jobs.get(job) or JobRecord(step, now)
+        record.reached[step] = min(now, record.at) if record.step >= step else now
+        while len(record.reached) > MAX_COMMITS:
+            record.reached.pop(min(record.reached))
+        self._touch(job, record)
+
+    def restarted(self, job: str, resumed_from: int) -> Loss | None:
+        """A restart of ``job`` from step ``resumed_from``: the loss, or None when nothing was
+        known about the job. The job's run starts again at ``resumed_from``, now."""
+        now = self._clock()
+        record = self._jobs.get(job)
+        loss = None
+        if record is not None:
+            steps = max(0, record.step - resumed_from)
+            start = record.reached.get(resumed_from)
+            seconds = 0.0 if steps == 0 else None if start is None else max(0.0, record.at - start)
+            loss = Loss(steps, seconds, max(0.0, now - record.at))
+            log.info("job %r restarted from step %d: %d steps (%s s) lost after it, %.1f s down", job,
+                     resumed_from, steps, "unknown" if seconds is None else f"{seconds:.1f}", loss.downtime)
+        record = record or JobRecord(resumed_from, now)
+        record.step, record.at = resumed_from, now
+        record.reached = {s: t for s, t in record.reached.items() if s < resumed_from}
+        record.reached[resumed_from] = now
+        self._touch(job, record)
+        return loss
+
+    def _touch(self, job: str, record: JobRecord) -> None:
+        self._jobs[job] = record
+        self._jobs.move_to_end(job)
+        while len(self._jobs) > self._max_jobs:
+            self._jobs.popitem(last=False)
+        self._dirty = True
+
+    # ------------------------------------------------------------------ persistence
+
+    def flush(self, *, force: bool = False) -> None:
+        """Write the state file if something changed and ``FLUSH_SECONDS`` passed (or ``force``)."""
+        now = time.monotonic()
+        if self._path is None or not self._dirty or (not force and now - self._written_at < FLUSH_SECONDS):
+            return
+        self._dirty, self._written_at = False, now
+        doc = {"version": STATE_VERSION, "jobs": [
+            {"job": job, "step": r.step, "at": r.at, "reached": sorted(r.reached.items())}
+            for job, r in self._jobs.items()]}
+        try:
+            write_private_atomic(self._path, json.dumps(doc).encode())
+        except OSError as exc:
+            log.error("cannot write %s: %s (goodput figures will not survive a restart)", self._path, exc)
+
+    def _load(self) -> None:
+        if self._path is None or not self._path.exists():
+            return
+        try:
+            doc = json.loads(self._path.read_bytes())
+            if doc.get("version") != STATE_VERSION:
+                raise ValueError(f"version {doc.get('version')!r}, not {STATE_VERSION}")
+            for item in doc["jobs"][-self._max_jobs:]:
+                reached = {int(s): float(t) for s, t in item["reached"][-MAX_COMMITS:]}
+                self._jobs[str(item["job"])[:256]] = JobRecord(int(item["step"]), float(item["at"]), reached)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("ignoring unreadable goodput state %s: %s", self._path, exc)
+            self._jobs.clear()

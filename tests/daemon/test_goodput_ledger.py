@@ -1,0 +1,59 @@
+"""The goodput ledger's arithmetic on a fake clock: exact seconds, bounds, persistence, bad state."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from spotguard_daemon.goodput import MAX_COMMITS, GoodputLedger, Loss
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, timezone.utc)
+
+
+def test_a_restart_loses_the_steps_and_time_after_the_step_it_resumed_from(tmp_path):
+    clock = Clock()
+    ledger = GoodputLedger(tmp_path / "goodput.json", clock=clock)
+    assert ledger.restarted("j", 0) is None  # nothing known of the job yet
+    assert ledger.progress("j", 10, at(clock.now + 10)) == 0.0  # a report from the future is now
+    clock.now += 20
+    ledger.committed("j", 20)
+    clock.now += 5
+    assert ledger.progress("j", 30, at(clock.now - 5)) == 20.0
+    assert ledger.progress("j", 35, at(clock.now)) == 5.0
+    clock.now += 100
+    ledger.flush(force=True)
+    again = GoodputLedger(tmp_path / "goodput.json", clock=clock)  # a daemon restart
+    assert again.restarted("j", 20) == Loss(steps=15, seconds=5.0, downtime=100.0)
+    clock.now += 7
+    assert again.progress("j", 22, at(clock.now)) == 7.0
+    clock.now += 3
+    assert again.restarted("j", 20) == Loss(steps=2, seconds=7.0, downtime=3.0)  # from the last resume
+    assert again.restarted("j", 40) == Loss(steps=0, seconds=0.0, downtime=0.0)
+    assert again.restarted("j", 2) == Loss(steps=38, seconds=None, downtime=0.0)  # step 2's time unknown
+
+
+def test_jobs_and_commits_are_bounded_and_bad_state_is_ignored(tmp_path):
+    path = tmp_path / "goodput.json"
+    ledger = GoodputLedger(path, max_jobs=3)
+    for job in "abcd":
+        ledger.progress(job, 1, at(1.0))
+    for step in range(2 * MAX_COMMITS):
+        ledger.committed("d", step)
+    ledger.flush(force=True)
+    doc = json.loads(path.read_text())
+    assert [j["job"] for j in doc["jobs"]] == ["b", "c", "d"]
+    assert len(doc["jobs"][-1]["reached"]) == MAX_COMMITS
+    assert path.stat().st_mode & 0o777 == 0o600
+    for garbage in (b"{", b"[]", b'{"version": 1, "jobs": [{"job": "a"}]}', b'{"version": 9, "jobs": []}'):
+        path.write_bytes(garbage)
+        assert GoodputLedger(path).restarted("b", 0) is None

@@ -21,7 +21,7 @@ from spotguard.protocol import StatusRequest, decode_reply
 pytestmark = pytest.mark.slow
 
 LIMIT = 4096
-TYPES = ["register", "unregister", "status", "safe", "commit", "notify", "reply", "notice"]
+TYPES = ["register", "unregister", "status", "safe", "commit", "notify", "progress", "reply", "notice"]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
@@ -32,7 +32,7 @@ wrong_typed = st.fixed_dictionaries(
     {"type": st.sampled_from(TYPES)},
     optional={"v": json_values, "pid": json_values, "notice_ids": json_values, "path": json_values,
               "step": json_values, "kind": json_values, "deadline_seconds": json_values,
-              "rank": json_values}).map(lambda d: json.dumps(d).encode())
+              "rank": json_values, "at": json_values, "job_id": json_values}).map(lambda d: json.dumps(d).encode())
 frames = st.one_of(
     st.binary(max_size=512),
     json_values.map(lambda v: json.dumps(v).encode()),

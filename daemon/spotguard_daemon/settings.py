@@ -265,7 +265,7 @@ class Settings(BaseSettings):
     runtime_dir: Path = Field(default_factory=_default_runtime_dir)
     """Sockets live here (created mode 0700)."""
     state_dir: Path = Field(default_factory=_default_state_dir)
-    """Pending notices and the upload journal live here."""
+    """Pending notices, the upload journal and the goodput ledger live here."""
     checkpoint_root: Path | None = Field(default_factory=_default_checkpoint_root)
     """Committed checkpoints must lie under this directory. Default: the directory the daemon was
     started in (where ``Run("checkpoints")`` beside it writes), unless that is ``/`` (systemd, most

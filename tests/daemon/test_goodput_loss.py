@@ -3,7 +3,8 @@
 A real job (``goodput_job.py``, a :class:`spotguard.Run` reporting its progress) commits step 4, runs
 to step 7, waits there until the daemon acknowledged that progress, and is SIGKILLed; relaunched, it
 resumes from step 4: the daemon must count exactly 3 steps lost, with or without a daemon restart
-in between. Malformed progress requests are refused and change nothing.
+in between. Malformed progress requests are refused; a guard sends rank 0's newest progress at most
+once per interval, and once more when it closes.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import httpx
 import pytest
-from spotguard.protocol import ProgressRequest, StatusRequest
+from prometheus_client.parser import text_string_to_metric_families
+from spotguard.guard import Guard
+from spotguard.protocol import ProgressRequest, RegisterRequest, StatusRequest
 
 from test_goodput_metrics import samples
 
@@ -80,3 +84,33 @@ def test_malformed_progress_reports_are_refused(daemon_factory):
     assert daemon.request(StatusRequest()).ok
     assert daemon.request(ProgressRequest(pid=os.getpid(), job_id="j", step=5,
                                           at=datetime.now(timezone.utc))).ok
+
+
+def progress_requests(daemon) -> float:
+    text = httpx.get(daemon.request(StatusRequest()).data["metrics"], timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "spotguard_requests_total" and s.labels == {"type": "progress", "outcome": "ok"})
+
+
+def test_rank_0_sends_its_newest_progress_once_per_interval_and_at_close(daemon_factory):
+    daemon = daemon_factory()
+    endpoints = {"pub_endpoint": daemon.pub_endpoint, "request_endpoint": daemon.request_endpoint}
+    guard = Guard(job_id="g", rank=0, progress_interval=3600, **endpoints)
+    other = Guard(job_id="g", rank=1, progress_interval=0.01, **endpoints)
+    try:
+        guard.report_progress(1)  # the first report goes at once
+        for _ in range(200):
+            if guard.progress_acknowledged == 1:
+                break
+            time.sleep(0.02)
+        assert guard.progress_acknowledged == 1
+        guard.report_progress(2)
+        time.sleep(0.3)  # several turns of the guard's loop: none may send within the interval
+        guard.report_progress(3)  # only the newest goes, at close
+        other.report_progress(9)  # rank 1 reports nothing
+    finally:
+        other.close()
+        guard.close()
+    assert progress_requests(daemon) == 2
+    assert daemon.request(RegisterRequest(pid=os.getpid(), job_id="g", resumed_from_step=0)).ok
+    assert samples(daemon)["spotguard_steps_lost_total"] == 3

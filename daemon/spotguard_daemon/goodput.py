@@ -6,12 +6,13 @@ saved), and restarts (``register`` with ``resumed_from_step`` R from rank 0). Wh
 :meth:`GoodputLedger.restarted` compares what it knew of the previous run with R and returns a
 :class:`Loss`:
 
-* ``steps``: the newest reported step minus R (never negative): steps trained after the checkpoint
-  resumed from and trained again by the restart;
-* ``seconds``: the training time those steps took: the newest report's time minus the time step R was
-  reached (the earliest of the commit's arrival and the first report at or past R; the restart that
-  resumed from R sets it to the restart's time). None when R's time is not known (pruned, or older
-  than this daemon's state);
+* ``steps``: the newest reported step minus the job's last commit C (the newest of R and the steps
+  committed since the previous restart; never negative): steps trained after the last commit and
+  trained again by the restart. Committed steps not resumed (C - R) are counted apart, as steps
+  re-run (:meth:`~spotguard_daemon.metrics.Metrics.resumed`);
+* ``seconds``: the training time those steps took: the newest report's time minus the time step C was
+  reached (the earliest of the commit's arrival and the first report at or past C; for C = R not
+  committed since, the previous restart's time). None when it is not known (a daemon without state);
 * ``downtime``: the restart's registration minus the newest report's time: from the last report
   before the stop to the relaunched process having loaded its checkpoint.
 
@@ -68,7 +69,11 @@ class JobRecord:
     at: float
     """When it was reached (Unix seconds)."""
     reached: dict[int, float] = field(default_factory=dict)
-    """Committed step -> the earliest time it is known to have been reached in the current run."""
+    """Step committed (or resumed from) in the current run -> the earliest time it is known to have
+    been reached."""
+    pid: int = 0
+    """The process that reported last: a report from another one (a relaunch not reported as a
+    restart) adds no training time."""
 
 
 class GoodputLedger:
@@ -82,15 +87,14 @@ class GoodputLedger:
         self._written_at = float("-inf")
         self._load()
 
-    def progress(self, job: str, step: int, at: datetime) -> float:
-        """Record a progress report; return the training seconds it adds (0 for a first report or
-        one whose step went back, which starts a new run of the job)."""
+    def progress(self, job: str, step: int, at: datetime, pid: int) -> float:
+        """Record ``pid``'s progress report; return the training seconds since the previous report
+        of the same process (0 for a first report, or one whose step went back)."""
         when = min(at.timestamp(), self._clock())
-        record = self._jobs.get(job)
-        trained = when - record.at if record is not None and step >= record.step else 0.0
-        if record is None:
-            record = JobRecord(step, when)
-        record.step, record.at = step, when
+        record = self._jobs.get(job) or JobRecord(step, when, pid=pid)
+        same_run = record.pid == pid and step >= record.step
+        trained = when - record.at if same_run else 0.0
+        record.step, record.at, record.pid = step, when, pid
         for done, reached in record.reached.items():
             if done <= step and when < reached:
                 record.reached[done] = when
@@ -106,24 +110,17 @@ class GoodputLedger:
             record.reached.pop(min(record.reached))
         self._touch(job, record)
 
-    def restarted(self, job: str, resumed_from: int) -> Loss | None:
-        """A restart of ``job`` from step ``resumed_from``: the loss, or None when nothing was
-        known about the job. The job's run starts again at ``resumed_from``, now."""
+    def restarted(self, job: str, resumed_from: int, pid: int) -> Loss | None:
+        """Process ``pid`` restarted ``job`` from step ``resumed_from``: the loss, or None when
+        nothing was known about the job. A new run of the job starts there, now."""
         now = self._clock()
         record = self._jobs.get(job)
-        loss = None
-        if record is not None:
-            steps = max(0, record.step - resumed_from)
-            start = record.reached.get(resumed_from)
-            seconds = 0.0 if steps == 0 else None if start is None else max(0.0, record.at - start)
-            loss = Loss(steps, seconds, max(0.0, now - record.at))
-            log.info("job %r restarted from step %d: %d steps (%s s) lost after it, %.1f s down", job,
-                     resumed_from, steps, "unknown" if seconds is None else f"{seconds:.1f}", loss.downtime)
-        record = record or JobRecord(resumed_from, now)
-        record.step, record.at = resumed_from, now
-        record.reached = {s: t for s, t in record.reached.items() if s < resumed_from}
-        record.reached[resumed_from] = now
-        self._touch(job, record)
+        loss = None if record is None else _loss(record, resumed_from, now)
+        if loss is not None:
+            log.info("job %r restarted from step %d: %d steps (%s s) lost after its last commit, %.1f s "
+                     "down", job, resumed_from, loss.steps,
+                     "unknown" if loss.seconds is None else f"{loss.seconds:.1f}", loss.downtime)
+        self._touch(job, JobRecord(resumed_from, now, {resumed_from: now}, pid))
         return loss
 
     def _touch(self, job: str, record: JobRecord) -> None:
@@ -142,7 +139,7 @@ class GoodputLedger:
             return
         self._dirty, self._written_at = False, now
         doc = {"version": STATE_VERSION, "jobs": [
-            {"job": job, "step": r.step, "at": r.at, "reached": sorted(r.reached.items())}
+            {"job": job, "step": r.step, "at": r.at, "reached": sorted(r.reached.items()), "pid": r.pid}
             for job, r in self._jobs.items()]}
         try:
             write_private_atomic(self._path, json.dumps(doc).encode())
@@ -158,7 +155,17 @@ class GoodputLedger:
                 raise ValueError(f"version {doc.get('version')!r}, not {STATE_VERSION}")
             for item in doc["jobs"][-self._max_jobs:]:
                 reached = {int(s): float(t) for s, t in item["reached"][-MAX_COMMITS:]}
-                self._jobs[str(item["job"])[:256]] = JobRecord(int(item["step"]), float(item["at"]), reached)
+                self._jobs[str(item["job"])[:256]] = JobRecord(int(item["step"]), float(item["at"]), reached,
+                                                               int(item.get("pid", 0)))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("ignoring unreadable goodput state %s: %s", self._path, exc)
             self._jobs.clear()
+
+
+def _loss(record: JobRecord, resumed_from: int, now: float) -> Loss:
+    """What a restart from ``resumed_from`` lost of ``record``'s run (see the module docstring)."""
+    last_commit = max([resumed_from, *record.reached])
+    steps = max(0, record.step - last_commit)
+    start = record.reached.get(last_commit)
+    seconds = 0.0 if steps == 0 else None if start is None else max(0.0, record.at - start)
+    return Loss(steps, seconds, max(0.0, now - record.at))

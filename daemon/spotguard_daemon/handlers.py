@@ -233,7 +233,7 @@ class RequestHandler:
         known = self._known_step(job)
         newest = max(self._newest.get(job, -1), -1 if known is None else known)
         self.metrics.resumed(newest - request.resumed_from_step if newest >= 0 else 0)
-        loss = self.ledger.restarted(job, request.resumed_from_step)
+        loss = self.ledger.restarted(job, request.resumed_from_step, request.pid)
         if loss is not None:
             self.metrics.lost(loss)
 
@@ -282,7 +282,7 @@ class RequestHandler:
     def _progress(self, request: ProgressRequest) -> Reply:
         if not may_act_for(current_peer.get(), request.pid, self.clients.get(request.pid)):
             return Reply(ok=False, error=f"progress refused: pid {request.pid} is not the sender's")
-        trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at)
+        trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at, request.pid)
         self.metrics.training.inc(trained)
         return Reply(ok=True)
 

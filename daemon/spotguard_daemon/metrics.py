@@ -20,11 +20,12 @@ this daemon minus the step resumed from: work committed but not resumed (e.g. lo
 disk). ``spotguard_checkpoint_save_seconds`` is the time the loop was blocked per save.
 Rank 0 also reports its progress (step reached, and when) every few seconds, and each restart adds
 what it lost after the checkpoint it resumed from (:mod:`.goodput` has the exact rules):
-``spotguard_steps_lost_total`` the newest reported step minus the step resumed from;
-``spotguard_time_lost_seconds_total`` the training time those steps took (from step R reached to
-the newest report); ``spotguard_downtime_seconds_total`` from the newest report before the stop to
+``spotguard_steps_lost_total`` the newest reported step minus the job's last commit (the step
+resumed from, or a newer commit not resumed: those steps are the ones re-run above);
+``spotguard_time_lost_seconds_total`` the training time those steps took (from the last commit's
+step reached to the newest report); ``spotguard_downtime_seconds_total`` from the newest report before the stop to
 the relaunched rank 0's registration. ``spotguard_training_seconds_total`` adds the time between
-consecutive progress reports of a running job (its wall time training, saves included), the
+consecutive progress reports of one process (its wall time training, saves included), the
 denominator of a goodput ratio. Only the daemon of the node where rank 0 ran knows the reports: a
 job relaunched on a fresh node counts a restart and no loss.
 
@@ -83,11 +84,11 @@ class Metrics:
         self.steps_redone = Counter("spotguard_steps_redone_total", "Steps re-run after restarts: the "
                                     "newest step committed for the job on this daemon minus the step "
                                     "resumed from (steps after the newest commit are not seen).", registry=r)
-        self.steps_lost = Counter("spotguard_steps_lost_total", "Steps trained after the checkpoint a "
-                                  "restart resumed from, and trained again: newest progress reported "
-                                  "minus the step resumed from.", registry=r)
+        self.steps_lost = Counter("spotguard_steps_lost_total", "Steps trained after a job's last commit "
+                                  "and trained again by its restart: newest progress reported minus "
+                                  "the newest of the commits and the step resumed from.", registry=r)
         self.time_lost = Counter("spotguard_time_lost_seconds", "Training seconds those lost steps "
-                                 "took (step resumed from reached -> newest progress report).", registry=r)
+                                 "took (last commit's step reached -> newest progress report).", registry=r)
         self.downtime = Counter("spotguard_downtime_seconds", "Seconds from a job's newest progress "
                                 "report to the registration of its relaunched rank 0.", registry=r)
         self.training = Counter("spotguard_training_seconds", "Seconds between consecutive progress "

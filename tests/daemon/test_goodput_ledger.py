@@ -20,33 +20,42 @@ def at(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, timezone.utc)
 
 
-def test_a_restart_loses_the_steps_and_time_after_the_step_it_resumed_from(tmp_path):
+def test_a_restart_loses_the_steps_and_time_after_the_last_commit(tmp_path):
     clock = Clock()
     ledger = GoodputLedger(tmp_path / "goodput.json", clock=clock)
-    assert ledger.restarted("j", 0) is None  # nothing known of the job yet
-    assert ledger.progress("j", 10, at(clock.now + 10)) == 0.0  # a report from the future is now
+    assert ledger.restarted("j", 0, pid=1) is None  # nothing known of the job yet
+    assert ledger.progress("j", 10, at(clock.now + 10), pid=1) == 0.0  # a report from the future is now
     clock.now += 20
     ledger.committed("j", 20)
     clock.now += 5
-    assert ledger.progress("j", 30, at(clock.now - 5)) == 20.0
-    assert ledger.progress("j", 35, at(clock.now)) == 5.0
+    assert ledger.progress("j", 30, at(clock.now - 5), pid=1) == 20.0
+    assert ledger.progress("j", 35, at(clock.now), pid=1) == 5.0
     clock.now += 100
     ledger.flush(force=True)
     again = GoodputLedger(tmp_path / "goodput.json", clock=clock)  # a daemon restart
-    assert again.restarted("j", 20) == Loss(steps=15, seconds=5.0, downtime=100.0)
+    assert again.restarted("j", 20, pid=2) == Loss(steps=15, seconds=5.0, downtime=100.0)
     clock.now += 7
-    assert again.progress("j", 22, at(clock.now)) == 7.0
+    assert again.progress("j", 22, at(clock.now), pid=2) == 7.0
     clock.now += 3
-    assert again.restarted("j", 20) == Loss(steps=2, seconds=7.0, downtime=3.0)  # from the last resume
-    assert again.restarted("j", 40) == Loss(steps=0, seconds=0.0, downtime=0.0)
-    assert again.restarted("j", 2) == Loss(steps=38, seconds=None, downtime=0.0)  # step 2's time unknown
+    assert again.restarted("j", 20, pid=3) == Loss(steps=2, seconds=7.0, downtime=3.0)  # from the last resume
+    clock.now += 10
+    assert again.progress("j", 25, at(clock.now), pid=3) == 10.0
+    again.committed("j", 24)  # arrives after the report of step 25, which showed it reached
+    clock.now += 4
+    assert again.progress("j", 28, at(clock.now), pid=3) == 4.0
+    # Resumed from 20 (24 was lost): steps 20-24 are committed steps re-run, counted apart.
+    # Step 24 was reached by step 25's report at the latest.
+    assert again.restarted("j", 20, pid=4) == Loss(steps=4, seconds=4.0, downtime=0.0)
+    assert again.progress("j", 21, at(clock.now + 1), pid=5) == 0.0  # another process: not a run's time
+    assert again.progress("k", 9, at(clock.now), pid=7) == 0.0
+    assert again.restarted("k", 5, pid=8) == Loss(steps=4, seconds=None, downtime=0.0)  # step 5's time unknown
 
 
 def test_jobs_and_commits_are_bounded_and_bad_state_is_ignored(tmp_path):
     path = tmp_path / "goodput.json"
     ledger = GoodputLedger(path, max_jobs=3)
     for job in "abcd":
-        ledger.progress(job, 1, at(1.0))
+        ledger.progress(job, 1, at(1.0), pid=1)
     for step in range(2 * MAX_COMMITS):
         ledger.committed("d", step)
     ledger.flush(force=True)
@@ -56,4 +65,4 @@ def test_jobs_and_commits_are_bounded_and_bad_state_is_ignored(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o600
     for garbage in (b"{", b"[]", b'{"version": 1, "jobs": [{"job": "a"}]}', b'{"version": 9, "jobs": []}'):
         path.write_bytes(garbage)
-        assert GoodputLedger(path).restarted("b", 0) is None
+        assert GoodputLedger(path).restarted("b", 0, pid=1) is None

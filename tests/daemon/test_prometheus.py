@@ -82,7 +82,9 @@ def test_every_dashboard_and_alert_query_names_an_exported_metric(daemon_factory
     named = set().union(*map(queried_names, exprs))
     for must in ("spotguard_notices_pending", "spotguard_notice_deadline_seconds",
                  "spotguard_poll_requests_total", "spotguard_upload_queue_depth",
-                 "spotguard_upload_last_durable_age_seconds", "spotguard_clients_safe"):
+                 "spotguard_upload_last_durable_age_seconds", "spotguard_clients_safe",
+                 "spotguard_steps_lost_total", "spotguard_time_lost_seconds_total",
+                 "spotguard_downtime_seconds_total", "spotguard_training_seconds_total"):
         assert must in named
 
 

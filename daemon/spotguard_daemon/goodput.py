@@ -27,7 +27,8 @@ commit times per job. Persistence: ``<state_dir>/goodput.json`` (0600, atomic) i
 housekeeping) and at shutdown, so a daemon restarted between a job's stop and its relaunch still
 counts the loss; a daemon killed outright loses the last few seconds of reports.
 
-Exceptions: none; an unreadable state file is logged and ignored, an unwritable one logged.
+Exceptions: :meth:`GoodputLedger.progress` raises ``ValueError`` for a report too old to trust; an
+unreadable state file is logged and ignored, an unwritable one logged.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 
 MAX_JOBS = 1024
 MAX_COMMITS = 16
+MAX_REPORT_AGE = 3600.0
+"""A progress report older than this is refused: it would count its age as downtime."""
 FLUSH_SECONDS = 5.0
 STATE_VERSION = 1
 
@@ -89,8 +92,12 @@ class GoodputLedger:
 
     def progress(self, job: str, step: int, at: datetime, pid: int) -> float:
         """Record ``pid``'s progress report; return the training seconds since the previous report
-        of the same process (0 for a first report, or one whose step went back)."""
-        when = min(at.timestamp(), self._clock())
+        of the same process (0 for a first report, or one whose step went back). A report from the
+        future counts as now; one older than ``MAX_REPORT_AGE`` raises ValueError."""
+        now = self._clock()
+        when = min(at.timestamp(), now)
+        if when < now - MAX_REPORT_AGE:
+            raise ValueError(f"the report is {now - when:.0f} s old, more than {MAX_REPORT_AGE:.0f} s")
         record = self._jobs.get(job) or JobRecord(step, when, pid=pid)
         same_run = record.pid == pid and step >= record.step
         trained = when - record.at if same_run else 0.0

@@ -282,7 +282,11 @@ class RequestHandler:
     def _progress(self, request: ProgressRequest) -> Reply:
         if not may_act_for(current_peer.get(), request.pid, self.clients.get(request.pid)):
             return Reply(ok=False, error=f"progress refused: pid {request.pid} is not the sender's")
-        trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at, request.pid)
+        try:
+            trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at, request.pid)
+        except ValueError as exc:
+            self._refused("progress", exc)
+            return Reply(ok=False, error=f"progress refused: {exc}")
         self.metrics.training.inc(trained)
         return Reply(ok=True)
 

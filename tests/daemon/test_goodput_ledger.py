@@ -1,11 +1,12 @@
-"""The goodput ledger's arithmetic on a fake clock: exact seconds, bounds, persistence, bad state."""
+"""The goodput ledger's arithmetic on a fake clock: exact seconds, bounds, persistence, bad input."""
 
 from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
 
-from spotguard_daemon.goodput import MAX_COMMITS, GoodputLedger, Loss
+import pytest
+from spotguard_daemon.goodput import MAX_COMMITS, MAX_REPORT_AGE, GoodputLedger, Loss
 
 
 class Clock:
@@ -25,6 +26,8 @@ def test_a_restart_loses_the_steps_and_time_after_the_last_commit(tmp_path):
     ledger = GoodputLedger(tmp_path / "goodput.json", clock=clock)
     assert ledger.restarted("j", 0, pid=1) is None  # nothing known of the job yet
     assert ledger.progress("j", 10, at(clock.now + 10), pid=1) == 0.0  # a report from the future is now
+    with pytest.raises(ValueError, match="old"):
+        ledger.progress("j", 11, at(clock.now - MAX_REPORT_AGE - 1), pid=1)
     clock.now += 20
     ledger.committed("j", 20)
     clock.now += 5
@@ -55,7 +58,7 @@ def test_jobs_and_commits_are_bounded_and_bad_state_is_ignored(tmp_path):
     path = tmp_path / "goodput.json"
     ledger = GoodputLedger(path, max_jobs=3)
     for job in "abcd":
-        ledger.progress(job, 1, at(1.0), pid=1)
+        ledger.progress(job, 1, datetime.now(timezone.utc), pid=1)
     for step in range(2 * MAX_COMMITS):
         ledger.committed("d", step)
     ledger.flush(force=True)

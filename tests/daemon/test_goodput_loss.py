@@ -77,7 +77,8 @@ def test_malformed_progress_reports_are_refused(daemon_factory):
     bad = [{**good, "step": -1}, {**good, "step": "five"}, {**good, "step": 2**63},
            {**good, "at": "2026-01-01T00:00:00"}, {**good, "at": "yesterday"},
            {k: v for k, v in good.items() if k != "at"}, {**good, "job_id": "x" * 257},
-           {**good, "extra": 1}, {**good, "v": 2}, {**good, "pid": 0}]
+           {**good, "extra": 1}, {**good, "v": 2}, {**good, "pid": 0},
+           {**good, "at": "1970-01-02T00:00:00Z"}]  # too old to trust: its age would count as downtime
     for message in bad:
         reply = daemon.request(json.dumps(message).encode())
         assert not reply.ok and reply.error, message

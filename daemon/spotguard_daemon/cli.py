@@ -261,3 +261,6 @@ main.add_command(cadence)
 main.add_command(checkpoints)
 main.add_command(demo)
 main.add_command(drill)
+from spotguard_daemon.cli_run import run  # noqa: E402
+
+main.add_command(run)

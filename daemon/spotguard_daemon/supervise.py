@@ -1,0 +1,142 @@
+"""Launching, signalling and stopping a training command and a private daemon, for the commands that
+supervise a job (``spotguard drill``, ``spotguard run``).
+
+A command runs in a session (and process group) of its own, so that a signal to the group reaches
+the command and every child it did not move elsewhere, and never the supervisor itself. Launchers
+such as ``torchrun`` may start workers in sessions of their own: :func:`descendants` finds them
+in ``/proc``, never by name. :func:`start_daemon` starts ``spotguard daemon`` and waits until it
+answers on its request socket.
+
+Exceptions::
+
+    LaunchError            a command or a daemon could not be started
+      CommandNotFound      the command's executable does not exist (a shell's status 127)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+__all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "killpg", "signal_each",
+           "descendants", "stop", "catches", "daemon_status", "STOP_S"]
+
+STOP_S = 10.0
+"""Seconds a process gets after SIGTERM before SIGKILL when a supervisor stops it."""
+
+
+class LaunchError(RuntimeError):
+    """A command or a daemon could not be started."""
+
+
+class CommandNotFound(LaunchError):
+    """The command's executable does not exist."""
+
+
+def spawn(argv: list[str], env: dict[str, str], out: IO | int | None = None,
+          err: IO | int | None = None) -> subprocess.Popen:
+    """Start ``argv`` in a new session; stdin closed unless ``out`` is None (then all three are
+    inherited, as a supervisor that stays out of the way does)."""
+    stdin = None if out is None else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(argv, env=env, stdin=stdin, stdout=out, stderr=err,
+                                start_new_session=True)
+    except FileNotFoundError as exc:
+        raise CommandNotFound(f"{argv[0]}: command not found") from exc
+    except OSError as exc:
+        raise LaunchError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
+
+
+def daemon_status(endpoint: str, timeout: float = 0.5) -> dict | None:
+    """The daemon's ``status`` reply data, or None when nothing answered within ``timeout`` (at
+    once for an ``ipc://`` socket that does not exist)."""
+    from spotguard.protocol import StatusRequest
+
+    from spotguard_daemon.cli import request
+
+    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
+        return None
+    reply = request(endpoint, StatusRequest(), timeout)
+    return reply.data if reply is not None else None
+
+
+def start_daemon(args: list[str], env: dict[str, str], log: IO | int | None, endpoint: str,
+                 timeout: float = 30.0) -> subprocess.Popen:
+    """``spotguard daemon ARGS`` in a session of its own, once it answers on ``endpoint``; the
+    caller stops it (:func:`stop`). LaunchError when it exits or stays silent for ``timeout``."""
+    proc = spawn([sys.executable, "-m", "spotguard_daemon", "daemon", *args], env, log,
+                 None if log is None else subprocess.STDOUT)
+    give_up = time.monotonic() + timeout
+    while daemon_status(endpoint) is None:
+        if proc.poll() is not None or time.monotonic() > give_up:
+            stop(proc)
+            raise LaunchError(f"the daemon did not start (status {proc.returncode})"
+                              + (f"; see {log.name}" if hasattr(log, "name") else ""))
+        time.sleep(0.1)
+    return proc
+
+
+def killpg(proc: subprocess.Popen, signum: int) -> None:
+    """``signum`` to the process group ``proc`` leads; nothing when it is gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)
+
+
+def signal_each(pids: set[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+def stop(proc: subprocess.Popen, timeout: float = STOP_S) -> None:
+    """SIGTERM to ``proc``'s group, SIGKILL after ``timeout``; returns once it was reaped."""
+    if proc.poll() is None:
+        killpg(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            killpg(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc now."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return parents
+
+
+def descendants(root: int) -> set[int]:
+    """The pids below ``root`` in the process tree now (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in _parents().items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` installed a handler for ``signum`` (``SigCgt`` in its status):
+    only such a process may be sent a stop signal, which would otherwise kill it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False

@@ -1,0 +1,167 @@
+"""``spotguard run`` with a job that does not import spotguard (``run_job.py``): real subprocesses,
+real signals, a real daemon and simulator where the case needs one.
+
+Each test reads the supervisor's ``--json`` summary and checks that every process it started is
+gone afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from spotguard.protocol import NotifyRequest, StatusRequest
+
+JOB = Path(__file__).with_name("run_job.py")
+RUN = [sys.executable, "-m", "spotguard_daemon", "run"]
+
+
+class Supervised:
+    """``spotguard run [options] -- python run_job.py DIR [job options]`` in the background."""
+
+    def __init__(self, tmp: Path, options: list[str], job: list[str], env: dict | None = None) -> None:
+        self.dir, self.out, self.err = tmp / "job", tmp / "run.out", tmp / "run.err"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")},
+                    **(env or {})}
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([*RUN, "--json", *options, "--", sys.executable, str(JOB),
+                                          str(self.dir), *job], env=full_env, stdout=out, stderr=err)
+
+    def wait_file(self, name: str, timeout: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not (self.dir / name).exists():
+            assert self.proc.poll() is None or (self.dir / name).exists(), self.stderr()
+            assert time.monotonic() < deadline, f"no {name}: {self.stderr()}"
+            time.sleep(0.02)
+        return (self.dir / name).read_text()
+
+    def finish(self, timeout: float = 30.0) -> tuple[int, dict]:
+        try:
+            status = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.launches():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        return status, json.loads(self.out.read_text().splitlines()[-1])
+
+    def launches(self) -> list[int]:
+        path = self.dir / "launches"
+        return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+
+def wait_registered(daemon, pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pid not in [c["pid"] for c in daemon.request(StatusRequest()).data["clients"]]:
+        assert time.monotonic() < deadline, f"pid {pid} never registered: {daemon.output()[-2000:]}"
+        time.sleep(0.05)
+
+
+def runtime(daemon) -> dict:
+    return {"SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)}
+
+
+def test_no_command_is_a_one_line_usage_error():
+    done = subprocess.run(RUN, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "spotguard: spotguard run: no command given (spotguard run [OPTIONS] -- COMMAND [ARGS]...)"]
+
+
+def test_a_command_that_does_not_exist_exits_127_with_one_clear_line(tmp_path):
+    done = subprocess.run([*RUN, "--no-daemon", "--max-restarts", "3", "--", "no-such-command-sg"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    assert done.returncode == 127
+    assert "spotguard run: no-such-command-sg: command not found" in done.stderr
+    assert "1 run(s)" in done.stderr  # no relaunch: the same command cannot start either
+
+
+def test_failures_end_the_run_unless_restarts_are_asked_for_then_bounded_with_backoff(tmp_path):
+    env = {"SPOTGUARD_RUNTIME_DIR": str(tmp_path)}
+    once = Supervised(tmp_path / "a", ["--no-daemon"], ["--fail", "3"], env)
+    status, figures = once.finish()
+    assert status == 3 and figures["launches"] == 1 and figures["failures"] == 1
+
+    bounded = Supervised(tmp_path, ["--no-daemon", "--max-restarts", "2", "--backoff", "0.05"],
+                         ["--fail", "3"], env)
+    status, figures = bounded.finish()
+    assert status == 3 and len(bounded.launches()) == 3
+    assert figures["launches"] == 3 and figures["failures"] == 3 and figures["preemptions"] == 0
+    err = bounded.stderr()
+    assert "restart 1 of 2 in 0.05 s" in err and "restart 2 of 2 in 0.1 s" in err  # doubled
+    assert "max restarts (2) reached; status 3" in err
+
+
+def test_a_plain_job_gets_the_daemon_signal_and_is_relaunched(tmp_path, daemon_factory):
+    daemon = daemon_factory()
+    run = Supervised(tmp_path, [], [], runtime(daemon))
+    run.wait_file("ready-1")
+    wait_registered(daemon, run.launches()[0])
+    assert daemon.request(NotifyRequest(deadline_seconds=60)).ok
+    assert run.wait_file("got-1") == "SIGUSR1"
+    status, figures = run.finish()
+    assert status == 0, run.stderr()
+    assert len(run.launches()) == 2 and figures["launches"] == 2 and figures["preemptions"] == 1
+    assert figures["runs"][0]["status"] == 75 and figures["runs"][1]["status"] == 0
+    assert "relaunching it" in run.stderr()
+
+
+def test_sigterm_to_the_supervisor_reaches_the_child_group_and_ends_the_relaunching(tmp_path):
+    run = Supervised(tmp_path, ["--no-daemon"], ["--grandchild"], {"SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    run.wait_file("ready-1")
+    grandchild = int(run.wait_file("grandchild"))
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_file("got-1") == "SIGTERM"
+    status, figures = run.finish()
+    assert status == 75 and figures["launches"] == 1
+    assert figures["reason"] == "SIGTERM received"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and "Z" not in _state(grandchild):
+        assert time.monotonic() < deadline, "the grandchild did not get the SIGTERM"
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_it_starts_its_own_daemon_when_none_runs_and_stops_it(tmp_path, sock_dir, ask):
+    env = {"SPOTGUARD_RUNTIME_DIR": str(sock_dir / "run"), "SPOTGUARD_STATE_DIR": str(tmp_path / "state"),
+           "SPOTGUARD_METRICS__ENABLED": "false", "SPOTGUARD_PLATFORM": "none"}
+
+    endpoint = f"ipc://{sock_dir}/run/requests.sock"
+    run = Supervised(tmp_path, [], [], env)
+    run.wait_file("ready-1")
+    started = int(run.stderr().split("started one (pid ")[1].split(")")[0])
+    status = ask(endpoint, StatusRequest())
+    assert status.ok and status.data["pid"] == started
+    deadline = time.monotonic() + 10
+    while not ask(endpoint, StatusRequest()).data["clients"]:
+        assert time.monotonic() < deadline, run.stderr()
+        time.sleep(0.05)
+    assert ask(endpoint, NotifyRequest(deadline_seconds=60)).ok
+    status, figures = run.finish()
+    assert status == 0 and figures["preemptions"] == 1, run.stderr()
+    with pytest.raises(ProcessLookupError):
+        os.kill(started, 0)
+
+    alone = Supervised(tmp_path / "b", ["--no-daemon"], ["--finish-at", "1"], env)
+    status, _ = alone.finish()
+    assert status == 0 and "(--no-daemon): signals and exit statuses only" in alone.stderr()
+    assert "started one" not in alone.stderr()

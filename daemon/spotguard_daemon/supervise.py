@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 __all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "killpg", "signal_each",
-           "descendants", "stop", "catches", "daemon_status", "STOP_S"]
+           "descendants", "descends", "parent_of", "stop", "catches", "daemon_status", "STOP_S"]
 
 STOP_S = 10.0
 """Seconds a process gets after SIGTERM before SIGKILL when a supervisor stops it."""
@@ -105,14 +105,32 @@ def stop(proc: subprocess.Popen, timeout: float = STOP_S) -> None:
             proc.wait()
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (0 for a namespace's first process), None when it is not visible."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descends(pid: int, ancestor: int) -> bool:
+    """Whether ``ancestor`` is ``pid``'s parent, grandparent... (a walk up from ``pid``)."""
+    for _ in range(256):
+        pid = parent_of(pid) or 0
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
 def _parents() -> dict[int, int]:
     """pid -> parent pid of every process visible in /proc now."""
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
+        parent = parent_of(int(stat.parent.name))
+        if parent is not None:
+            parents[int(stat.parent.name)] = parent
     return parents
 
 

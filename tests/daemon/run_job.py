@@ -1,12 +1,14 @@
 """A job that does not import spotguard, for ``spotguard run``'s tests.
 
-    python run_job.py DIR [--finish-at N] [--wait] [--fail STATUS] [--grandchild]
+    python run_job.py DIR [--finish-at N] [--wait] [--fail STATUS] [--grandchild] [--orphan]
 
 Each launch appends its pid to ``DIR/launches``; launch ``N`` (1-based, default 2) and later exit 0
 at once. Earlier ones trap SIGUSR1 and SIGTERM, write ``DIR/ready-<launch>`` and sleep (30 s at
 most, then exit 1). On a signal they write ``DIR/got-<launch>`` (the signal's name), wait for
 ``DIR/go-<launch>`` with ``--wait``, and exit 75, as a clean stop would. ``--fail S``: every launch
 exits S. ``--grandchild``: a child that sleeps is started first, its pid in ``DIR/grandchild``.
+``--orphan``: a process that lives 0.3 s and whose parent exits at once (so that it is reparented
+to the supervisor when that is PID 1) is started first, its pid in ``DIR/orphan``.
 """
 
 import argparse
@@ -22,6 +24,7 @@ parser.add_argument("--finish-at", type=int, default=2)
 parser.add_argument("--wait", action="store_true")
 parser.add_argument("--fail", type=int)
 parser.add_argument("--grandchild", action="store_true")
+parser.add_argument("--orphan", action="store_true")
 args = parser.parse_args()
 with open(args.dir / "launches", "a") as file:
     file.write(f"{__import__('os').getpid()}\n")
@@ -33,6 +36,8 @@ if launch >= args.finish_at:
 if args.grandchild:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     (args.dir / "grandchild").write_text(str(child.pid))
+if args.orphan:
+    subprocess.run(["sh", "-c", f"sleep 0.3 & echo $! > {args.dir}/orphan"], check=True)
 got: list[int] = []
 signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
 signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))

@@ -6,7 +6,6 @@ The summary's figures are checked against the record, and, on a hand-made record
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from spotguard._record import read
 from spotguard.protocol import NotifyRequest
 
 from spotguard_daemon.run_summary import Launch, human, summary
+from test_run_supervisor import finished
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = [sys.executable, str(ROOT / "examples" / "train_plain.py"), "--steps", "80", "--save-every",
@@ -53,12 +53,9 @@ def test_a_manual_notice_is_relaunched_and_ends_as_an_uninterrupted_run(tmp_path
     try:
         wait_progress(record, 25, proc)
         assert daemon.request(NotifyRequest(deadline_seconds=60)).ok
-        assert proc.wait(120) == 0, (tmp_path / "run.err").read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    figures = json.loads((tmp_path / "run.out").read_text().splitlines()[-1])
+        status, figures = finished(proc, tmp_path / "run.out", 120)
+    assert status == 0, (tmp_path / "run.err").read_text()
     assert figures["launches"] == 2 and figures["preemptions"] == 1
     assert figures["finish"] == {"step": expected["step"], "digest": expected["digest"]}
     stop = next(e for e in read(record) if e["event"] == "stop")

@@ -43,16 +43,11 @@ class Supervised:
         return (self.dir / name).read_text()
 
     def finish(self, timeout: float = 30.0) -> tuple[int, dict]:
-        try:
-            status = self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+        status, figures = finished(self.proc, self.out, timeout)
         for pid in self.launches():
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-        return status, json.loads(self.out.read_text().splitlines()[-1])
+        return status, figures
 
     def launches(self) -> list[int]:
         path = self.dir / "launches"
@@ -60,6 +55,18 @@ class Supervised:
 
     def stderr(self) -> str:
         return self.err.read_text()
+
+
+def finished(proc: subprocess.Popen, out: Path, timeout: float) -> tuple[int, dict]:
+    """The supervisor's status and its ``--json`` summary (the last line of ``out``); killed when
+    it does not end within ``timeout``."""
+    try:
+        status = proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return status, json.loads(out.read_text().splitlines()[-1])
 
 
 def wait_registered(daemon, pid: int, timeout: float = 10.0) -> None:

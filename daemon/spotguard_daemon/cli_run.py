@@ -61,6 +61,7 @@ ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals to the supervisor that are forwarded and end the relaunching."""
 FORWARDED = ENDING + (signal.SIGUSR1, signal.SIGUSR2)
 POLL_S, SCAN_S = 0.05, 0.5
+GOING = "node going away"
 
 
 def _say(message: str) -> None:
@@ -95,31 +96,35 @@ class Supervisor:
             status = self._launch()
             delay = self._next(status)
             if delay is None:
-                return status if self.reason != "node going away" else EXIT_PREEMPTED
+                return EXIT_PREEMPTED if self.reason == GOING else status
             if delay and not self._sleep(delay):
                 return status
 
     def _next(self, status: int) -> float | None:
         """Seconds to wait before the next launch, or None to stop (``reason`` says why)."""
-        failures = sum(l.status not in (0, *PREEMPTED) for l in self.launches)
-        if self.launches[-1].pid == 0:
-            pass  # never started; reason set
-        elif self.ending is not None:
+        if self.reason:  # the command could not start: the same command would fail the same way
+            return None
+        if self.ending is not None:
             self.reason = f"{signal.Signals(self.ending).name} received"
         elif status == 0:
             self.reason = "the command succeeded"
         elif status in PREEMPTED:
             return self._after_preemption(status)
-        elif failures > self.max_restarts:
-            self.reason = f"the command failed with status {status}"
-            if self.max_restarts:
-                self.reason = f"max restarts ({self.max_restarts}) reached; status {status}"
-                _say(self.reason)
         else:
+            return self._after_failure(status)
+        return None
+
+    def _after_failure(self, status: int) -> float | None:
+        failures = sum(l.status not in (0, *PREEMPTED) for l in self.launches)
+        if failures <= self.max_restarts:
             delay = min(self.backoff * 2 ** (failures - 1), self.backoff_max)
             _say(f"the command failed with status {status}; restart {failures} of "
                  f"{self.max_restarts} in {delay:g} s")
             return delay
+        self.reason = f"the command failed with status {status}"
+        if self.max_restarts:
+            self.reason = f"max restarts ({self.max_restarts}) reached; status {status}"
+            _say(self.reason)
         return None
 
     def _after_preemption(self, status: int) -> float | None:
@@ -128,7 +133,7 @@ class Supervisor:
             self.reason = f"max preemptions ({self.max_preemptions}) reached"
         elif (notice := self._node_going()) is not None:
             left = notice.seconds_left()
-            self.reason = "node going away"
+            self.reason = GOING
             _say(f"notice {notice.id} ({notice.kind.value}, "
                  + ("no deadline" if left is None else f"due in {left:.0f} s")
                  + f") is pending for this node: exiting {EXIT_PREEMPTED} so that the scheduler "
@@ -185,7 +190,7 @@ class Supervisor:
     def _not_started(self, launch: Launch, status: int, message: str) -> int:
         _say(message)
         launch.status, launch.t_end = status, time.time()
-        self.reason = message  # no relaunch: the same command would fail the same way
+        self.reason = message
         return status
 
     def _wait(self, proc: subprocess.Popen) -> int:

@@ -51,7 +51,7 @@ from spotguard.protocol import Notice
 
 from spotguard_daemon.run_summary import PREEMPTED, Launch, human, summary
 from spotguard_daemon.supervise import (CommandNotFound, LaunchError, catches, daemon_status, descendants,
-                                        killpg, signal_each, spawn, start_daemon, stop)
+                                        killpg, spawn, start_daemon, stop)
 
 __all__ = ["run", "Supervisor"]
 
@@ -96,7 +96,8 @@ class Supervisor:
             status = self._launch()
             delay = self._next(status)
             if delay is None:
-                return EXIT_PREEMPTED if self.reason == GOING else status
+                clean = self.launches[-1].preempted and status not in PREEMPTED  # torchrun's 1
+                return EXIT_PREEMPTED if self.reason == GOING or clean else status
             if delay and not self._sleep(delay):
                 return status
 
@@ -108,14 +109,14 @@ class Supervisor:
             self.reason = f"{signal.Signals(self.ending).name} received"
         elif status == 0:
             self.reason = "the command succeeded"
-        elif status in PREEMPTED:
+        elif self.launches[-1].preempted:
             return self._after_preemption(status)
         else:
             return self._after_failure(status)
         return None
 
     def _after_failure(self, status: int) -> float | None:
-        failures = sum(l.status not in (0, *PREEMPTED) for l in self.launches)
+        failures = sum(l.failed for l in self.launches)
         if failures <= self.max_restarts:
             delay = min(self.backoff * 2 ** (failures - 1), self.backoff_max)
             _say(f"the command failed with status {status}; restart {failures} of "
@@ -128,7 +129,7 @@ class Supervisor:
         return None
 
     def _after_preemption(self, status: int) -> float | None:
-        preemptions = sum(l.status in PREEMPTED for l in self.launches)
+        preemptions = sum(l.preempted for l in self.launches)
         if preemptions > self.max_preemptions:
             self.reason = f"max preemptions ({self.max_preemptions}) reached"
         elif (notice := self._node_going()) is not None:
@@ -139,7 +140,7 @@ class Supervisor:
                  + f") is pending for this node: exiting {EXIT_PREEMPTED} so that the scheduler "
                  "places the job elsewhere")
         else:
-            _say(f"the command stopped with status {status}; relaunching it")
+            _say(f"the command stopped with status {status} after a notice; relaunching it")
             return 0.0
         return None
 
@@ -231,8 +232,7 @@ class Supervisor:
                 self.ending = signum
                 _say(f"{signal.Signals(signum).name} received: passing it on; no relaunch after this")
             if proc is not None:
-                killpg(proc, signum)
-                signal_each(descendants(proc.pid), signum)
+                killpg(proc, signum)  # the group only, as a terminal does: a launcher passes it on
 
     def _register(self, root: int) -> None:
         """Register the job's processes that catch the delivery signal (new ones only)."""
@@ -242,8 +242,13 @@ class Supervisor:
 
         from spotguard_daemon.cli import request
 
-        for pid in sorted({root} | descendants(root)):
-            if pid in self._registered or not catches(pid, self.delivery):
+        new = [pid for pid in sorted({root} | descendants(root))
+               if pid not in self._registered and catches(pid, self.delivery)]
+        if new:  # a process that registered itself (a spotguard client) keeps its rank and job
+            known = (daemon_status(self.endpoint, 2.0) or {}).get("clients", [])
+            self._registered |= {c["pid"] for c in known}
+        for pid in new:
+            if pid in self._registered:
                 continue
             reply = request(self.endpoint, RegisterRequest(pid=pid), 2.0)
             if reply is None:
@@ -266,7 +271,12 @@ def _daemon(settings, config: str | None, start: bool) -> tuple[bool, subprocess
     if not start:
         _say(f"no daemon on {endpoint} (--no-daemon): signals and exit statuses only")
         return False, None
-    proc = start_daemon(["--config", config] if config else [], dict(os.environ), None, endpoint)
+    try:
+        proc = start_daemon(["--config", config] if config else [], dict(os.environ), None, endpoint)
+    except LaunchError as exc:  # the job matters more than the daemon: run it without one
+        _say(f"no daemon answered on {endpoint} and none could be started ({exc}): signals and "
+             "exit statuses only")
+        return False, None
     _say(f"no daemon answered on {endpoint}: started one (pid {proc.pid})")
     return True, proc
 
@@ -324,9 +334,6 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
         for signum in FORWARDED:
             signal.signal(signum, sup.on_signal)
         status = sup.run()
-    except LaunchError as exc:
-        _say(str(exc))
-        sys.exit(1)
     finally:
         if daemon is not None:
             stop(daemon, 60.0)

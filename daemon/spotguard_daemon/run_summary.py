@@ -38,6 +38,17 @@ class Launch:
     status: int | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def preempted(self) -> bool:
+        """Stopped for a notice: status 75 or 76, or any other failure after the job recorded a
+        clean stop and no finish (``torchrun`` exits 1 when its workers exit 75)."""
+        return self.status in PREEMPTED or (self.status not in (0, None) and self.first("finish") is None
+                                            and self.first("stop") is not None)
+
+    @property
+    def failed(self) -> bool:
+        return self.status not in (0, None) and not self.preempted
+
     def first(self, name: str) -> dict[str, Any] | None:
         return next((e for e in self.events if e.get("event") == name), None)
 
@@ -84,8 +95,8 @@ def summary(launches: list[Launch], status: int, wall: float, reason: str) -> di
         "status": status,
         "reason": reason,
         "launches": len(launches),
-        "preemptions": sum(l.status in PREEMPTED for l in launches),
-        "failures": sum(l.status not in (0, None, *PREEMPTED) for l in launches),
+        "preemptions": sum(l.preempted for l in launches),
+        "failures": sum(l.failed for l in launches),
         "steps_lost": _total([s for s, _ in losses]),
         "seconds_lost": _total([t for _, t in losses]),
         "wall_seconds": round(wall, 3),

@@ -86,3 +86,27 @@ def test_the_summary_counts_steps_and_time_lost_from_the_record():
     plain = summary([Launch(1, t_start=0.0, t_end=1.0, status=75), Launch(2, t_start=1.0, t_end=2.0, status=0)],
                     0, 2.0, "the command succeeded")
     assert plain["steps_lost"] is None and "? step(s) and ? s lost" in human(plain)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_whose_workers_stopped_cleanly_is_relaunched(tmp_path, daemon_factory):
+    """torchrun exits 1 when its workers exit 75: the record's ``stop`` events make it a preemption."""
+    daemon = daemon_factory()
+    record = tmp_path / "run.jsonl"
+    env = clean_env(SPOTGUARD_RUNTIME_DIR=str(daemon.runtime_dir), SPOTGUARD_RECORD=str(record))
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", *TRAIN[1:]]
+    with open(tmp_path / "run.out", "w") as out, open(tmp_path / "run.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "spotguard_daemon", "run", "--json", "--", *torchrun],
+                                cwd=tmp_path, env=env, stdout=out, stderr=err)
+    try:
+        wait_progress(record, 20, proc, timeout=120)
+        assert daemon.request(NotifyRequest(deadline_seconds=60)).ok
+    finally:
+        status, figures = finished(proc, tmp_path / "run.out", 180)
+    assert status == 0, (tmp_path / "run.err").read_text()[-3000:]
+    assert figures["launches"] == 2 and figures["preemptions"] == 1 and figures["failures"] == 0
+    assert figures["runs"][0]["status"] == 1 and figures["finish"]["step"] == 80
+    stops = [e for e in read(record) if e["event"] == "stop"]
+    assert sorted(e["rank"] for e in stops) == [0, 1]
+    assert [e for e in read(record) if e["event"] == "start"][-1]["resumed_from"] == stops[0]["step"]

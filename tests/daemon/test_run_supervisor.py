@@ -172,3 +172,14 @@ def test_it_starts_its_own_daemon_when_none_runs_and_stops_it(tmp_path, sock_dir
     status, _ = alone.finish()
     assert status == 0 and "(--no-daemon): signals and exit statuses only" in alone.stderr()
     assert "started one" not in alone.stderr()
+
+
+def test_a_daemon_that_cannot_start_leaves_the_job_running_without_one(tmp_path, sock_dir):
+    shared = sock_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # a runtime directory others can write to: the daemon refuses it
+    run = Supervised(tmp_path, [], ["--finish-at", "1"], {"SPOTGUARD_RUNTIME_DIR": str(shared),
+                                                            "SPOTGUARD_METRICS__ENABLED": "false"})
+    status, figures = run.finish()
+    assert status == 0 and figures["launches"] == 1, run.stderr()
+    assert "none could be started" in run.stderr() and "signals and exit statuses only" in run.stderr()

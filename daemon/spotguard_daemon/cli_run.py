@@ -9,18 +9,21 @@ with the supervisor's stdin, stdout and stderr. When it ends:
   own SIGTERM) is pending and due within ``--useful-seconds``. Then the supervisor exits 75, so that
   the scheduler places the job elsewhere. A drill or manual notice (``spotguard notify``), a
   cancelled notice, or one due further away does not stop the relaunch; the ids of the manual ones
-  are passed to the job (``$SPOTGUARD_HANDLED_NOTICES``), which the earlier launch already obeyed;
+  are passed to the job (``$SPOTGUARD_HANDLED_NOTICES``), which the earlier launch already obeyed.
+  A launcher's failure status after the job recorded a clean stop and no finish counts as 75
+  (``torchrun`` exits 1 when its workers exit 75);
 * any other status ends the run, unless ``--max-restarts N``: then up to N relaunches, after
   ``--backoff`` seconds doubled each time up to ``--backoff-max``.
 
 The supervisor exits with the last launch's status (a signal ``S`` counts as ``128 + S``, 127 when
 the command does not exist). It reaches the node's daemon, or starts one on the same settings
 (``--config``, the environment) when none answers, unless ``--no-daemon``; the one it starts is
-stopped at the end. It registers the job's processes that catch the daemon's delivery signal
+stopped at the end, and one that cannot start leaves the job running without a daemon. It registers the job's processes that catch the daemon's delivery signal
 (``delivery.signal``, SIGUSR1 by default) with the daemon over its ``ipc://`` socket, so that jobs
 that do not import spotguard learn of notices too; the daemon accepts only the sender's own
 descendants (:mod:`spotguard_daemon.peers`). SIGTERM, SIGINT and SIGHUP to the supervisor are
-forwarded to the command's process group (and every descendant) and end the relaunching; SIGUSR1
+forwarded to the command's process group (a launcher passes them on to its workers) and end the
+relaunching; SIGUSR1
 and SIGUSR2 are forwarded only. As PID 1 (a container's entry point) it reaps orphans too.
 
 At the end a one-line summary on stderr (:mod:`spotguard_daemon.run_summary`); ``--json`` prints it
@@ -33,7 +36,6 @@ Exceptions: none escape; usage errors exit 2 (one line).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -50,12 +52,10 @@ from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
 
 from spotguard_daemon.run_summary import PREEMPTED, Launch, human, summary
-from spotguard_daemon.supervise import (CommandNotFound, LaunchError, catches, daemon_status, descendants,
-                                        killpg, spawn, start_daemon, stop)
+from spotguard_daemon.supervise import (CommandNotFound, LaunchError, Registrar, daemon_status, killpg,
+                                        reap, spawn, start_daemon, stop)
 
 __all__ = ["run", "Supervisor"]
-
-log = logging.getLogger(__name__)
 
 ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals to the supervisor that are forwarded and end the relaunching."""
@@ -85,7 +85,7 @@ class Supervisor:
         self.others: list[subprocess.Popen] = []
         """Other children (a daemon it started), reaped by pid when the supervisor is PID 1."""
         self._signals: list[int] = []
-        self._registered: set[int] = set()
+        self.registrar = Registrar(endpoint, delivery) if endpoint and delivery else None
         self._offset = record.stat().st_size if record.exists() else 0
 
     # ------------------------------------------------------------------ the loop
@@ -103,6 +103,7 @@ class Supervisor:
 
     def _next(self, status: int) -> float | None:
         """Seconds to wait before the next launch, or None to stop (``reason`` says why)."""
+        self._take_signals(None)  # an ending signal that came after the command ended
         if self.reason:  # the command could not start: the same command would fail the same way
             return None
         if self.ending is not None:
@@ -199,26 +200,13 @@ class Supervisor:
         while proc.poll() is None:
             self._take_signals(proc)
             if os.getpid() == 1:
-                self._reap(proc)
-            if time.monotonic() >= scan_at:
+                reap([proc, *self.others])
+            if time.monotonic() >= scan_at and self.registrar is not None:
                 scan_at = time.monotonic() + SCAN_S
-                self._register(proc.pid)
+                self.registrar.scan(proc.pid)
             time.sleep(POLL_S)
         code = proc.returncode
         return 128 - code if code < 0 else code
-
-    def _reap(self, proc: subprocess.Popen) -> None:
-        """As PID 1: collect every exited child, orphans included, keeping the known ones' status."""
-        known = {p.pid: p for p in [proc, *self.others]}
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            if pid in known:
-                known[pid].returncode = os.waitstatus_to_exitcode(status)
 
     # ------------------------------------------------------------------ signals
 
@@ -233,30 +221,6 @@ class Supervisor:
                 _say(f"{signal.Signals(signum).name} received: passing it on; no relaunch after this")
             if proc is not None:
                 killpg(proc, signum)  # the group only, as a terminal does: a launcher passes it on
-
-    def _register(self, root: int) -> None:
-        """Register the job's processes that catch the delivery signal (new ones only)."""
-        if self.delivery is None or self.endpoint is None:
-            return
-        from spotguard.protocol import RegisterRequest
-
-        from spotguard_daemon.cli import request
-
-        new = [pid for pid in sorted({root} | descendants(root))
-               if pid not in self._registered and catches(pid, self.delivery)]
-        if new:  # a process that registered itself (a spotguard client) keeps its rank and job
-            known = (daemon_status(self.endpoint, 2.0) or {}).get("clients", [])
-            self._registered |= {c["pid"] for c in known}
-        for pid in new:
-            if pid in self._registered:
-                continue
-            reply = request(self.endpoint, RegisterRequest(pid=pid), 2.0)
-            if reply is None:
-                return  # the daemon is away: the next scan tries again
-            self._registered.add(pid)
-            if not reply.ok:
-                _say(f"the daemon refused to register pid {pid} ({reply.error}); it learns of "
-                     "notices only if it asks the daemon itself")
 
 
 # ---------------------------------------------------------------------- the command

@@ -5,7 +5,8 @@ A command runs in a session (and process group) of its own, so that a signal to 
 the command and every child it did not move elsewhere, and never the supervisor itself. Launchers
 such as ``torchrun`` may start workers in sessions of their own: :func:`descendants` finds them
 in ``/proc``, never by name. :func:`start_daemon` starts ``spotguard daemon`` and waits until it
-answers on its request socket.
+answers on its request socket. :class:`Registrar` registers a job's processes with the daemon for
+its signal fallback, and :func:`reap` collects orphans for a supervisor that is PID 1.
 
 Exceptions::
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import IO
 
 __all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "killpg", "signal_each",
-           "descendants", "descends", "parent_of", "stop", "catches", "daemon_status", "STOP_S"]
+           "descendants", "descends", "parent_of", "stop", "catches", "reap", "Registrar", "daemon_status", "STOP_S"]
 
 STOP_S = 10.0
 """Seconds a process gets after SIGTERM before SIGKILL when a supervisor stops it."""
@@ -158,3 +159,52 @@ def catches(pid: int, signum: int) -> bool:
     except (OSError, ValueError, IndexError):
         return False
     return False
+
+
+def reap(known: list[subprocess.Popen]) -> None:
+    """As PID 1: collect every exited child, orphans included; a ``known`` one keeps its status."""
+    by_pid = {proc.pid: proc for proc in known}
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid in by_pid:
+            by_pid[pid].returncode = os.waitstatus_to_exitcode(status)
+
+
+class Registrar:
+    """Registers with the daemon at ``endpoint`` the processes of a job that catch ``signum`` (the
+    daemon's delivery signal), each once, so that its signal fallback reaches jobs that do not
+    import spotguard. A process without a handler is left out: the signal would kill it."""
+
+    def __init__(self, endpoint: str, signum: int) -> None:
+        self.endpoint, self.signum = endpoint, signum
+        self.done: set[int] = set()
+
+    def scan(self, root: int) -> None:
+        """Register the new catching processes of the tree under (and including) ``root``."""
+        new = [pid for pid in sorted({root} | descendants(root))
+               if pid not in self.done and catches(pid, self.signum)]
+        if new:  # a process that registered itself (a spotguard client) keeps its rank and job
+            known = (daemon_status(self.endpoint, 2.0) or {}).get("clients", [])
+            self.done |= {client["pid"] for client in known}
+        for pid in new:
+            if pid not in self.done and not self._register(pid):
+                return  # the daemon is away: the next scan tries again
+
+    def _register(self, pid: int) -> bool:
+        from spotguard.protocol import RegisterRequest
+
+        from spotguard_daemon.cli import request
+
+        reply = request(self.endpoint, RegisterRequest(pid=pid), 2.0)
+        if reply is None:
+            return False
+        self.done.add(pid)
+        if not reply.ok:
+            print(f"spotguard run: the daemon refused to register pid {pid} ({reply.error}); it "
+                  "learns of notices only if it asks the daemon itself", file=sys.stderr)
+        return True

@@ -62,6 +62,8 @@ ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 FORWARDED = ENDING + (signal.SIGUSR1, signal.SIGUSR2)
 POLL_S, SCAN_S = 0.05, 0.5
 GOING = "node going away"
+STUCK = 3
+"""Preempted launches in a row without progress (by their records) after which relaunching stops."""
 
 
 def _say(message: str) -> None:
@@ -133,6 +135,9 @@ class Supervisor:
         preemptions = sum(l.preempted for l in self.launches)
         if preemptions > self.max_preemptions:
             self.reason = f"max preemptions ({self.max_preemptions}) reached"
+        elif self._stuck():
+            self.reason = f"{STUCK} launches in a row stopped without progress"
+            _say(f"{self.reason}: not relaunching (is a notice the job cannot ignore pending?)")
         elif (notice := self._node_going()) is not None:
             left = notice.seconds_left()
             self.reason = GOING
@@ -144,6 +149,12 @@ class Supervisor:
             _say(f"the command stopped with status {status} after a notice; relaunching it")
             return 0.0
         return None
+
+    def _stuck(self) -> bool:
+        """The last STUCK launches were all preempted before their record showed any progress."""
+        last = self.launches[-STUCK:]
+        return len(last) == STUCK and all(l.preempted and l.resumed_from is not None
+                                          and l.reached == l.resumed_from for l in last)
 
     def _node_going(self) -> Notice | None:
         """A pending terminating notice that is not manual and due within ``useful`` seconds."""

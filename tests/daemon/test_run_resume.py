@@ -1,6 +1,8 @@
 """``spotguard run`` with a job that imports spotguard (``examples/train_plain.py``) and a real daemon:
 a manual notice stops the job, the supervisor relaunches the identical command, and the final
-training state equals that of an uninterrupted run (the ``finish`` digests of the run record).
+training state equals that of an uninterrupted run (the ``finish`` digests of the run record). A
+neighbour on the node that never reports safe keeps the notice pending, so the relaunch trains only
+because it ignores the notice its first launch obeyed (``$SPOTGUARD_HANDLED_NOTICES``).
 The summary's figures are checked against the record, and, on a hand-made record, exactly.
 """
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from spotguard._record import read
-from spotguard.protocol import NotifyRequest
+from spotguard.protocol import NotifyRequest, RegisterRequest, StatusRequest
 
 from spotguard_daemon.run_summary import Launch, human, summary
 from test_run_supervisor import finished
@@ -22,6 +24,9 @@ from test_run_supervisor import finished
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = [sys.executable, str(ROOT / "examples" / "train_plain.py"), "--steps", "80", "--save-every",
          "10", "--step-sleep", "0.03", "--ckpt-dir", "ckpt"]
+
+NEIGHBOUR = "import signal, time; signal.signal(signal.SIGUSR1, lambda *a: None); print('ready', flush=True); time.sleep(120)"
+"""Another job on the node: it hears the daemon's signal, and never reports safe."""
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -45,17 +50,23 @@ def test_a_manual_notice_is_relaunched_and_ends_as_an_uninterrupted_run(tmp_path
     [expected] = [e for e in read(reference) if e["event"] == "finish"]
 
     daemon = daemon_factory()
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE)
     record = tmp_path / "run.jsonl"
     env = clean_env(SPOTGUARD_RUNTIME_DIR=str(daemon.runtime_dir), SPOTGUARD_RECORD=str(record))
     with open(tmp_path / "run.out", "w") as out, open(tmp_path / "run.err", "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "spotguard_daemon", "run", "--json", "--", *TRAIN],
                                 cwd=tmp_path, env=env, stdout=out, stderr=err)
     try:
+        assert neighbour.stdout.readline() == b"ready\n"
+        assert daemon.request(RegisterRequest(pid=neighbour.pid)).ok
         wait_progress(record, 25, proc)
-        assert daemon.request(NotifyRequest(deadline_seconds=60)).ok
+        notice = daemon.request(NotifyRequest(deadline_seconds=60)).data["notice"]
     finally:
         status, figures = finished(proc, tmp_path / "run.out", 120)
+        neighbour.kill()
+        neighbour.wait(10)
     assert status == 0, (tmp_path / "run.err").read_text()
+    assert [n["id"] for n in daemon.request(StatusRequest()).data["notices"]] == [notice["id"]]
     assert figures["launches"] == 2 and figures["preemptions"] == 1
     assert figures["finish"] == {"step": expected["step"], "digest": expected["digest"]}
     stop = next(e for e in read(record) if e["event"] == "stop")

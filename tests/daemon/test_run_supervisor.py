@@ -183,3 +183,17 @@ def test_a_daemon_that_cannot_start_leaves_the_job_running_without_one(tmp_path,
     status, figures = run.finish()
     assert status == 0 and figures["launches"] == 1, run.stderr()
     assert "none could be started" in run.stderr() and "signals and exit statuses only" in run.stderr()
+
+
+def test_launches_that_stop_again_without_progress_are_not_relaunched_forever(tmp_path):
+    """A job that records its start and stops at once (as one would under a notice it cannot
+    ignore) is launched three times, not a thousand."""
+    script = ("import os, sys, json, time; line = dict(v=1, event='start', t=time.time(), pid=os.getpid(), "
+              "rank=0, job='', resumed_from=7); open(os.environ['SPOTGUARD_RECORD'], 'a')"
+              ".write(json.dumps(line) + '\\n'); sys.exit(75)")
+    done = subprocess.run([*RUN, "--json", "--no-daemon", "--", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    figures = json.loads(done.stdout.splitlines()[-1])
+    assert done.returncode == 75 and figures["launches"] == 3 and figures["preemptions"] == 3
+    assert "3 launches in a row stopped without progress: not relaunching" in done.stderr

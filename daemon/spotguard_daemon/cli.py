@@ -256,11 +256,10 @@ from spotguard_daemon.cli_cadence import cadence  # noqa: E402
 from spotguard_daemon.cli_checkpoints import checkpoints  # noqa: E402
 from spotguard_daemon.cli_demo import demo  # noqa: E402
 from spotguard_daemon.cli_drill import drill  # noqa: E402
+from spotguard_daemon.cli_run import run  # noqa: E402
 
 main.add_command(cadence)
 main.add_command(checkpoints)
 main.add_command(demo)
 main.add_command(drill)
-from spotguard_daemon.cli_run import run  # noqa: E402
-
 main.add_command(run)

@@ -290,7 +290,14 @@ def _delivery_signal(settings) -> int | None:
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, ...],
         **options) -> None:
-    """Run COMMAND; relaunch it after preemptions (spotguard run [OPTIONS] -- COMMAND...)."""
+    """Run COMMAND; relaunch it after preemptions (spotguard run [OPTIONS] -- COMMAND...).
+
+    \b
+    After status 75 or 76 the identical command runs again, unless a platform
+    notice for this node is pending (then it exits 75: place the job elsewhere).
+    After any other failure only with --max-restarts. Exits with the last
+    status of the command (127: not found; 128+N: killed by signal N).
+    """
     if not command:
         raise click.UsageError("no command given (spotguard run [OPTIONS] -- COMMAND [ARGS]...)")
     from spotguard_daemon.cli import _settings

@@ -15,10 +15,10 @@ the client died, or belong to someone else entirely. So a registration records
 A client in a container (a child PID namespace) names processes by their pids in its namespace:
 itself, known by the pid the kernel reports for the peer, or one of its descendants, found below
 the peer by its ``NSpid``. Any other pid it names is refused, root's too: the number would name an
-unrelated process of the daemon's namespace. A pid that is not a running process is refused. A client that
-registered over ``tcp://`` (which cannot prove who the peer is), or from an unrelated PID namespace,
-is unproven: kept until it unregisters or is evicted by newer unproven ones, and **never
-signalled**; it learns of notices over the PUB socket only.
+unrelated process of the daemon's namespace. A pid that is not a running process is refused. A
+client that registered over ``tcp://`` (which cannot prove who the peer is), or from an unrelated
+PID namespace, is unproven: kept until it unregisters or is evicted by newer unproven ones, and
+**never signalled**; it learns of notices over the PUB socket only.
 
 Exceptions: none; :func:`owner_uid` and :func:`process_start_time` return None for a pid they
 cannot see.

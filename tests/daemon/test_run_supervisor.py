@@ -148,12 +148,14 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+@pytest.mark.slow  # a daemon started and stopped, two supervisors: about 6 s
 def test_it_starts_its_own_daemon_when_none_runs_and_stops_it(tmp_path, sock_dir, ask):
-    env = {"SPOTGUARD_RUNTIME_DIR": str(sock_dir / "run"), "SPOTGUARD_STATE_DIR": str(tmp_path / "state"),
-           "SPOTGUARD_METRICS__ENABLED": "false", "SPOTGUARD_PLATFORM": "none"}
-
+    """On the settings of ``--config``; then ``--no-daemon`` starts none."""
+    config = tmp_path / "spotguard.toml"
+    config.write_text(f'platform = "none"\nruntime_dir = "{sock_dir}/run"\nstate_dir = "{tmp_path}/state"\n'
+                      '[metrics]\nenabled = false\n')
     endpoint = f"ipc://{sock_dir}/run/requests.sock"
-    run = Supervised(tmp_path, [], [], env)
+    run = Supervised(tmp_path, ["--config", str(config)], [])
     run.wait_file("ready-1")
     started = int(run.stderr().split("started one (pid ")[1].split(")")[0])
     status = ask(endpoint, StatusRequest())
@@ -168,7 +170,7 @@ def test_it_starts_its_own_daemon_when_none_runs_and_stops_it(tmp_path, sock_dir
     with pytest.raises(ProcessLookupError):
         os.kill(started, 0)
 
-    alone = Supervised(tmp_path / "b", ["--no-daemon"], ["--finish-at", "1"], env)
+    alone = Supervised(tmp_path / "b", ["--no-daemon", "--config", str(config)], ["--finish-at", "1"])
     status, _ = alone.finish()
     assert status == 0 and "(--no-daemon): signals and exit statuses only" in alone.stderr()
     assert "started one" not in alone.stderr()

@@ -20,8 +20,8 @@ the command does not exist). It reaches the node's daemon, or starts one on the 
 (``--config``, the environment) when none answers, unless ``--no-daemon``; the one it starts is
 stopped at the end, and one that cannot start leaves the job running without a daemon. It registers the job's processes that catch the daemon's delivery signal
 (``delivery.signal``, SIGUSR1 by default) with the daemon over its ``ipc://`` socket, so that jobs
-that do not import spotguard learn of notices too; the daemon accepts only the sender's own
-descendants (:mod:`spotguard_daemon.peers`). SIGTERM, SIGINT and SIGHUP to the supervisor are
+that do not import spotguard learn of notices too, and reports them safe after their exit 75; the
+daemon accepts only the sender's own descendants (:mod:`spotguard_daemon.peers`). SIGTERM, SIGINT and SIGHUP to the supervisor are
 forwarded to the command's process group (a launcher passes them on to its workers) and end the
 relaunching; SIGUSR1
 and SIGUSR2 are forwarded only. As PID 1 (a container's entry point) it reaps orphans too.
@@ -196,8 +196,9 @@ class Supervisor:
         launch.pid = proc.pid
         launch.status = self._wait(proc)
         launch.t_end = time.time()
-        events, self._offset = read_new(self.record, self._offset)
-        launch.events = events
+        launch.events, self._offset = read_new(self.record, self._offset)
+        if self.registrar is not None and launch.status == EXIT_PREEMPTED:
+            self.registrar.report_safe()
         return launch.status
 
     def _not_started(self, launch: Launch, status: int, message: str) -> int:

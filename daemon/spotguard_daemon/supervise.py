@@ -183,6 +183,8 @@ class Registrar:
     def __init__(self, endpoint: str, signum: int) -> None:
         self.endpoint, self.signum = endpoint, signum
         self.done: set[int] = set()
+        self.mine: set[int] = set()
+        """The pids this registrar registered (not those that registered themselves)."""
 
     def scan(self, root: int) -> None:
         """Register the new catching processes of the tree under (and including) ``root``."""
@@ -195,6 +197,18 @@ class Registrar:
             if pid not in self.done and not self._register(pid):
                 return  # the daemon is away: the next scan tries again
 
+    def report_safe(self) -> None:
+        """The job stopped cleanly (status 75): tell the daemon its registered processes are safe,
+        as a spotguard client does itself, so that a drill is withdrawn and Azure acknowledged
+        early. The processes are forgotten: the next launch has new ones."""
+        from spotguard.protocol import SafeRequest
+
+        from spotguard_daemon.cli import request
+
+        for pid in sorted(self.mine):
+            request(self.endpoint, SafeRequest(pid=pid), 2.0)
+        self.mine.clear()
+
     def _register(self, pid: int) -> bool:
         from spotguard.protocol import RegisterRequest
 
@@ -204,7 +218,9 @@ class Registrar:
         if reply is None:
             return False
         self.done.add(pid)
-        if not reply.ok:
+        if reply.ok:
+            self.mine.add(pid)
+        else:
             print(f"spotguard run: the daemon refused to register pid {pid} ({reply.error}); it "
                   "learns of notices only if it asks the daemon itself", file=sys.stderr)
         return True

@@ -124,6 +124,8 @@ def test_a_plain_job_gets_the_daemon_signal_and_is_relaunched(tmp_path, daemon_f
     assert len(run.launches()) == 2 and figures["launches"] == 2 and figures["preemptions"] == 1
     assert figures["runs"][0]["status"] == 75 and figures["runs"][1]["status"] == 0
     assert "relaunching it" in run.stderr()
+    assert "cancelled: every registered client reported safe" in daemon.output()  # by the supervisor
+    assert daemon.request(StatusRequest()).data["notices"] == []
 
 
 def test_sigterm_to_the_supervisor_reaches_the_child_group_and_ends_the_relaunching(tmp_path):

@@ -3,7 +3,7 @@
     python run_job.py DIR [--finish-at N] [--wait] [--fail STATUS] [--grandchild] [--orphan]
 
 Each launch appends its pid to ``DIR/launches``; launch ``N`` (1-based, default 2) and later exit 0
-at once. Earlier ones trap SIGUSR1 and SIGTERM, write ``DIR/ready-<launch>`` and sleep (30 s at
+at once. Earlier ones trap SIGUSR1, SIGTERM and SIGINT, write ``DIR/ready-<launch>`` and sleep (30 s at
 most, then exit 1). On a signal they write ``DIR/got-<launch>`` (the signal's name), wait for
 ``DIR/go-<launch>`` with ``--wait``, and exit 75, as a clean stop would. ``--fail S``: every launch
 exits S. ``--grandchild``: a child that sleeps is started first, its pid in ``DIR/grandchild``.
@@ -41,6 +41,7 @@ if args.orphan:
 got: list[int] = []
 signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
 signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
 (args.dir / f"ready-{launch}").write_text("ready")
 deadline = time.monotonic() + 30
 while not got and time.monotonic() < deadline:

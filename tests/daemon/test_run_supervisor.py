@@ -128,18 +128,19 @@ def test_a_plain_job_gets_the_daemon_signal_and_is_relaunched(tmp_path, daemon_f
     assert daemon.request(StatusRequest()).data["notices"] == []
 
 
-def test_sigterm_to_the_supervisor_reaches_the_child_group_and_ends_the_relaunching(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_supervisor_reaches_the_child_group_and_ends_the_relaunching(tmp_path, signum):
     run = Supervised(tmp_path, ["--no-daemon"], ["--grandchild"], {"SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
     run.wait_file("ready-1")
     grandchild = int(run.wait_file("grandchild"))
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.wait_file("got-1") == "SIGTERM"
+    run.proc.send_signal(signum)
+    assert run.wait_file("got-1") == signum.name
     status, figures = run.finish()
     assert status == 75 and figures["launches"] == 1
-    assert figures["reason"] == "SIGTERM received"
+    assert figures["reason"] == f"{signum.name} received"
     deadline = time.monotonic() + 10
     while Path(f"/proc/{grandchild}").exists() and "Z" not in _state(grandchild):
-        assert time.monotonic() < deadline, "the grandchild did not get the SIGTERM"
+        assert time.monotonic() < deadline, f"the grandchild did not get the {signum.name}"
         time.sleep(0.02)
 
 

@@ -160,7 +160,10 @@ class Supervisor:
         """A pending terminating notice that is not manual and due within ``useful`` seconds."""
         data = daemon_status(self.endpoint, 2.0) if self.endpoint else None
         for raw in (data or {}).get("notices", []):
-            notice = Notice.model_validate(raw)
+            try:
+                notice = Notice.model_validate(raw)
+            except ValueError:  # a daemon of another version: that notice cannot be judged
+                continue
             if not notice.terminating:
                 continue
             if notice.source == "manual":

@@ -63,7 +63,7 @@ def daemon_status(endpoint: str, timeout: float = 0.5) -> dict | None:
 
     if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
         return None
-    reply = request(endpoint, StatusRequest(), timeout)
+    reply = request(endpoint, StatusRequest(), timeout, strict=False)
     return reply.data if reply is not None else None
 
 
@@ -206,7 +206,7 @@ class Registrar:
         from spotguard_daemon.cli import request
 
         for pid in sorted(self.mine):
-            request(self.endpoint, SafeRequest(pid=pid), 2.0)
+            request(self.endpoint, SafeRequest(pid=pid), 2.0, strict=False)
         self.mine.clear()
 
     def _register(self, pid: int) -> bool:
@@ -214,7 +214,7 @@ class Registrar:
 
         from spotguard_daemon.cli import request
 
-        reply = request(self.endpoint, RegisterRequest(pid=pid), 2.0)
+        reply = request(self.endpoint, RegisterRequest(pid=pid), 2.0, strict=False)
         if reply is None:
             return False
         self.done.add(pid)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from spotguard.protocol import NotifyRequest, StatusRequest
+from spotguard.protocol import NotifyRequest, Reply, StatusRequest, encode
 
 JOB = Path(__file__).with_name("run_job.py")
 RUN = [sys.executable, "-m", "spotguard_daemon", "run"]
@@ -202,3 +202,36 @@ def test_launches_that_stop_again_without_progress_are_not_relaunched_forever(tm
     figures = json.loads(done.stdout.splitlines()[-1])
     assert done.returncode == 75 and figures["launches"] == 3 and figures["preemptions"] == 3
     assert "3 launches in a row stopped without progress: not relaunching" in done.stderr
+
+
+def test_a_daemon_that_answers_garbage_does_not_stop_the_supervisor(tmp_path, sock_dir):
+    """The first status is answered, every later request gets an invalid reply: the supervisor
+    treats that as no answer and goes on (and, having found a daemon, starts none)."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{sock_dir}/requests.sock")
+    stop = threading.Event()
+
+    def serve() -> None:
+        answers = [encode(Reply(ok=True, data={}))]
+        while not stop.is_set():
+            if router.poll(50):
+                ident, *_ = router.recv_multipart()
+                router.send_multipart([ident, b"", answers.pop() if answers else b"\xff not a reply"])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        run = Supervised(tmp_path, ["--max-preemptions", "1"], ["--fail", "75"],
+                         {"SPOTGUARD_RUNTIME_DIR": str(sock_dir)})
+        status, figures = run.finish()
+    finally:
+        stop.set()
+        server.join(10)
+        ctx.destroy(linger=0)
+    assert status == 75 and figures["launches"] == 2, run.stderr()
+    assert figures["reason"] == "max preemptions (1) reached" and "started one" not in run.stderr()

@@ -183,8 +183,9 @@ def test_a_daemon_that_cannot_start_leaves_the_job_running_without_one(tmp_path,
     shared = sock_dir / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # a runtime directory others can write to: the daemon refuses it
-    run = Supervised(tmp_path, [], ["--finish-at", "1"], {"SPOTGUARD_RUNTIME_DIR": str(shared),
-                                                            "SPOTGUARD_METRICS__ENABLED": "false"})
+    run = Supervised(tmp_path, [], ["--finish-at", "1"], {
+        "SPOTGUARD_RUNTIME_DIR": str(shared), "SPOTGUARD_STATE_DIR": str(tmp_path / "state"),
+        "SPOTGUARD_METRICS__ENABLED": "false"})
     status, figures = run.finish()
     assert status == 0 and figures["launches"] == 1, run.stderr()
     assert "none could be started" in run.stderr() and "signals and exit statuses only" in run.stderr()

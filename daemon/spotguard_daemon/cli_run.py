@@ -76,7 +76,7 @@ class Supervisor:
     def __init__(self, argv: list[str], env: dict[str, str], record: Path, endpoint: str | None,
                  delivery: int | None, *, useful_seconds: float, max_restarts: int, backoff: float,
                  backoff_max: float, max_preemptions: int) -> None:
-        self.argv, self.env, self.record, self.endpoint, self.delivery = argv, env, record, endpoint, delivery
+        self.argv, self.env, self.record, self.endpoint = argv, env, record, endpoint
         self.useful, self.max_restarts, self.max_preemptions = useful_seconds, max_restarts, max_preemptions
         self.backoff, self.backoff_max = backoff, backoff_max
         self.launches: list[Launch] = []
@@ -101,6 +101,7 @@ class Supervisor:
                 clean = self.launches[-1].preempted and status not in PREEMPTED  # torchrun's 1
                 return EXIT_PREEMPTED if self.reason == GOING or clean else status
             if delay and not self._sleep(delay):
+                self.reason = f"{signal.Signals(self.ending).name} received before the relaunch"
                 return status
 
     def _next(self, status: int) -> float | None:

@@ -236,3 +236,16 @@ def test_a_daemon_that_answers_garbage_does_not_stop_the_supervisor(tmp_path, so
         ctx.destroy(linger=0)
     assert status == 75 and figures["launches"] == 2, run.stderr()
     assert figures["reason"] == "max preemptions (1) reached" and "started one" not in run.stderr()
+
+
+def test_sigterm_during_the_backoff_ends_the_run_with_the_failure_status(tmp_path):
+    run = Supervised(tmp_path, ["--no-daemon", "--max-restarts", "5", "--backoff", "30"], ["--fail", "3"],
+                     {"SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    deadline = time.monotonic() + 20
+    while "restart 1 of 5 in 30 s" not in run.stderr():
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.stderr()
+        time.sleep(0.02)
+    run.proc.send_signal(signal.SIGTERM)
+    status, figures = run.finish()
+    assert status == 3 and figures["launches"] == 1
+    assert figures["reason"] == "SIGTERM received before the relaunch"

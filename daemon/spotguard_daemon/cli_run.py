@@ -305,6 +305,9 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
     """
     if not command:
         raise click.UsageError("no command given (spotguard run [OPTIONS] -- COMMAND [ARGS]...)")
+    if command[0].startswith("-") and command[0] != "--":
+        raise click.UsageError(f"no such option: {command[0]}")
+    command = command[1:] if command[0] == "--" else command
     from spotguard_daemon.cli import _settings
 
     settings = _settings(config)

@@ -87,6 +87,12 @@ def test_no_command_is_a_one_line_usage_error():
         "spotguard: spotguard run: no command given (spotguard run [OPTIONS] -- COMMAND [ARGS]...)"]
 
 
+def test_an_unknown_option_is_a_usage_error_not_a_command():
+    done = subprocess.run([*RUN, "--bogus", "--", "true"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "spotguard: spotguard run: no such option: --bogus"
+
+
 def test_a_command_that_does_not_exist_exits_127_with_one_clear_line(tmp_path):
     done = subprocess.run([*RUN, "--no-daemon", "--max-restarts", "3", "--", "no-such-command-sg"],
                           capture_output=True, text=True, timeout=60,

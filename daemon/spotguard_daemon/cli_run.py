@@ -1,4 +1,4 @@
-"""``spotguard run [OPTIONS] -- COMMAND...``: run a training command and relaunch it after preemptions.
+"""``spotguard run [OPTIONS] -- COMMAND...``: run a training command, relaunch it after preemptions.
 
 The command (``python train.py``, ``torchrun ...``, a shell script) runs in a session of its own
 with the supervisor's stdin, stdout and stderr. When it ends:
@@ -18,13 +18,14 @@ with the supervisor's stdin, stdout and stderr. When it ends:
 The supervisor exits with the last launch's status (a signal ``S`` counts as ``128 + S``, 127 when
 the command does not exist). It reaches the node's daemon, or starts one on the same settings
 (``--config``, the environment) when none answers, unless ``--no-daemon``; the one it starts is
-stopped at the end, and one that cannot start leaves the job running without a daemon. It registers the job's processes that catch the daemon's delivery signal
-(``delivery.signal``, SIGUSR1 by default) with the daemon over its ``ipc://`` socket, so that jobs
-that do not import spotguard learn of notices too, and reports them safe after their exit 75; the
-daemon accepts only the sender's own descendants (:mod:`spotguard_daemon.peers`). SIGTERM, SIGINT and SIGHUP to the supervisor are
+stopped at the end, and one that cannot start leaves the job running without a daemon. It registers
+the job's processes that catch the daemon's delivery signal (``delivery.signal``, SIGUSR1 by
+default) with the daemon over its ``ipc://`` socket, so that jobs that do not import spotguard learn
+of notices too, and reports them safe after their exit 75; the daemon accepts only the sender's own
+descendants (:mod:`spotguard_daemon.peers`). SIGTERM, SIGINT and SIGHUP to the supervisor are
 forwarded to the command's process group (a launcher passes them on to its workers) and end the
-relaunching; SIGUSR1
-and SIGUSR2 are forwarded only. As PID 1 (a container's entry point) it reaps orphans too.
+relaunching; SIGUSR1 and SIGUSR2 are forwarded only. As PID 1 (a container's entry point) it reaps
+orphans too.
 
 At the end a one-line summary on stderr (:mod:`spotguard_daemon.run_summary`); ``--json`` prints it
 as one JSON object on the last line of stdout. ``$SPOTGUARD_RECORD`` is used when set, else a
@@ -52,8 +53,8 @@ from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
 
 from spotguard_daemon.run_summary import PREEMPTED, Launch, human, summary
-from spotguard_daemon.supervise import (CommandNotFound, LaunchError, Registrar, daemon_status, killpg,
-                                        reap, spawn, start_daemon, stop)
+from spotguard_daemon.supervise import (CommandNotFound, LaunchError, Registrar, daemon_status,
+                                        killpg, reap, spawn, start_daemon, stop)
 
 __all__ = ["run", "Supervisor"]
 
@@ -77,7 +78,8 @@ class Supervisor:
                  delivery: int | None, *, useful_seconds: float, max_restarts: int, backoff: float,
                  backoff_max: float, max_preemptions: int) -> None:
         self.argv, self.env, self.record, self.endpoint = argv, env, record, endpoint
-        self.useful, self.max_restarts, self.max_preemptions = useful_seconds, max_restarts, max_preemptions
+        self.useful, self.max_restarts = useful_seconds, max_restarts
+        self.max_preemptions = max_preemptions
         self.backoff, self.backoff_max = backoff, backoff_max
         self.launches: list[Launch] = []
         self.handled: set[str] = set()
@@ -234,7 +236,8 @@ class Supervisor:
             signum = self._signals.pop(0)
             if signum in ENDING and self.ending is None:
                 self.ending = signum
-                _say(f"{signal.Signals(signum).name} received: passing it on; no relaunch after this")
+                _say(f"{signal.Signals(signum).name} received: passing it on; no relaunch "
+                     "after this")
             if proc is not None:
                 killpg(proc, signum)  # the group only, as a terminal does: a launcher passes it on
 
@@ -252,7 +255,8 @@ def _daemon(settings, config: str | None, start: bool) -> tuple[bool, subprocess
         _say(f"no daemon on {endpoint} (--no-daemon): signals and exit statuses only")
         return False, None
     try:
-        proc = start_daemon(["--config", config] if config else [], dict(os.environ), None, endpoint)
+        args = ["--config", config] if config else []
+        proc = start_daemon(args, dict(os.environ), None, endpoint)
     except LaunchError as exc:  # the job matters more than the daemon: run it without one
         _say(f"no daemon answered on {endpoint} and none could be started ({exc}): signals and "
              "exit statuses only")

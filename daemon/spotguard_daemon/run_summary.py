@@ -42,8 +42,8 @@ class Launch:
     def preempted(self) -> bool:
         """Stopped for a notice: status 75 or 76, or any other failure after the job recorded a
         clean stop and no finish (``torchrun`` exits 1 when its workers exit 75)."""
-        return self.status in PREEMPTED or (self.status not in (0, None) and self.first("finish") is None
-                                            and self.first("stop") is not None)
+        stopped = self.first("stop") is not None and self.first("finish") is None
+        return self.status in PREEMPTED or (self.status not in (0, None) and stopped)
 
     @property
     def failed(self) -> bool:
@@ -60,7 +60,8 @@ class Launch:
 
     @property
     def reached(self) -> int | None:
-        """The highest step this launch recorded (progress, commit or stop); None without a record."""
+        """The highest step this launch recorded (progress, commit or stop); None without a
+        record."""
         steps = [e["step"] for e in self.events if isinstance(e.get("step"), int)]
         return max(steps, default=self.resumed_from)
 
@@ -100,7 +101,7 @@ def summary(launches: list[Launch], status: int, wall: float, reason: str) -> di
         "steps_lost": _total([s for s, _ in losses]),
         "seconds_lost": _total([t for _, t in losses]),
         "wall_seconds": round(wall, 3),
-        "finish": None if finish is None else {"step": finish.get("step"), "digest": finish.get("digest")},
+        "finish": finish and {"step": finish.get("step"), "digest": finish.get("digest")},
         "runs": [{"index": l.index, "pid": l.pid, "status": l.status,
                   "seconds": round(l.t_end - l.t_start, 3), "resumed_from": l.resumed_from,
                   "reached": l.reached} for l in launches],
@@ -116,5 +117,5 @@ def human(figures: dict[str, Any]) -> str:
     done = f"; finished at step {finish['step']}" if finish else ""
     return (f"{figures['launches']} run(s), {figures['preemptions']} preemption(s), "
             f"{figures['failures']} failure(s); {steps} step(s) and {seconds} s lost to "
-            f"relaunches; wall time {figures['wall_seconds']:.1f} s{done}; exit {figures['status']} "
-            f"({figures['reason']})")
+            f"relaunches; wall time {figures['wall_seconds']:.1f} s{done}; "
+            f"exit {figures['status']} ({figures['reason']})")

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import IO
 
-__all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "killpg", "signal_each",
-           "descendants", "descends", "parent_of", "stop", "catches", "reap", "Registrar", "daemon_status", "STOP_S"]
+__all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "daemon_status", "killpg",
+           "signal_each", "stop", "reap", "descendants", "descends", "parent_of", "catches",
+           "Registrar", "STOP_S"]
 
 STOP_S = 10.0
 """Seconds a process gets after SIGTERM before SIGKILL when a supervisor stops it."""
@@ -107,7 +108,8 @@ def stop(proc: subprocess.Popen, timeout: float = STOP_S) -> None:
 
 
 def parent_of(pid: int) -> int | None:
-    """The parent pid of ``pid`` (0 for a namespace's first process), None when it is not visible."""
+    """The parent pid of ``pid`` (0 for a namespace's first process); None when it is not
+    visible."""
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):

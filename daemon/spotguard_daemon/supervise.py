@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable, Iterable
 
 __all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "daemon_status", "killpg",
            "signal_each", "stop", "reap", "descendants", "descends", "parent_of", "catches",
@@ -138,16 +138,33 @@ def _parents() -> dict[int, int]:
 
 
 def descendants(root: int) -> set[int]:
-    """The pids below ``root`` in the process tree now (from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
+    """The pids below ``root`` in the process tree now (empty where there is no /proc): read from
+    each thread's ``children`` list, or, on a kernel without one, from every process's parent."""
+    if Path(f"/proc/{root}/task/{root}/children").exists():
+        return _walk(root, _children)
+    tree: dict[int, list[int]] = {}
     for pid, parent in _parents().items():
-        children.setdefault(parent, []).append(pid)
+        tree.setdefault(parent, []).append(pid)
+    return _walk(root, lambda pid: tree.get(pid, []))
+
+
+def _walk(root: int, children: Callable[[int], Iterable[int]]) -> set[int]:
     found, todo = set(), [root]
     while todo:
-        for child in children.get(todo.pop(), []):
+        for child in children(todo.pop()):
             if child not in found:
                 found.add(child)
                 todo.append(child)
+    return found
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found.update(int(word) for word in task.read_text().split())
+        except (OSError, ValueError):
+            continue
     return found
 
 

@@ -28,6 +28,9 @@ Contract:
   that began is finished.
 * Every stopping notice arms the forced-exit :class:`~spotguard._watchdog.Watchdog` at its deadline
   minus ``force_exit_margin`` (``force_exit_timeout`` after it arrived when it has no deadline).
+* Notices named in ``$SPOTGUARD_HANDLED_NOTICES`` (comma-separated ids) are ignored: ``spotguard
+  run`` sets it when it relaunches the job after a drill or manual stop that the daemon still
+  holds, which an earlier launch of the same job already obeyed.
 * Training never fails because the daemon is absent or restarts: requests time out quickly and
   report ``False``. A commit report that got no answer is kept (the newest ``MAX_UNSENT_COMMITS``)
   and sent again by the background thread once the daemon answers, so a checkpoint committed while
@@ -71,6 +74,9 @@ DEFAULT_PROGRESS_SECONDS = 5.0
 """How often rank 0 tells the daemon its progress: the figures of steps lost at a stop are lower
 bounds by up to this much; each report is one small request from the background thread."""
 
+HANDLED_ENV = "SPOTGUARD_HANDLED_NOTICES"
+"""Ids of notices an earlier launch of this job already stopped for (set by ``spotguard run``)."""
+
 DEFAULT_SIGNAL_DEADLINES: Mapping[int, float | None] = {signal.SIGTERM: 30.0, signal.SIGUSR1: None}
 """SIGTERM: Kubernetes' default grace period is 30 s. SIGUSR1: a stop request with no deadline."""
 
@@ -109,6 +115,7 @@ class Guard:
         self._lock = threading.RLock()
         self._take_lock = threading.Lock()
         self._notices: dict[str, Notice] = {}
+        self._handled = frozenset(filter(None, os.environ.get(HANDLED_ENV, "").split(",")))
         self._force_at: dict[str, float] = {}
         self._durable: dict[str, int] = {}
         """Newest durable step per job, from the daemon's ``durable`` events."""
@@ -389,6 +396,8 @@ class Guard:
         return notice.terminating or self._stop_on_advisory
 
     def _add_notice(self, notice: Notice) -> None:
+        if notice.id in self._handled:
+            return
         with self._lock:
             known = self._notices.get(notice.id)
             if known is not None and known.deadline == notice.deadline:

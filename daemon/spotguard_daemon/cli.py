@@ -40,8 +40,10 @@ def _settings(config: str | None, **overrides: Any) -> Settings:
         _fail(2, str(exc))
 
 
-def request(endpoint: str, message: Any, timeout: float) -> Any:
-    """Send one request to the daemon and return its :class:`Reply`, or None after ``timeout``."""
+def request(endpoint: str, message: Any, timeout: float, *, strict: bool = True) -> Any:
+    """Send one request to the daemon and return its :class:`Reply`, or None after ``timeout``.
+    An invalid reply exits 1 with one line, or (``strict=False``, for a supervisor that must
+    outlive a broken daemon) counts as no reply."""
     import zmq
     from spotguard.protocol import ProtocolError, decode_reply, encode
 
@@ -54,6 +56,8 @@ def request(endpoint: str, message: Any, timeout: float) -> Any:
         try:
             return decode_reply(sock.recv())
         except ProtocolError as exc:
+            if not strict:
+                return None
             _fail(1, f"the daemon at {endpoint} sent an invalid reply: {exc}")
 
 
@@ -256,8 +260,10 @@ from spotguard_daemon.cli_cadence import cadence  # noqa: E402
 from spotguard_daemon.cli_checkpoints import checkpoints  # noqa: E402
 from spotguard_daemon.cli_demo import demo  # noqa: E402
 from spotguard_daemon.cli_drill import drill  # noqa: E402
+from spotguard_daemon.cli_run import run  # noqa: E402
 
 main.add_command(cadence)
 main.add_command(checkpoints)
 main.add_command(demo)
 main.add_command(drill)
+main.add_command(run)

@@ -28,7 +28,6 @@ Exit statuses: 0 every check passed; 1 a check failed (the diagnosis on stderr);
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
@@ -42,9 +41,11 @@ from pathlib import Path
 import click
 
 from spotguard._record import read_new
-from spotguard_daemon.cli_demo import _status, guarded
+from spotguard_daemon.cli_demo import guarded
 from spotguard_daemon.drill_checks import Launch, judge
 from spotguard_daemon.drill_report import Live, write_report
+from spotguard_daemon.supervise import (LaunchError, descendants, killpg, signal_each, spawn,
+                                         start_daemon, stop)
 
 __all__ = ["drill", "KINDS"]
 
@@ -55,6 +56,7 @@ SHORT_S = 1.0
 """Deadline of a notice too close to save (the library keeps a 2 s margin)."""
 POLL_S = 0.05
 STOP_S = 10.0
+"""Seconds a launch gets after SIGTERM before SIGKILL, when the drill stops it."""
 
 
 class DrillError(RuntimeError):
@@ -127,11 +129,11 @@ class Drill:
         try:
             self._watch(launch, proc, record, daemon[1] if daemon else None)
         finally:
-            self._stop(proc)
-            _signal(self.tree, signal.SIGKILL)  # workers orphaned by a killed launcher
+            stop(proc, STOP_S)
+            signal_each(self.tree, signal.SIGKILL)  # workers orphaned by a killed launcher
             self.tree = set()
             if daemon:
-                self._stop(daemon[0])
+                stop(daemon[0], STOP_S)
         launch.t_end, launch.status = time.time(), proc.returncode
         self.live.ended(launch)
 
@@ -145,7 +147,7 @@ class Drill:
                 self.live.event(launch, event)
             if not running:
                 return
-            self.tree |= _descendants(proc.pid)
+            self.tree |= descendants(proc.pid)
             if launch.kind and not launch.preempted and self._due(launch):
                 kill_at = self._preempt(launch, proc, endpoint)
             if time.monotonic() > give_up:
@@ -186,10 +188,9 @@ class Drill:
 
     def _spawn(self, argv: list[str], env: dict[str, str], log: object) -> subprocess.Popen:
         try:
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as exc:
-            raise DrillError(f"cannot run {argv[0]}: {exc}") from exc
+            proc = spawn(argv, env, log, subprocess.STDOUT)
+        except LaunchError as exc:
+            raise DrillError(str(exc)) from exc
         self.procs.append(proc)
         return proc
 
@@ -198,69 +199,28 @@ class Drill:
         config = self.sockets / "daemon.toml"
         config.write_text("[metrics]\nenabled = false\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+        endpoint = f"ipc://{runtime}/requests.sock"
         with open(self.report / f"daemon-{launch.index:02d}.log", "w") as log:
-            proc = self._spawn([sys.executable, "-m", "spotguard_daemon", "daemon", "--config",
-                                str(config), "--platform", "none", "--runtime-dir", str(runtime),
-                                "--state-dir", str(state),
-                                "--checkpoint-root", str(self.root or os.getcwd())], env, log)
-        endpoint, give_up = f"ipc://{runtime}/requests.sock", time.monotonic() + 30.0
-        while _status(endpoint) is None:
-            if proc.poll() is not None or time.monotonic() > give_up:
-                raise DrillError(f"the drill's daemon did not start; see {log.name}")
-            time.sleep(0.1)
+            try:
+                proc = start_daemon(["--config", str(config), "--platform", "none", "--runtime-dir",
+                                     str(runtime), "--state-dir", str(state), "--checkpoint-root",
+                                     str(self.root or os.getcwd())], env, log, endpoint)
+            except LaunchError as exc:
+                raise DrillError(f"the drill's daemon did not start: {exc}") from exc
+        self.procs.append(proc)
         return proc, endpoint
 
     def _kill(self, proc: subprocess.Popen, signum: int) -> None:
         """``signum`` to the launch's process group and to every descendant, as a platform stops
         a whole machine."""
-        self.tree |= _descendants(proc.pid)
-        _killpg(proc, signum)
-        _signal(self.tree, signum)
-
-    def _stop(self, proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
-            _killpg(proc, signal.SIGTERM)
-            try:
-                proc.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                _killpg(proc, signal.SIGKILL)
-                proc.wait()
+        self.tree |= descendants(proc.pid)
+        killpg(proc, signum)
+        signal_each(self.tree, signum)
 
     def close(self) -> None:
         for proc in reversed(self.procs):
-            self._stop(proc)
+            stop(proc, STOP_S)
         shutil.rmtree(self.sockets, ignore_errors=True)
-
-
-def _killpg(proc: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _signal(pids: set[int], signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signum)
-
-
-def _descendants(root: int) -> set[int]:
-    """The pids below ``root`` in the process tree now (from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def _notify(endpoint: str | None, deadline: float) -> None:

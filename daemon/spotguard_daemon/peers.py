@@ -7,14 +7,18 @@ the client died, or belong to someone else entirely. So a registration records
   signalled) only while the same process still runs;
 * the uid that owns it, which must be the uid of the peer that registered it (``SO_PEERCRED`` on
   ``ipc://``, see :class:`~spotguard_daemon.server.Peer`). A peer may name only its own processes
-  (real and effective uid both its own); root may name any. The daemon runs with ``CAP_KILL`` under
-  the shipped systemd unit, so without this rule any client could have it signal any process.
+  (real and effective uid both its own), and of those only itself and its descendants (``spotguard
+  run`` registers the job it started); root in the daemon's PID namespace may name any. The daemon
+  runs with ``CAP_KILL`` under the shipped systemd unit, so without this rule any client could have
+  it signal any process.
 
-A client in a container (a child PID namespace) that registers itself is known by the pid the
-kernel reports for the peer. A pid that is not a running process is refused. A client that
-registered over ``tcp://`` (which cannot prove who the peer is), or from an unrelated PID namespace,
-is unproven: kept until it unregisters or is evicted by newer unproven ones, and **never
-signalled**; it learns of notices over the PUB socket only.
+A client in a container (a child PID namespace) names processes by their pids in its namespace:
+itself, known by the pid the kernel reports for the peer, or one of its descendants, found below
+the peer by its ``NSpid``. Any other pid it names is refused, root's too: the number would name an
+unrelated process of the daemon's namespace. A pid that is not a running process is refused. A
+client that registered over ``tcp://`` (which cannot prove who the peer is), or from an unrelated
+PID namespace, is unproven: kept until it unregisters or is evicted by newer unproven ones, and
+**never signalled**; it learns of notices over the PUB socket only.
 
 Exceptions: none; :func:`owner_uid` and :func:`process_start_time` return None for a pid they
 cannot see.
@@ -29,6 +33,7 @@ from pathlib import Path
 from spotguard.protocol import utcnow
 
 from spotguard_daemon.server import Peer
+from spotguard_daemon.supervise import descendants, descends
 
 __all__ = ["Client", "may_act_for", "owner_uid", "process_start_time"]
 
@@ -78,13 +83,19 @@ class Client:
         """A client for ``pid`` as ``peer`` may register it; raises ``PermissionError`` otherwise."""
         if peer.uid is None or not peer.pid:
             return cls(pid, rank, job_id)  # tcp://, or a peer in an unrelated PID namespace
-        target = peer.pid if pid != peer.pid and _own_view_pid(peer.pid) == pid else pid
-        start, uid = process_start_time(target), owner_uid(target)
+        target = _target(pid, peer.pid)
+        start = None if target is None else process_start_time(target)
         if start is None:
-            raise PermissionError(f"pid {pid} is not a running process this daemon can see")
+            raise PermissionError(f"pid {pid} is not a running process this daemon can see"
+                                  + ("" if target else " below the sender (a client in a container "
+                                     "may register only itself and its descendants)"))
+        uid = owner_uid(target)
         if peer.uid != 0 and uid != peer.uid:
             raise PermissionError(f"pid {pid} is not a process of uid {peer.uid} (the sender); "
                                   "a client may register only its own processes")
+        if peer.uid != 0 and target != peer.pid and not descends(target, peer.pid):
+            raise PermissionError(f"pid {pid} is neither the sender nor one of its descendants; "
+                                  "a client may register only those")
         return cls(pid, rank, job_id, start_time=start, uid=uid, target=target)
 
     @property
@@ -102,6 +113,18 @@ class Client:
     def public(self) -> dict:
         return {"pid": self.pid, "rank": self.rank, "job_id": self.job_id,
                 "registered_at": self.registered_at, "signal": self.proven}
+
+
+def _target(pid: int, peer_pid: int) -> int | None:
+    """The daemon's pid of the process the peer names ``pid``: the peer itself, a descendant named
+    by its pid in the peer's namespace, or (a peer in the daemon's namespace) ``pid`` as it is;
+    None when a peer in another namespace names none of those."""
+    own = _own_view_pid(peer_pid)
+    if pid in (peer_pid, own):
+        return peer_pid
+    if own in (None, peer_pid):
+        return pid
+    return next((child for child in descendants(peer_pid) if _own_view_pid(child) == pid), None)
 
 
 def _own_view_pid(pid: int) -> int | None:

@@ -1,0 +1,339 @@
+"""``spotguard run [OPTIONS] -- COMMAND...``: run a training command, relaunch it after preemptions.
+
+The command (``python train.py``, ``torchrun ...``, a shell script) runs in a session of its own
+with the supervisor's stdin, stdout and stderr. When it ends:
+
+* status 0 ends the run;
+* status 75 (a clean stop after a notice) or 76 (the forced-exit watchdog) relaunches the identical
+  command, unless the node is going away: a *terminating* notice from the platform (or the daemon's
+  own SIGTERM) is pending and due within ``--useful-seconds``. Then the supervisor exits 75, so that
+  the scheduler places the job elsewhere. A drill or manual notice (``spotguard notify``), a
+  cancelled notice, or one due further away does not stop the relaunch; the ids of the manual ones
+  are passed to the job (``$SPOTGUARD_HANDLED_NOTICES``), which the earlier launch already obeyed.
+  A launcher's failure status after the job recorded a clean stop and no finish counts as 75
+  (``torchrun`` exits 1 when its workers exit 75);
+* any other status ends the run, unless ``--max-restarts N``: then up to N relaunches, after
+  ``--backoff`` seconds doubled each time up to ``--backoff-max``.
+
+The supervisor exits with the last launch's status (a signal ``S`` counts as ``128 + S``, 127 when
+the command does not exist). It reaches the node's daemon, or starts one on the same settings
+(``--config``, the environment) when none answers, unless ``--no-daemon``; the one it starts is
+stopped at the end, and one that cannot start leaves the job running without a daemon. It registers
+the job's processes that catch the daemon's delivery signal (``delivery.signal``, SIGUSR1 by
+default) with the daemon over its ``ipc://`` socket, so that jobs that do not import spotguard learn
+of notices too, and reports them safe after their exit 75; the daemon accepts only the sender's own
+descendants (:mod:`spotguard_daemon.peers`). SIGTERM, SIGINT and SIGHUP to the supervisor are
+forwarded to the command's process group (a launcher passes them on to its workers) and end the
+relaunching; SIGUSR1 and SIGUSR2 are forwarded only. As PID 1 (a container's entry point) it reaps
+orphans too.
+
+At the end a one-line summary on stderr (:mod:`spotguard_daemon.run_summary`); ``--json`` prints it
+as one JSON object on the last line of stdout. ``$SPOTGUARD_RECORD`` is used when set, else a
+private record file is given to the job and removed at the end.
+
+Exceptions: none escape; usage errors exit 2 (one line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+from spotguard._record import ENV as RECORD_ENV, read_new
+from spotguard.exit_codes import EXIT_PREEMPTED
+from spotguard.guard import HANDLED_ENV
+from spotguard.protocol import Notice
+
+from spotguard_daemon.run_summary import PREEMPTED, Launch, human, summary
+from spotguard_daemon.supervise import (CommandNotFound, LaunchError, Registrar, daemon_status,
+                                        killpg, reap, spawn, start_daemon, stop)
+
+__all__ = ["run", "Supervisor"]
+
+ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals to the supervisor that are forwarded and end the relaunching."""
+FORWARDED = ENDING + (signal.SIGUSR1, signal.SIGUSR2)
+POLL_S, SCAN_S = 0.05, 0.5
+GOING = "node going away"
+STUCK = 3
+"""Preempted launches in a row without progress (by their records) after which relaunching stops."""
+
+
+def _say(message: str) -> None:
+    click.echo(f"spotguard run: {message}", err=True)
+
+
+class Supervisor:
+    """The launches of one ``spotguard run``; see the module docstring."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], record: Path, endpoint: str | None,
+                 delivery: int | None, *, useful_seconds: float, max_restarts: int, backoff: float,
+                 backoff_max: float, max_preemptions: int) -> None:
+        self.argv, self.env, self.record, self.endpoint = argv, env, record, endpoint
+        self.useful, self.max_restarts = useful_seconds, max_restarts
+        self.max_preemptions = max_preemptions
+        self.backoff, self.backoff_max = backoff, backoff_max
+        self.launches: list[Launch] = []
+        self.handled: set[str] = set()
+        self.ending: int | None = None
+        """The ending signal the supervisor received, if any."""
+        self.reason = ""
+        self.others: list[subprocess.Popen] = []
+        """Other children (a daemon it started), reaped by pid when the supervisor is PID 1."""
+        self._signals: list[int] = []
+        self.registrar = Registrar(endpoint, delivery) if endpoint and delivery else None
+        self._offset = record.stat().st_size if record.exists() else 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        """Launch until the command ends for good; return its status."""
+        while True:
+            status = self._launch()
+            delay = self._next(status)
+            if delay is None:
+                clean = self.launches[-1].preempted and status not in PREEMPTED  # torchrun's 1
+                return EXIT_PREEMPTED if self.reason == GOING or clean else status
+            if delay and not self._sleep(delay):
+                self.reason = f"{signal.Signals(self.ending).name} received before the relaunch"
+                return status
+
+    def _next(self, status: int) -> float | None:
+        """Seconds to wait before the next launch, or None to stop (``reason`` says why)."""
+        self._take_signals(None)  # an ending signal that came after the command ended
+        if self.reason:  # the command could not start: the same command would fail the same way
+            return None
+        if self.ending is not None:
+            self.reason = f"{signal.Signals(self.ending).name} received"
+        elif status == 0:
+            self.reason = "the command succeeded"
+        elif self.launches[-1].preempted:
+            return self._after_preemption(status)
+        else:
+            return self._after_failure(status)
+        return None
+
+    def _after_failure(self, status: int) -> float | None:
+        failures = sum(l.failed for l in self.launches)
+        if failures <= self.max_restarts:
+            delay = min(self.backoff * 2 ** (failures - 1), self.backoff_max)
+            _say(f"the command failed with status {status}; restart {failures} of "
+                 f"{self.max_restarts} in {delay:g} s")
+            return delay
+        self.reason = f"the command failed with status {status}"
+        if self.max_restarts:
+            self.reason = f"max restarts ({self.max_restarts}) reached; status {status}"
+            _say(self.reason)
+        return None
+
+    def _after_preemption(self, status: int) -> float | None:
+        preemptions = sum(l.preempted for l in self.launches)
+        if preemptions > self.max_preemptions:
+            self.reason = f"max preemptions ({self.max_preemptions}) reached"
+        elif self._stuck():
+            self.reason = f"{STUCK} launches in a row stopped without progress"
+            _say(f"{self.reason}: not relaunching (is a notice the job cannot ignore pending?)")
+        elif (notice := self._node_going()) is not None:
+            left = notice.seconds_left()
+            self.reason = GOING
+            _say(f"notice {notice.id} ({notice.kind.value}, "
+                 + ("no deadline" if left is None else f"due in {left:.0f} s")
+                 + f") is pending for this node: exiting {EXIT_PREEMPTED} so that the scheduler "
+                 "places the job elsewhere")
+        else:
+            _say(f"the command stopped with status {status} after a notice; relaunching it")
+            return 0.0
+        return None
+
+    def _stuck(self) -> bool:
+        """The last STUCK launches were all preempted before their record showed any progress."""
+        last = self.launches[-STUCK:]
+        return len(last) == STUCK and all(l.preempted and l.resumed_from is not None
+                                          and l.reached == l.resumed_from for l in last)
+
+    def _node_going(self) -> Notice | None:
+        """A pending terminating notice that is not manual and due within ``useful`` seconds."""
+        data = daemon_status(self.endpoint, 2.0) if self.endpoint else None
+        for raw in (data or {}).get("notices", []):
+            try:
+                notice = Notice.model_validate(raw)
+            except ValueError:  # a daemon of another version: that notice cannot be judged
+                continue
+            if not notice.terminating:
+                continue
+            if notice.source == "manual":
+                self.handled.add(notice.id)
+                continue
+            left = notice.seconds_left()
+            if left is None or left <= self.useful:
+                return notice
+        return None
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait ``seconds``; False when an ending signal came meanwhile."""
+        until = time.monotonic() + seconds
+        while time.monotonic() < until and self.ending is None:
+            self._take_signals(None)
+            time.sleep(POLL_S)
+        return self.ending is None
+
+    # ------------------------------------------------------------------ one launch
+
+    def _launch(self) -> int:
+        launch = Launch(len(self.launches) + 1, t_start=time.time())
+        self.launches.append(launch)
+        env = dict(self.env)
+        if self.handled:
+            env[HANDLED_ENV] = ",".join(sorted(self.handled))
+        try:
+            proc = spawn(self.argv, env)
+        except CommandNotFound as exc:
+            return self._not_started(launch, 127, str(exc))
+        except LaunchError as exc:
+            return self._not_started(launch, 126, str(exc))
+        launch.pid = proc.pid
+        launch.status = self._wait(proc)
+        launch.t_end = time.time()
+        launch.events, self._offset = read_new(self.record, self._offset)
+        if self.registrar is not None and launch.status == EXIT_PREEMPTED:
+            self.registrar.report_safe()
+        return launch.status
+
+    def _not_started(self, launch: Launch, status: int, message: str) -> int:
+        _say(message)
+        launch.status, launch.t_end = status, time.time()
+        self.reason = message
+        return status
+
+    def _wait(self, proc: subprocess.Popen) -> int:
+        scan_at = 0.0
+        while proc.poll() is None:
+            self._take_signals(proc)
+            if os.getpid() == 1:
+                reap([proc, *self.others])
+            if time.monotonic() >= scan_at and self.registrar is not None:
+                scan_at = time.monotonic() + SCAN_S
+                self.registrar.scan(proc.pid)
+            time.sleep(POLL_S)
+        code = proc.returncode
+        return 128 - code if code < 0 else code
+
+    # ------------------------------------------------------------------ signals
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        self._signals.append(signum)  # nothing else in a handler
+
+    def _take_signals(self, proc: subprocess.Popen | None) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum in ENDING and self.ending is None:
+                self.ending = signum
+                _say(f"{signal.Signals(signum).name} received: passing it on; no relaunch "
+                     "after this")
+            if proc is not None:
+                killpg(proc, signum)  # the group only, as a terminal does: a launcher passes it on
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def _daemon(settings, config: str | None, start: bool) -> tuple[bool, subprocess.Popen | None]:
+    """Reach the node's daemon, or start one on ``settings`` when none answers and ``start``:
+    (whether one answers, the one started)."""
+    endpoint = settings.request_endpoint
+    if daemon_status(endpoint, 1.0) is not None:
+        return True, None
+    if not start:
+        _say(f"no daemon on {endpoint} (--no-daemon): signals and exit statuses only")
+        return False, None
+    try:
+        args = ["--config", config] if config else []
+        proc = start_daemon(args, dict(os.environ), None, endpoint)
+    except LaunchError as exc:  # the job matters more than the daemon: run it without one
+        _say(f"no daemon answered on {endpoint} and none could be started ({exc}): signals and "
+             "exit statuses only")
+        return False, None
+    _say(f"no daemon answered on {endpoint}: started one (pid {proc.pid})")
+    return True, proc
+
+
+def _child_env(settings, record: Path) -> dict[str, str]:
+    """The job's environment: the supervisor's, the record, and where the daemon is."""
+    env = dict(os.environ)
+    env.setdefault(RECORD_ENV, str(record))
+    env.setdefault("SPOTGUARD_ZMQ__REQUEST_ENDPOINT", settings.request_endpoint)
+    env.setdefault("SPOTGUARD_ZMQ__PUB_ENDPOINT", settings.pub_endpoint)
+    env.pop(HANDLED_ENV, None)
+    return env
+
+
+def _delivery_signal(settings) -> int | None:
+    name = settings.delivery.signal
+    return None if name == "none" else int(signal.Signals[name])
+
+
+@click.command("run", context_settings={"ignore_unknown_options": True,
+                                       "allow_interspersed_args": False})
+@click.option("--config", metavar="PATH", help="TOML settings of the daemon to reach or start.")
+@click.option("--no-daemon", is_flag=True,
+              help="Do not start a daemon when none answers (signals and exit statuses only).")
+@click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(0),
+              help="Relaunches after a failure (a status other than 0, 75, 76).")
+@click.option("--backoff", default=1.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds before the first relaunch after a failure; doubled each time.")
+@click.option("--backoff-max", default=60.0, show_default=True, type=click.FloatRange(0),
+              help="Longest wait before a relaunch after a failure.")
+@click.option("--max-preemptions", default=1000, show_default=True, type=click.IntRange(0),
+              help="Relaunches after a preemption (75, 76) at most.")
+@click.option("--useful-seconds", default=600.0, show_default=True, type=click.FloatRange(0),
+              help="A pending platform notice due further away than this still gets a relaunch.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout too.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, ...],
+        **options) -> None:
+    """Run COMMAND; relaunch it after preemptions (spotguard run [OPTIONS] -- COMMAND...).
+
+    \b
+    After status 75 or 76 the identical command runs again, unless a platform
+    notice for this node is pending (then it exits 75: place the job elsewhere).
+    After any other failure only with --max-restarts. Exits with the last
+    status of the command (127: not found; 128+N: killed by signal N).
+    """
+    if not command:
+        raise click.UsageError("no command given (spotguard run [OPTIONS] -- COMMAND [ARGS]...)")
+    if command[0].startswith("-") and command[0] != "--":
+        raise click.UsageError(f"no such option: {command[0]}")
+    command = command[1:] if command[0] == "--" else command
+    from spotguard_daemon.cli import _settings
+
+    settings = _settings(config)
+    private = Path(tempfile.mkdtemp(prefix="spotguard-run-"))
+    started = time.time()
+    daemon = None
+    try:
+        reached, daemon = _daemon(settings, config, not no_daemon)
+        sup = Supervisor(list(command), _child_env(settings, private / "record.jsonl"),
+                         Path(os.environ.get(RECORD_ENV) or private / "record.jsonl"),
+                         settings.request_endpoint if reached else None, _delivery_signal(settings),
+                         **options)
+        sup.others = [daemon] if daemon else []
+        for signum in FORWARDED:
+            signal.signal(signum, sup.on_signal)
+        status = sup.run()
+    finally:
+        if daemon is not None:
+            stop(daemon, 60.0)
+        shutil.rmtree(private, ignore_errors=True)
+    figures = summary(sup.launches, status, time.time() - started, sup.reason)
+    _say(human(figures))
+    if as_json:
+        click.echo(json.dumps(figures))
+    sys.exit(status)

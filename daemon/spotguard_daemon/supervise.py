@@ -1,0 +1,245 @@
+"""Launching, signalling and stopping a training command and a private daemon, for the commands that
+supervise a job (``spotguard drill``, ``spotguard run``).
+
+A command runs in a session (and process group) of its own, so that a signal to the group reaches
+the command and every child it did not move elsewhere, and never the supervisor itself. Launchers
+such as ``torchrun`` may start workers in sessions of their own: :func:`descendants` finds them
+in ``/proc``, never by name. :func:`start_daemon` starts ``spotguard daemon`` and waits until it
+answers on its request socket. :class:`Registrar` registers a job's processes with the daemon for
+its signal fallback, and :func:`reap` collects orphans for a supervisor that is PID 1.
+
+Exceptions::
+
+    LaunchError            a command or a daemon could not be started
+      CommandNotFound      the command's executable does not exist (a shell's status 127)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Callable, Iterable
+
+__all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "daemon_status", "killpg",
+           "signal_each", "stop", "reap", "descendants", "descends", "parent_of", "catches",
+           "Registrar", "STOP_S"]
+
+STOP_S = 10.0
+"""Seconds a process gets after SIGTERM before SIGKILL when a supervisor stops it."""
+
+
+class LaunchError(RuntimeError):
+    """A command or a daemon could not be started."""
+
+
+class CommandNotFound(LaunchError):
+    """The command's executable does not exist."""
+
+
+def spawn(argv: list[str], env: dict[str, str], out: IO | int | None = None,
+          err: IO | int | None = None) -> subprocess.Popen:
+    """Start ``argv`` in a new session; stdin closed unless ``out`` is None (then all three are
+    inherited, as a supervisor that stays out of the way does)."""
+    stdin = None if out is None else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(argv, env=env, stdin=stdin, stdout=out, stderr=err,
+                                start_new_session=True)
+    except FileNotFoundError as exc:
+        raise CommandNotFound(f"{argv[0]}: command not found") from exc
+    except OSError as exc:
+        raise LaunchError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
+
+
+def daemon_status(endpoint: str, timeout: float = 0.5) -> dict | None:
+    """The daemon's ``status`` reply data, or None when nothing answered within ``timeout`` (at
+    once for an ``ipc://`` socket that does not exist)."""
+    from spotguard.protocol import StatusRequest
+
+    from spotguard_daemon.cli import request
+
+    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
+        return None
+    reply = request(endpoint, StatusRequest(), timeout, strict=False)
+    return reply.data if reply is not None else None
+
+
+def start_daemon(args: list[str], env: dict[str, str], log: IO | int | None, endpoint: str,
+                 timeout: float = 30.0) -> subprocess.Popen:
+    """``spotguard daemon ARGS`` in a session of its own, once it answers on ``endpoint``; the
+    caller stops it (:func:`stop`). LaunchError when it exits or stays silent for ``timeout``."""
+    proc = spawn([sys.executable, "-m", "spotguard_daemon", "daemon", *args], env, log,
+                 None if log is None else subprocess.STDOUT)
+    give_up = time.monotonic() + timeout
+    while daemon_status(endpoint) is None:
+        if proc.poll() is not None or time.monotonic() > give_up:
+            stop(proc)
+            raise LaunchError(f"the daemon did not start (status {proc.returncode})"
+                              + (f"; see {log.name}" if hasattr(log, "name") else ""))
+        time.sleep(0.1)
+    return proc
+
+
+def killpg(proc: subprocess.Popen, signum: int) -> None:
+    """``signum`` to the process group ``proc`` leads; nothing when it is gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)
+
+
+def signal_each(pids: set[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+def stop(proc: subprocess.Popen, timeout: float = STOP_S) -> None:
+    """SIGTERM to ``proc``'s group, SIGKILL after ``timeout``; returns once it was reaped."""
+    if proc.poll() is None:
+        killpg(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            killpg(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (0 for a namespace's first process); None when it is not
+    visible."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descends(pid: int, ancestor: int) -> bool:
+    """Whether ``ancestor`` is ``pid``'s parent, grandparent... (a walk up from ``pid``)."""
+    for _ in range(256):
+        pid = parent_of(pid) or 0
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc now."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        parent = parent_of(int(stat.parent.name))
+        if parent is not None:
+            parents[int(stat.parent.name)] = parent
+    return parents
+
+
+def descendants(root: int) -> set[int]:
+    """The pids below ``root`` in the process tree now (empty where there is no /proc): read from
+    each thread's ``children`` list, or, on a kernel without one, from every process's parent."""
+    if Path(f"/proc/{root}/task/{root}/children").exists():
+        return _walk(root, _children)
+    tree: dict[int, list[int]] = {}
+    for pid, parent in _parents().items():
+        tree.setdefault(parent, []).append(pid)
+    return _walk(root, lambda pid: tree.get(pid, []))
+
+
+def _walk(root: int, children: Callable[[int], Iterable[int]]) -> set[int]:
+    found, todo = set(), [root]
+    while todo:
+        for child in children(todo.pop()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found.update(int(word) for word in task.read_text().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` installed a handler for ``signum`` (``SigCgt`` in its status):
+    only such a process may be sent a stop signal, which would otherwise kill it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+def reap(known: list[subprocess.Popen]) -> None:
+    """As PID 1: collect every exited child, orphans included; a ``known`` one keeps its status."""
+    by_pid = {proc.pid: proc for proc in known}
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid in by_pid:
+            by_pid[pid].returncode = os.waitstatus_to_exitcode(status)
+
+
+class Registrar:
+    """Registers with the daemon at ``endpoint`` the processes of a job that catch ``signum`` (the
+    daemon's delivery signal), each once, so that its signal fallback reaches jobs that do not
+    import spotguard. A process without a handler is left out: the signal would kill it."""
+
+    def __init__(self, endpoint: str, signum: int) -> None:
+        self.endpoint, self.signum = endpoint, signum
+        self.done: set[int] = set()
+        self.mine: set[int] = set()
+        """The pids this registrar registered (not those that registered themselves)."""
+
+    def scan(self, root: int) -> None:
+        """Register the new catching processes of the tree under (and including) ``root``."""
+        new = [pid for pid in sorted({root} | descendants(root))
+               if pid not in self.done and catches(pid, self.signum)]
+        if new:  # a process that registered itself (a spotguard client) keeps its rank and job
+            known = (daemon_status(self.endpoint, 2.0) or {}).get("clients", [])
+            self.done |= {client["pid"] for client in known}
+        for pid in new:
+            if pid not in self.done and not self._register(pid):
+                return  # the daemon is away: the next scan tries again
+
+    def report_safe(self) -> None:
+        """The job stopped cleanly (status 75): tell the daemon its registered processes are safe,
+        as a spotguard client does itself, so that a drill is withdrawn and Azure acknowledged
+        early. The processes are forgotten: the next launch has new ones."""
+        from spotguard.protocol import SafeRequest
+
+        from spotguard_daemon.cli import request
+
+        for pid in sorted(self.mine):
+            request(self.endpoint, SafeRequest(pid=pid), 2.0, strict=False)
+        self.mine.clear()
+
+    def _register(self, pid: int) -> bool:
+        from spotguard.protocol import RegisterRequest
+
+        from spotguard_daemon.cli import request
+
+        reply = request(self.endpoint, RegisterRequest(pid=pid), 2.0, strict=False)
+        if reply is None:
+            return False
+        self.done.add(pid)
+        if reply.ok:
+            self.mine.add(pid)
+        else:
+            print(f"spotguard run: the daemon refused to register pid {pid} ({reply.error}); it "
+                  "learns of notices only if it asks the daemon itself", file=sys.stderr)
+        return True

@@ -1,0 +1,257 @@
+"""``spotguard run`` with a job that does not import spotguard (``run_job.py``): real subprocesses,
+real signals, a real daemon and simulator where the case needs one.
+
+Each test reads the supervisor's ``--json`` summary and checks that every process it started is
+gone afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from spotguard.protocol import NotifyRequest, Reply, StatusRequest, encode
+
+JOB = Path(__file__).with_name("run_job.py")
+RUN = [sys.executable, "-m", "spotguard_daemon", "run"]
+
+
+class Supervised:
+    """``spotguard run [options] -- python run_job.py DIR [job options]`` in the background."""
+
+    def __init__(self, tmp: Path, options: list[str], job: list[str], env: dict | None = None) -> None:
+        self.dir, self.out, self.err = tmp / "job", tmp / "run.out", tmp / "run.err"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")},
+                    **(env or {})}
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([*RUN, "--json", *options, "--", sys.executable, str(JOB),
+                                          str(self.dir), *job], env=full_env, stdout=out, stderr=err)
+
+    def wait_file(self, name: str, timeout: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not (self.dir / name).exists():
+            assert self.proc.poll() is None or (self.dir / name).exists(), self.stderr()
+            assert time.monotonic() < deadline, f"no {name}: {self.stderr()}"
+            time.sleep(0.02)
+        return (self.dir / name).read_text()
+
+    def finish(self, timeout: float = 30.0) -> tuple[int, dict]:
+        status, figures = finished(self.proc, self.out, timeout)
+        for pid in self.launches():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        return status, figures
+
+    def launches(self) -> list[int]:
+        path = self.dir / "launches"
+        return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+
+def finished(proc: subprocess.Popen, out: Path, timeout: float) -> tuple[int, dict]:
+    """The supervisor's status and its ``--json`` summary (the last line of ``out``); killed when
+    it does not end within ``timeout``."""
+    try:
+        status = proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return status, json.loads(out.read_text().splitlines()[-1])
+
+
+def wait_registered(daemon, pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pid not in [c["pid"] for c in daemon.request(StatusRequest()).data["clients"]]:
+        assert time.monotonic() < deadline, f"pid {pid} never registered: {daemon.output()[-2000:]}"
+        time.sleep(0.05)
+
+
+def runtime(daemon) -> dict:
+    return {"SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)}
+
+
+def test_no_command_is_a_one_line_usage_error():
+    done = subprocess.run(RUN, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "spotguard: spotguard run: no command given (spotguard run [OPTIONS] -- COMMAND [ARGS]...)"]
+
+
+def test_an_unknown_option_is_a_usage_error_not_a_command():
+    done = subprocess.run([*RUN, "--bogus", "--", "true"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "spotguard: spotguard run: no such option: --bogus"
+
+
+def test_a_command_that_does_not_exist_exits_127_with_one_clear_line(tmp_path):
+    done = subprocess.run([*RUN, "--no-daemon", "--max-restarts", "3", "--", "no-such-command-sg"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    assert done.returncode == 127
+    assert "spotguard run: no-such-command-sg: command not found" in done.stderr
+    assert "1 run(s)" in done.stderr  # no relaunch: the same command cannot start either
+
+
+def test_failures_end_the_run_unless_restarts_are_asked_for_then_bounded_with_backoff(tmp_path):
+    env = {"SPOTGUARD_RUNTIME_DIR": str(tmp_path)}
+    once = Supervised(tmp_path / "a", ["--no-daemon"], ["--fail", "3"], env)
+    status, figures = once.finish()
+    assert status == 3 and figures["launches"] == 1 and figures["failures"] == 1
+
+    bounded = Supervised(tmp_path, ["--no-daemon", "--max-restarts", "2", "--backoff", "0.05"],
+                         ["--fail", "3"], env)
+    status, figures = bounded.finish()
+    assert status == 3 and len(bounded.launches()) == 3
+    assert figures["launches"] == 3 and figures["failures"] == 3 and figures["preemptions"] == 0
+    err = bounded.stderr()
+    assert "restart 1 of 2 in 0.05 s" in err and "restart 2 of 2 in 0.1 s" in err  # doubled
+    assert "max restarts (2) reached; status 3" in err
+
+
+def test_a_plain_job_gets_the_daemon_signal_and_is_relaunched(tmp_path, daemon_factory):
+    daemon = daemon_factory()
+    run = Supervised(tmp_path, [], [], runtime(daemon))
+    run.wait_file("ready-1")
+    wait_registered(daemon, run.launches()[0])
+    assert daemon.request(NotifyRequest(deadline_seconds=60)).ok
+    assert run.wait_file("got-1") == "SIGUSR1"
+    status, figures = run.finish()
+    assert status == 0, run.stderr()
+    assert len(run.launches()) == 2 and figures["launches"] == 2 and figures["preemptions"] == 1
+    assert figures["runs"][0]["status"] == 75 and figures["runs"][1]["status"] == 0
+    assert "relaunching it" in run.stderr()
+    assert "cancelled: every registered client reported safe" in daemon.output()  # by the supervisor
+    assert daemon.request(StatusRequest()).data["notices"] == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_supervisor_reaches_the_child_group_and_ends_the_relaunching(tmp_path, signum):
+    run = Supervised(tmp_path, ["--no-daemon"], ["--grandchild"], {"SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    run.wait_file("ready-1")
+    grandchild = int(run.wait_file("grandchild"))
+    run.proc.send_signal(signum)
+    assert run.wait_file("got-1") == signum.name
+    status, figures = run.finish()
+    assert status == 75 and figures["launches"] == 1
+    assert figures["reason"] == f"{signum.name} received"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and "Z" not in _state(grandchild):
+        assert time.monotonic() < deadline, f"the grandchild did not get the {signum.name}"
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.slow  # a daemon started and stopped, two supervisors: about 6 s
+def test_it_starts_its_own_daemon_when_none_runs_and_stops_it(tmp_path, sock_dir, ask):
+    """On the settings of ``--config``; then ``--no-daemon`` starts none."""
+    config = tmp_path / "spotguard.toml"
+    config.write_text(f'platform = "none"\nruntime_dir = "{sock_dir}/run"\nstate_dir = "{tmp_path}/state"\n'
+                      '[metrics]\nenabled = false\n')
+    endpoint = f"ipc://{sock_dir}/run/requests.sock"
+    run = Supervised(tmp_path, ["--config", str(config)], [])
+    run.wait_file("ready-1")
+    started = int(run.stderr().split("started one (pid ")[1].split(")")[0])
+    status = ask(endpoint, StatusRequest())
+    assert status.ok and status.data["pid"] == started
+    deadline = time.monotonic() + 10
+    while not ask(endpoint, StatusRequest()).data["clients"]:
+        assert time.monotonic() < deadline, run.stderr()
+        time.sleep(0.05)
+    assert ask(endpoint, NotifyRequest(deadline_seconds=60)).ok
+    status, figures = run.finish()
+    assert status == 0 and figures["preemptions"] == 1, run.stderr()
+    with pytest.raises(ProcessLookupError):
+        os.kill(started, 0)
+
+    alone = Supervised(tmp_path / "b", ["--no-daemon", "--config", str(config)], ["--finish-at", "1"])
+    status, _ = alone.finish()
+    assert status == 0 and "(--no-daemon): signals and exit statuses only" in alone.stderr()
+    assert "started one" not in alone.stderr()
+
+
+def test_a_daemon_that_cannot_start_leaves_the_job_running_without_one(tmp_path, sock_dir):
+    shared = sock_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # a runtime directory others can write to: the daemon refuses it
+    run = Supervised(tmp_path, [], ["--finish-at", "1"], {
+        "SPOTGUARD_RUNTIME_DIR": str(shared), "SPOTGUARD_STATE_DIR": str(tmp_path / "state"),
+        "SPOTGUARD_METRICS__ENABLED": "false"})
+    status, figures = run.finish()
+    assert status == 0 and figures["launches"] == 1, run.stderr()
+    assert "none could be started" in run.stderr() and "signals and exit statuses only" in run.stderr()
+
+
+def test_launches_that_stop_again_without_progress_are_not_relaunched_forever(tmp_path):
+    """A job that records its start and stops at once (as one would under a notice it cannot
+    ignore) is launched three times, not a thousand."""
+    script = ("import os, sys, json, time; line = dict(v=1, event='start', t=time.time(), pid=os.getpid(), "
+              "rank=0, job='', resumed_from=7); open(os.environ['SPOTGUARD_RECORD'], 'a')"
+              ".write(json.dumps(line) + '\\n'); sys.exit(75)")
+    done = subprocess.run([*RUN, "--json", "--no-daemon", "--", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    figures = json.loads(done.stdout.splitlines()[-1])
+    assert done.returncode == 75 and figures["launches"] == 3 and figures["preemptions"] == 3
+    assert "3 launches in a row stopped without progress: not relaunching" in done.stderr
+
+
+def test_a_daemon_that_answers_garbage_does_not_stop_the_supervisor(tmp_path, sock_dir):
+    """The first status is answered, every later request gets an invalid reply: the supervisor
+    treats that as no answer and goes on (and, having found a daemon, starts none)."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{sock_dir}/requests.sock")
+    stop = threading.Event()
+
+    def serve() -> None:
+        answers = [encode(Reply(ok=True, data={}))]
+        while not stop.is_set():
+            if router.poll(50):
+                ident, *_ = router.recv_multipart()
+                router.send_multipart([ident, b"", answers.pop() if answers else b"\xff not a reply"])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        run = Supervised(tmp_path, ["--max-preemptions", "1"], ["--fail", "75"],
+                         {"SPOTGUARD_RUNTIME_DIR": str(sock_dir)})
+        status, figures = run.finish()
+    finally:
+        stop.set()
+        server.join(10)
+        ctx.destroy(linger=0)
+    assert status == 75 and figures["launches"] == 2, run.stderr()
+    assert figures["reason"] == "max preemptions (1) reached" and "started one" not in run.stderr()
+
+
+def test_sigterm_during_the_backoff_ends_the_run_with_the_failure_status(tmp_path):
+    run = Supervised(tmp_path, ["--no-daemon", "--max-restarts", "5", "--backoff", "30"], ["--fail", "3"],
+                     {"SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    deadline = time.monotonic() + 20
+    while "restart 1 of 5 in 30 s" not in run.stderr():
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.stderr()
+        time.sleep(0.02)
+    run.proc.send_signal(signal.SIGTERM)
+    status, figures = run.finish()
+    assert status == 3 and figures["launches"] == 1
+    assert figures["reason"] == "SIGTERM received before the relaunch"

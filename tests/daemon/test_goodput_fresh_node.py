@@ -4,7 +4,8 @@ Two daemons with their own runtime, state and checkpoint directories stand for t
 bucket (the ``file://`` backend). A real job (``goodput_job.py``) commits step 4 on node A, runs to
 step 7 and is SIGKILLed together with node A's daemon; relaunched on node B it restores step 4 from
 the bucket, and node B's daemon must count the 3 steps lost from the object node A left there.
-Hostile or garbage objects are ignored with one warning each, never echoed, never fatal.
+Hostile or garbage objects are ignored with one warning each, never echoed, never fatal; the copy is
+made at a job's first change, then once per interval, or at once while a terminating notice is pending.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import os
 import shutil
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from spotguard.protocol import RegisterRequest, StatusRequest
+from spotguard.protocol import Kind, NotifyRequest, ProgressRequest, RegisterRequest, StatusRequest
 from spotguard.storage.durable import Durable
 from spotguard.storage.file import FileStore
 
@@ -135,3 +137,19 @@ def test_hostile_progress_objects_are_ignored_with_one_warning_each(daemon_facto
         lines = [line for line in log.splitlines() if f"job {job!r}" in line and "WARNING" in line]
         assert len(lines) == 1, (job, lines)
     assert "EVIL-MARKER" not in log and "Traceback" not in log
+
+
+def test_the_copy_waits_its_interval_unless_a_terminating_notice_is_pending(daemon_factory, tmp_path):
+    bucket = tmp_path / "bucket"
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{bucket}"})  # every 30 s at most
+
+    def report(step: int) -> None:
+        at = datetime.now(timezone.utc)
+        assert daemon.request(ProgressRequest(pid=os.getpid(), job_id="rate", step=step, at=at)).ok
+    report(1)
+    wait_for(lambda: (progress_object(bucket, "rate") or {}).get("step") == 1, "the first change, at once")
+    report(2)
+    time.sleep(1.5)  # three housekeeping turns: none may copy it within the interval
+    assert progress_object(bucket, "rate")["step"] == 1
+    assert daemon.request(NotifyRequest(kind=Kind.DRILL)).ok  # a terminating notice
+    wait_for(lambda: progress_object(bucket, "rate")["step"] == 2, "the copy under a notice", 10)

@@ -122,15 +122,16 @@ def test_hostile_progress_objects_are_ignored_with_one_warning_each(daemon_facto
     for job, body in objects.items():
         path = bucket / "jobs" / job / "progress.json"
         path.parent.mkdir(parents=True)
-        path.write_bytes(body or valid(job, now))
+        path.write_bytes(body or valid(job, now, reached=[[6, now - 10], [8, now - 7]]))
     daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{bucket}"})
     for job in objects:  # "good" last: once its loss is counted, every object before it was read
         assert daemon.request(RegisterRequest(pid=os.getpid(), job_id=job, resumed_from_step=6)).ok
     wait_for(lambda: samples(daemon)["spotguard_steps_lost_total"] > 0, "the good object's loss")
     values = samples(daemon)
     assert values["spotguard_job_restarts_total"] == len(objects)
-    assert values["spotguard_steps_lost_total"] == 4  # only the good object's steps 7-10
-    assert math.isclose(values["spotguard_time_lost_seconds_total"], 5.0, abs_tol=0.01)
+    assert values["spotguard_steps_lost_total"] == 2  # only the good object's: 9 and 10 after commit 8
+    assert math.isclose(values["spotguard_time_lost_seconds_total"], 2.0, abs_tol=0.01)
+    assert values["spotguard_steps_redone_total"] == 2  # 7 and 8: committed on the old node, not resumed
     assert daemon.request(StatusRequest()).ok and daemon.proc.poll() is None
     log = daemon.output()
     for job in hostile_objects(now):

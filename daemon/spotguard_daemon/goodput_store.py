@@ -18,8 +18,9 @@ and the restart's loss counted from it, as the node that ran the job would have.
   write is tried again an interval later unless a newer one replaced it.
 * **Untrusted on read.** The object is read at most ``MAX_BYTES``, parsed and validated by pydantic,
   and must name the job, hold finite times no later than the registration (a record written since
-  is the new run's) and no older than ``MAX_AGE``; anything else is ignored with one warning, and
-  the restart counts no loss.
+  is the new run's; node clocks are assumed to agree within the downtime, as NTP keeps them) and
+  no older than ``MAX_AGE``; anything else is ignored with one warning, and the restart counts no
+  loss.
 
 Residual limits: progress made after the object was last written is not counted, so a node killed
 without notice loses up to ``progress_seconds`` of the figures (plus the client's report interval,
@@ -38,7 +39,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Annotated, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from spotguard._priority import lower_priority
@@ -58,7 +59,7 @@ MAX_BYTES = 16 * 1024
 MAX_AGE = 30 * 24 * 3600.0
 """An object older than this at a restart is ignored (its age would count as downtime)."""
 MAX_RECALLS = 256
-_Step = Field(ge=0, lt=2**63)
+_Step = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 class ProgressObject(BaseModel):
@@ -68,11 +69,11 @@ class ProgressObject(BaseModel):
 
     version: Literal[1] = 1
     job: str = Field(max_length=256)
-    step: int = _Step
+    step: _Step
     """The newest step rank 0 reported (or resumed from)."""
     at: float = Field(gt=0)
     """When it was reached (Unix seconds)."""
-    reached: list[tuple[int, float]] = Field(default=[], max_length=MAX_COMMITS)
+    reached: list[tuple[_Step, float]] = Field(default=[], max_length=MAX_COMMITS)
     """[step, time first known reached] of the steps committed (or resumed from) in that run."""
     written: float = Field(gt=0)
 

@@ -14,13 +14,15 @@ import json
 import math
 import os
 import shutil
+import socket
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from spotguard.protocol import Kind, NotifyRequest, ProgressRequest, RegisterRequest, StatusRequest
+from spotguard.protocol import (Kind, NotifyRequest, ProgressRequest, RegisterRequest, StatusRequest,
+                                UnregisterRequest)
 from spotguard.storage.durable import Durable
 from spotguard.storage.file import FileStore
 
@@ -154,3 +156,21 @@ def test_the_copy_waits_its_interval_unless_a_terminating_notice_is_pending(daem
     assert progress_object(bucket, "rate")["step"] == 1
     assert daemon.request(NotifyRequest(kind=Kind.DRILL)).ok  # a terminating notice
     wait_for(lambda: progress_object(bucket, "rate")["step"] == 2, "the copy under a notice", 10)
+
+
+@pytest.mark.slow
+def test_an_unreachable_store_holds_up_neither_the_restart_nor_the_daemon(daemon_factory):
+    with socket.socket() as closed:  # a port nothing listens on: every request is refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": "s3://bucket",
+                                 "SPOTGUARD_STORAGE__ENDPOINT_URL": f"http://127.0.0.1:{port}",
+                                 "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"})
+    for job in ("a", "b", "c"):  # each read is retried by the SDK in the background
+        assert daemon.request(RegisterRequest(pid=os.getpid(), job_id=job, resumed_from_step=3), 2).ok
+        assert daemon.request(ProgressRequest(pid=os.getpid(), job_id=job, step=4,
+                                              at=datetime.now(timezone.utc)), 2).ok
+    assert daemon.request(StatusRequest(), 2).ok
+    assert samples(daemon)["spotguard_job_restarts_total"] == 3
+    assert daemon.request(UnregisterRequest(pid=os.getpid())).ok  # its stop signals registered pids
+    assert daemon.stop() == 0  # the copies it could not write do not keep it from exiting

@@ -8,7 +8,7 @@ Hugging Face: the ``Trainer``'s own shuffled loader), checkpointed by the spotgu
 SIGTERM itself at the first of those steps after the step it resumed from, so relaunching the identical command until it exits 0 stops it
 at each of them. ``$JOB_DAEMON=1`` makes the callback talk to the daemon (job id ``integration``), and
 ``$JOB_KILL`` (a step) makes the job SIGKILL itself at that step once the daemon acknowledged its
-progress (Hugging Face only). The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
+progress. The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ def stops() -> list[int]:
     return [int(s) for s in os.environ.get("JOB_STOPS", "").split(",") if s]
 
 
-def maybe_stop(step: int, start: int, guard=None) -> None:
+def maybe_stop(step: int, start: int, guard=lambda: None) -> None:
+    """SIGTERM at a step of ``$JOB_STOPS``; SIGKILL at ``$JOB_KILL`` once ``guard()``'s daemon
+    acknowledged the progress report of that step."""
     if step > start and step in stops():
         os.kill(os.getpid(), signal.SIGTERM)
     if step > start and step == int(os.environ.get("JOB_KILL", "-1")):
-        acknowledged(guard, step)
+        acknowledged(guard(), step)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -95,7 +97,7 @@ def lightning_job(out: str) -> None:
             self.start = self.global_step
 
         def training_step(self, batch, batch_idx):
-            maybe_stop(self.global_step, self.start)
+            maybe_stop(self.global_step, self.start, lambda: callback.run.guard)
             x, y = batch
             return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -104,7 +106,9 @@ def lightning_job(out: str) -> None:
 
     pl.seed_everything(0)
     module = Module()
-    callback = SpotguardCallback(os.path.join(out, "ckpt"), save_every=4, daemon=False)
+    daemon = os.environ.get("JOB_DAEMON") == "1"
+    callback = SpotguardCallback(os.path.join(out, "ckpt"), save_every=4, daemon=daemon,
+                                 job_id="integration" if daemon else "")
     accumulate = int(os.environ.get("JOB_ACCUMULATE", "1"))
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", deterministic=True, logger=False,
                          accumulate_grad_batches=accumulate,
@@ -133,7 +137,7 @@ def hf_job(out: str) -> None:
             self.start = state.global_step
 
         def on_step_begin(self, args, state, control, **kwargs):
-            maybe_stop(state.global_step, self.start, guard.guard)
+            maybe_stop(state.global_step, self.start, lambda: guard.guard)
 
     def collate(rows):
         return {"x": torch.stack([r[0] for r in rows]), "y": torch.stack([r[1] for r in rows])}

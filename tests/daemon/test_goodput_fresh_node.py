@@ -63,6 +63,7 @@ def node_b(daemon_factory, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)  # two daemons, two jobs
 def test_a_job_relaunched_on_a_fresh_node_counts_the_steps_lost_with_the_old_one(daemon_factory, node_b,
                                                                                  tmp_path):
     bucket = tmp_path / "bucket"

@@ -5,6 +5,7 @@ Parts and their wiring (sources produce, the store decides, actions act)::
     Runner(watcher) --snapshot--> NoticeStore --announce/cancel--> Server.publish (PUB)
     signal / notify --add-------->            +--announce---------> Delivery (signal, hook, webhook)
     Server (ROUTER) --> RequestHandler --> store (safe), on_commit hook (storage engine)
+                                      \--> GoodputLedger <--> DurableProgress (the store's copy)
 
 Life cycle: lock the runtime directory, serve metrics, bind the sockets, load the notices a previous
 run left pending (``status`` lists them at once; they are published on PUB and delivered again once,
@@ -42,6 +43,7 @@ from spotguard.storage.base import StoreError
 from spotguard_daemon import systemd, uploads
 from spotguard_daemon.delivery import Delivery
 from spotguard_daemon.goodput import GoodputLedger
+from spotguard_daemon.goodput_store import DurableProgress
 from spotguard_daemon.handlers import RequestHandler
 from spotguard_daemon.metrics import Metrics
 from spotguard_daemon.server import Server, ServerError, lock_runtime_dir
@@ -79,11 +81,16 @@ class Daemon:
         self.queue = uploads.from_settings(settings, registry=self.metrics.registry,
                                            on_durable=self._durable,
                                            urgent=lambda: bool(self.store.pending()))
+        ledger = GoodputLedger(settings.state_dir / "goodput.json")
+        self.progress = DurableProgress(self.queue.durable.store, ledger, self.metrics,
+                                        scratch=settings.runtime_dir / "progress-scratch",
+                                        interval=settings.storage.progress_seconds,
+                                        nice=settings.storage.upload_nice, urgent=self._terminating)
         self.handler = RequestHandler(self.store, platform=self.platform,
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
                                       on_change=self._clients_changed, on_commit=self._committed,
                                       known_step=self.queue.durable_step, metrics=self.metrics,
-                                      ledger=GoodputLedger(settings.state_dir / "goodput.json"))
+                                      ledger=ledger, recall=self.progress.recall)
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
                              pending_ids=lambda: [n.id for n in self.store.pending()],
@@ -143,6 +150,7 @@ class Daemon:
             self._install_signal_handlers()
             runners = [self._runner(w) for w in watchers]
             self.queue.start()
+            self.progress.start()
             for coro in [self.server.serve(), self.server.heartbeats(), self._housekeeping(),
                          self._check_storage(), *runners]:
                 self._spawn(coro)
@@ -236,6 +244,10 @@ class Daemon:
         named = Path(os.path.abspath(Path(self.settings.checkpoint_root or path.parent) / request.path))
         self.queue.submit(request.job_id, named, request.step, request.size_bytes)
 
+    def _terminating(self) -> bool:
+        """Whether a terminating notice is pending (read by the goodput store's rate)."""
+        return any(n.kind in TERMINATING_KINDS for n in self.store.pending())
+
     def _durable(self, job_id: str, step: int, location: str) -> None:
         """Called from the upload thread once a checkpoint is durable."""
         event = DurableEvent(job_id=job_id, step=step, location=location)
@@ -326,6 +338,7 @@ class Daemon:
         while True:
             self.store.expire()
             self.handler.ledger.flush()
+            self.progress.tick()
             self.metrics.clients.set(self.handler.reap())
             self._acknowledge_ready()
             if watchdog is not None and loop.time() >= next_ping:
@@ -398,6 +411,7 @@ class Daemon:
             except Exception as exc:
                 log.debug("closing watcher %s: %s", getattr(watcher, "name", watcher), exc)
         self.queue.close()
+        self.progress.close()
         self.handler.ledger.flush(force=True)
         self.server.close()
         self.metrics.close()

@@ -18,8 +18,11 @@ saved), and restarts (``register`` with ``resumed_from_step`` R from rank 0). Wh
 
 Reports are sampled (one per ``progress_interval`` at most), so ``steps`` and ``seconds`` are lower
 bounds by up to one interval and ``downtime`` an upper bound by as much; their sum is exact. Only
-this node's daemon is told: a job whose rank 0 comes back on another node (a fresh node after a
-preemption) is counted as a restart there with nothing known of its past, so no loss.
+this node's daemon is told; a job whose rank 0 comes back on another node (a fresh node after a
+preemption) is known there through the copy of its record that :mod:`.goodput_store` keeps in the
+durable store (:meth:`GoodputLedger.due` hands it the records to write): :meth:`restarted` returns
+None for a job this node knows nothing of, or knows only an older part of (the step resumed from is
+past every step and commit this node saw: the job ran elsewhere since), and the caller asks the store.
 
 Bounds: at most ``MAX_JOBS`` jobs (the least recently updated are forgotten) and ``MAX_COMMITS``
 commit times per job. Persistence: ``<state_dir>/goodput.json`` (0600, atomic) is written at most every
@@ -44,7 +47,7 @@ from typing import Callable
 
 from spotguard_daemon.store import write_private_atomic
 
-__all__ = ["GoodputLedger", "Loss", "JobRecord"]
+__all__ = ["GoodputLedger", "Loss", "JobRecord", "restart_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,12 @@ class JobRecord:
     been reached."""
     pid: int = 0
     """The process that reported last: a report from another one (a relaunch not reported as a
-    restart) adds no training time."""
+    restart) adds no training time. 0 for a record only commits made (another node's ranks): such a
+    record is never copied to the durable store, where it would hide rank 0's."""
+
+    def newest(self) -> int:
+        """The newest step this record saw reached or committed."""
+        return max([self.step, *self.reached])
 
 
 class GoodputLedger:
@@ -88,6 +96,10 @@ class GoodputLedger:
         self._jobs: OrderedDict[str, JobRecord] = OrderedDict()
         self._dirty = False
         self._written_at = float("-inf")
+        self._changed: dict[str, None] = {}
+        """Jobs (rank 0's) changed since :meth:`due` last handed them out, oldest change first."""
+        self._handed: dict[str, float] = {}
+        """Job -> when (monotonic) :meth:`due` last handed it out."""
         self._load()
 
     def progress(self, job: str, step: int, at: datetime, pid: int) -> float:
@@ -122,19 +134,35 @@ class GoodputLedger:
         nothing was known about the job. A new run of the job starts there, now."""
         now = self._clock()
         record = self._jobs.get(job)
-        loss = None if record is None else _loss(record, resumed_from, now)
-        if loss is not None:
-            log.info("job %r restarted from step %d: %d steps (%s s) lost after its last commit, %.1f s "
-                     "down", job, resumed_from, loss.steps,
-                     "unknown" if loss.seconds is None else f"{loss.seconds:.1f}", loss.downtime)
+        if record is not None and resumed_from > record.newest():
+            log.info("job %r resumed from step %d, past the step %d this node last saw: it ran "
+                     "elsewhere since", job, resumed_from, record.newest())
+            record = None
+        loss = None if record is None else restart_loss(job, record, resumed_from, now)
         self._touch(job, JobRecord(resumed_from, now, {resumed_from: now}, pid))
         return loss
+
+    def due(self, interval: float) -> list[tuple[str, JobRecord]]:
+        """Copies of rank 0's records changed since last handed out at least ``interval`` seconds
+        ago (each job's first change at once), for :mod:`.goodput_store`; they count as handed out."""
+        now, out = time.monotonic(), []
+        for job in list(self._changed):
+            if now - self._handed.get(job, float("-inf")) >= interval:
+                del self._changed[job]
+                self._handed[job] = now
+                record = self._jobs[job]
+                out.append((job, JobRecord(record.step, record.at, dict(record.reached), record.pid)))
+        return out
 
     def _touch(self, job: str, record: JobRecord) -> None:
         self._jobs[job] = record
         self._jobs.move_to_end(job)
+        if record.pid:
+            self._changed[job] = None
         while len(self._jobs) > self._max_jobs:
-            self._jobs.popitem(last=False)
+            gone, _ = self._jobs.popitem(last=False)
+            self._changed.pop(gone, None)
+            self._handed.pop(gone, None)
         self._dirty = True
 
     # ------------------------------------------------------------------ persistence
@@ -169,10 +197,15 @@ class GoodputLedger:
             self._jobs.clear()
 
 
-def _loss(record: JobRecord, resumed_from: int, now: float) -> Loss:
-    """What a restart from ``resumed_from`` lost of ``record``'s run (see the module docstring)."""
+def restart_loss(job: str, record: JobRecord, resumed_from: int, now: float) -> Loss:
+    """What a restart of ``job`` from ``resumed_from`` at ``now`` lost of ``record``'s run (see the
+    module docstring), logged."""
     last_commit = max([resumed_from, *record.reached])
     steps = max(0, record.step - last_commit)
     start = record.reached.get(last_commit)
     seconds = 0.0 if steps == 0 else None if start is None else max(0.0, record.at - start)
-    return Loss(steps, seconds, max(0.0, now - record.at))
+    loss = Loss(steps, seconds, max(0.0, now - record.at))
+    log.info("job %r restarted from step %d: %d steps (%s s) lost after its last commit, %.1f s down",
+             job, resumed_from, loss.steps, "unknown" if loss.seconds is None else f"{loss.seconds:.1f}",
+             loss.downtime)
+    return loss

@@ -24,7 +24,8 @@ job is refused, never answered ``ok`` and dropped. An accepted commit is passed 
 tree may change after the check).
 
 Goodput: commits, ``progress`` reports and rank-0 restarts feed the
-:class:`~spotguard_daemon.goodput.GoodputLedger`, whose losses go to the metrics.
+:class:`~spotguard_daemon.goodput.GoodputLedger`, whose losses go to the metrics; a restart of a job
+the ledger does not know goes to ``recall`` (the durable store's copy, :mod:`.goodput_store`).
 
 Exceptions: none; every refusal is an error :class:`~spotguard.protocol.Reply`.
 """
@@ -143,10 +144,14 @@ class RequestHandler:
                  info: Callable[[], dict[str, Any]], on_commit: CommitHook | None = None,
                  on_change: Callable[[], None] | None = None,
                  known_step: Callable[[str], int | None] | None = None,
-                 metrics: Metrics | None = None, ledger: GoodputLedger | None = None) -> None:
+                 metrics: Metrics | None = None, ledger: GoodputLedger | None = None,
+                 recall: Callable[[str, int], None] | None = None) -> None:
         self.store = store
         self.metrics = metrics or Metrics()
         self.ledger = ledger or GoodputLedger()
+        self.recall = recall or (lambda job, step: None)
+        """Called with a restarted job this node knows nothing of, and its step: the durable store's
+        copy of the job's record counts the loss (:mod:`.goodput_store`)."""
         self.clients: dict[int, Client] = {}
         self.on_commit = on_commit or (lambda request, path: None)
         self.platform = platform
@@ -236,6 +241,8 @@ class RequestHandler:
         loss = self.ledger.restarted(job, request.resumed_from_step, request.pid)
         if loss is not None:
             self.metrics.lost(loss)
+        else:
+            self.recall(job, request.resumed_from_step)
 
     def _unregister(self, request: UnregisterRequest) -> Reply:
         client = self.clients.get(request.pid)

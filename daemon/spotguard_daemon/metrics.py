@@ -26,8 +26,9 @@ resumed from, or a newer commit not resumed: those steps are the ones re-run abo
 step reached to the newest report); ``spotguard_downtime_seconds_total`` from the newest report before the stop to
 the relaunched rank 0's registration. ``spotguard_training_seconds_total`` adds the time between
 consecutive progress reports of one process (its wall time training, saves included), the
-denominator of a goodput ratio. Only the daemon of the node where rank 0 ran knows the reports: a
-job relaunched on a fresh node counts a restart and no loss.
+denominator of a goodput ratio. Only the daemon of the node where rank 0 ran knows the reports; a
+job relaunched on a fresh node is counted there from the copy of its record that daemon kept in the
+durable store (:mod:`.goodput_store`), which lags by up to ``storage.progress_seconds``.
 
 Exceptions: none; the HTTP endpoint's bind error (``OSError``) reaches the caller of :meth:`serve`.
 """

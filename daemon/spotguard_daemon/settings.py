@@ -239,6 +239,9 @@ class StorageSettings(_Section):
     """Upload bandwidth cap in megabytes per second; unset for no cap."""
     finish_superseded: bool = False
     """Finish uploading an older checkpoint when a newer one is committed meanwhile."""
+    progress_seconds: float = Field(30.0, gt=0, le=3600)
+    """Each job's goodput record is copied to the store at most this often (when it changed; every
+    second while a terminating notice is pending), so a fresh node counts what a restart lost."""
     upload_nice: int = Field(19, ge=0, le=19)
     """CPU niceness of the upload threads (Linux, per thread; 0: normal priority): uploads are
     background work and yield to training on the same cores; lower it if uploads lag on busy CPUs."""

@@ -6,7 +6,9 @@ Hugging Face: the ``Trainer``'s own shuffled loader), checkpointed by the spotgu
 ``$JOB_WORKERS`` and ``$JOB_ACCUMULATE`` set Lightning's loader workers
 (persistent) and gradient accumulation. ``$JOB_STOPS`` (comma-separated steps) makes the job
 SIGTERM itself at the first of those steps after the step it resumed from, so relaunching the identical command until it exits 0 stops it
-at each of them. The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
+at each of them. ``$JOB_DAEMON=1`` makes the callback talk to the daemon (job id ``integration``), and
+``$JOB_KILL`` (a step) makes the job SIGKILL itself at that step once the daemon acknowledged its
+progress. The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -25,9 +28,21 @@ def stops() -> list[int]:
     return [int(s) for s in os.environ.get("JOB_STOPS", "").split(",") if s]
 
 
-def maybe_stop(step: int, start: int) -> None:
+def maybe_stop(step: int, start: int, guard=lambda: None) -> None:
+    """SIGTERM at a step of ``$JOB_STOPS``; SIGKILL at ``$JOB_KILL`` once ``guard()``'s daemon
+    acknowledged the progress report of that step."""
     if step > start and step in stops():
         os.kill(os.getpid(), signal.SIGTERM)
+    if step > start and step == int(os.environ.get("JOB_KILL", "-1")):
+        acknowledged(guard(), step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def acknowledged(guard, step: int) -> None:
+    """Wait (at most 30 s) until the daemon acknowledged rank 0's progress report of ``step``."""
+    deadline = time.monotonic() + 30
+    while guard.progress_acknowledged != step and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def dataset() -> torch.utils.data.TensorDataset:
@@ -82,7 +97,7 @@ def lightning_job(out: str) -> None:
             self.start = self.global_step
 
         def training_step(self, batch, batch_idx):
-            maybe_stop(self.global_step, self.start)
+            maybe_stop(self.global_step, self.start, lambda: callback.run.guard)
             x, y = batch
             return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -91,7 +106,9 @@ def lightning_job(out: str) -> None:
 
     pl.seed_everything(0)
     module = Module()
-    callback = SpotguardCallback(os.path.join(out, "ckpt"), save_every=4, daemon=False)
+    daemon = os.environ.get("JOB_DAEMON") == "1"
+    callback = SpotguardCallback(os.path.join(out, "ckpt"), save_every=4, daemon=daemon,
+                                 job_id="integration" if daemon else "")
     accumulate = int(os.environ.get("JOB_ACCUMULATE", "1"))
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", deterministic=True, logger=False,
                          accumulate_grad_batches=accumulate,
@@ -120,7 +137,7 @@ def hf_job(out: str) -> None:
             self.start = state.global_step
 
         def on_step_begin(self, args, state, control, **kwargs):
-            maybe_stop(state.global_step, self.start)
+            maybe_stop(state.global_step, self.start, lambda: guard.guard)
 
     def collate(rows):
         return {"x": torch.stack([r[0] for r in rows]), "y": torch.stack([r[1] for r in rows])}
@@ -130,7 +147,8 @@ def hf_job(out: str) -> None:
         out, max_steps=STEPS, per_device_train_batch_size=BATCH, save_steps=4, seed=0,
         use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, learning_rate=0.01)
-    guard = SpotguardTrainerCallback(daemon=False)
+    daemon = os.environ.get("JOB_DAEMON") == "1"
+    guard = SpotguardTrainerCallback(daemon=daemon, job_id="integration" if daemon else "")
     trainer = transformers.Trainer(Model(), args, train_dataset=dataset(), data_collator=collate,
                                    callbacks=[guard, Stopper()])
     trainer.train(resume_from_checkpoint=latest_checkpoint(out))

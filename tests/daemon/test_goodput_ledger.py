@@ -69,3 +69,27 @@ def test_jobs_and_commits_are_bounded_and_bad_state_is_ignored(tmp_path):
     for garbage in (b"{", b"[]", b'{"version": 1, "jobs": [{"job": "a"}]}', b'{"version": 9, "jobs": []}'):
         path.write_bytes(garbage)
         assert GoodputLedger(path).restarted("b", 0, pid=1) is None
+
+
+def test_only_rank_0_records_are_handed_to_the_store_once_per_interval():
+    clock = Clock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.committed("other-node", 4)  # only commits: another node's ranks, never copied
+    ledger.progress("j", 5, at(clock.now), pid=1)
+    assert [(job, r.step) for job, r in ledger.due(3600)] == [("j", 5)]  # a first change goes at once
+    ledger.progress("j", 6, at(clock.now), pid=1)
+    assert ledger.due(3600) == []  # within the interval
+    assert [(job, r.step) for job, r in ledger.due(0)] == [("j", 6)]  # a notice pending: at once
+    assert ledger.due(0) == []  # nothing changed since
+
+
+def test_a_record_older_than_the_step_resumed_from_means_the_job_ran_elsewhere():
+    clock = Clock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.progress("j", 10, at(clock.now), pid=1)
+    ledger.committed("j", 8)
+    clock.now += 60
+    assert ledger.restarted("j", 20, pid=2) is None  # resumed past all this node saw: ask the store
+    clock.now += 5
+    ledger.progress("j", 23, at(clock.now), pid=2)
+    assert ledger.restarted("j", 20, pid=3) == Loss(steps=3, seconds=5.0, downtime=0.0)

@@ -24,7 +24,10 @@ duration of the Trainer's last save, measured from ``on_step_end`` to ``on_save`
 save an estimate from the model and optimizer bytes), and ``control.should_training_stop``; the
 Trainer saves, then leaves its loop. An advisory notice (AWS rebalance) asks for one early save.
 Each save is reported to the daemon (``report_commit``) from ``on_save``; at ``on_train_end`` after
-a stop the daemon is told the process is safe. After a stop the process is expected to exit: a
+a stop the daemon is told the process is safe. For the daemon's goodput figures, as ``Run`` does: a
+train that starts past step 0 (resumed from a checkpoint) is reported as a restart from that step at
+``on_train_begin`` (``report_resume``), and every step end notes rank 0's progress
+(``report_progress``: no I/O, the guard's thread sends it every few seconds). After a stop the process is expected to exit: a
 guard the callback made is closed as ``Run`` closes it (forced-exit watchdog armed, SIGTERM/SIGUSR1
 ignored), so call :meth:`~SpotguardTrainerCallback.exit_if_stopped` (75) right after ``train``.
 The measured save duration includes an evaluation the Trainer runs at the same step, if any.
@@ -109,6 +112,9 @@ class SpotguardTrainerCallback(TrainerCallback):
         self.stopped = False
         if self.guard is None:
             self.guard = Guard(rank=args.process_index, **self._guard_kwargs)
+        if state.global_step > 0:  # the Trainer loaded a checkpoint's state before this event
+            log.info("resumed from step %d", state.global_step)
+            self.guard.report_resume(state.global_step)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -116,6 +122,7 @@ class SpotguardTrainerCallback(TrainerCallback):
         if self.guard is None or self.stopped:
             return
         step = state.global_step
+        self.guard.report_progress(step)
         if not self.agreement.enabled or self.agreement.due(step):
             self._decide(step, control, kwargs)
         if control.should_save:  # ours or the Trainer's schedule: time it until on_save

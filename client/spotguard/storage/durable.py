@@ -6,6 +6,7 @@ Layout under the store's prefix (object stores have no rename, so order is the c
     jobs/<job>/pending/<unix>-<rand>.json        an upload in progress: {"hashes": [...]}
     jobs/<job>/manifests/step-0000000100.json    the local manifest + a "durable" section
     jobs/<job>/latest                            "step-0000000100\\n"
+    jobs/<job>/progress.json                     the daemon's goodput record of the job (not a checkpoint)
 
 :meth:`Durable.upload` writes the pending note, then every object the store lacks (bytes uploaded
 follow bytes changed), then the manifest, then the pointer. A reader that starts from the pointer or
@@ -38,7 +39,7 @@ from spotguard.storage import _restore
 from spotguard.storage._local import ManifestError, read_manifest, step_name, validate_manifest
 from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError, TransientError
 
-__all__ = ["Durable", "DurableInfo", "PruneReport", "object_key"]
+__all__ = ["Durable", "DurableInfo", "PruneReport", "object_key", "progress_key"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,11 @@ def _job(job_id: str) -> str:
 
 def manifest_key(job_id: str, step: int) -> str:
     return f"jobs/{_job(job_id)}/manifests/{step_name(step)}.json"
+
+
+def progress_key(job_id: str) -> str:
+    """Where the daemon keeps the job's last progress, so that a fresh node counts what a restart lost."""
+    return f"jobs/{_job(job_id)}/progress.json"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,244 @@
+"""The goodput ledger's copy in the durable store, so that a restart on a fresh node counts its loss.
+
+A spot node's daemon dies with the node, and with it what it knew of the job's progress; the job is
+relaunched on another node and restores its checkpoint from the durable store. So the daemon keeps,
+next to each job's checkpoints, a small object ``jobs/<job>/progress.json``
+(:func:`~spotguard.storage.durable.progress_key`): rank 0's newest reported step and when it was
+reached, and the steps committed in that run and when (:class:`ProgressObject`; no paths, no pids,
+nothing secret). When a rank-0 process registers as resumed from step R and this node knows nothing
+of the job (or only an older part of it: see :meth:`.GoodputLedger.restarted`), the object is read
+and the restart's loss counted from it, as the node that ran the job would have.
+
+* **Bounded rate.** A job's object is written at its first change, then at most every
+  ``storage.progress_seconds`` (30 s by default) and only when it changed; while a terminating notice
+  is pending, at most every ``URGENT_SECONDS``; at the daemon's stop, once more for what changed.
+* **Out of the way of checkpoints.** Writes and reads run on a thread of their own (niced like the
+  upload worker) that shares the store's client, never on the upload worker: a slow or unreachable
+  store delays only these small requests, never a checkpoint upload nor the notice loop. A failed
+  write is tried again an interval later unless a newer one replaced it.
+* **Untrusted on read.** The object is read at most ``MAX_BYTES``, parsed and validated by pydantic,
+  and must name the job, hold finite times no later than the registration (a record written since
+  is the new run's; node clocks are assumed to agree within the downtime, as NTP keeps them) and
+  no older than ``MAX_AGE``; anything else is ignored with one warning, and the restart counts no
+  loss.
+
+Residual limits: progress made after the object was last written is not counted, so a node killed
+without notice loses up to ``progress_seconds`` of the figures (plus the client's report interval,
+5 s by default); with a notice the object is current within about a second. A restart counts no
+loss when the store cannot be read. Only rank 0's daemon writes (see ``JobRecord.pid``).
+
+Exceptions: none escape; store errors are logged, once per run of failures.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Annotated, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from spotguard._priority import lower_priority
+from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError
+from spotguard.storage.durable import progress_key
+from spotguard.storage.file import make_private_dirs
+
+from spotguard_daemon.goodput import MAX_COMMITS, GoodputLedger, JobRecord, restart_loss
+from spotguard_daemon.metrics import Metrics
+
+__all__ = ["DurableProgress", "ProgressObject"]
+
+log = logging.getLogger(__name__)
+
+URGENT_SECONDS = 1.0
+MAX_BYTES = 16 * 1024
+MAX_AGE = 30 * 24 * 3600.0
+"""An object older than this at a restart is ignored (its age would count as downtime)."""
+MAX_RECALLS = 256
+_Step = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class ProgressObject(BaseModel):
+    """The object's schema (JSON); see the module docstring."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    version: Literal[1] = 1
+    job: str = Field(max_length=256)
+    step: _Step
+    """The newest step rank 0 reported (or resumed from)."""
+    at: float = Field(gt=0)
+    """When it was reached (Unix seconds)."""
+    reached: list[tuple[_Step, float]] = Field(default=[], max_length=MAX_COMMITS)
+    """[step, time first known reached] of the steps committed (or resumed from) in that run."""
+    written: float = Field(gt=0)
+
+    def record(self) -> JobRecord:
+        return JobRecord(self.step, self.at, dict(self.reached))
+
+
+class DurableProgress:
+    """Writes the ledger's due records to ``store`` and reads them back at restarts; see the module.
+
+    :meth:`tick` and :meth:`recall` are called on the daemon's loop and only queue work."""
+
+    def __init__(self, store: Store, ledger: GoodputLedger, metrics: Metrics, *, scratch: Path,
+                 interval: float = 30.0, nice: int = 19, urgent: Callable[[], bool] = lambda: False) -> None:
+        self.store, self.ledger, self.metrics = store, ledger, metrics
+        self.scratch, self.interval, self.nice, self.urgent = scratch, interval, nice, urgent
+        self._cond = threading.Condition()
+        self._writes: dict[str, bytes] = {}
+        self._failed: dict[str, tuple[bytes, float]] = {}
+        self._recalls: deque[tuple[str, int, float]] = deque(maxlen=MAX_RECALLS)
+        self._failing = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="spotguard-progress", daemon=True)
+        self._thread.start()
+
+    def tick(self, *, force: bool = False) -> None:
+        """Queue the records due (every change when ``force``) and the failed writes to try again."""
+        interval = 0.0 if force else URGENT_SECONDS if self.urgent() else self.interval
+        due = self.ledger.due(interval)
+        now = time.monotonic()
+        with self._cond:
+            for job, record in due:
+                self._writes[job] = _encode(job, record)
+                self._failed.pop(job, None)
+            for job, (body, retry_at) in list(self._failed.items()):
+                if force or retry_at <= now:
+                    self._writes.setdefault(job, body)
+                    del self._failed[job]
+            if self._writes:
+                self._cond.notify()
+
+    def recall(self, job: str, resumed_from: int) -> None:
+        """Rank 0 of ``job``, unknown here, registered now as resumed from ``resumed_from``: read the
+        job's object and count the loss (asynchronously)."""
+        with self._cond:
+            self._recalls.append((job, resumed_from, time.time()))
+            self._cond.notify()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Queue what changed, then let the thread write it for up to ``timeout`` seconds."""
+        self.tick(force=True)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        lower_priority(self.nice)
+        while True:
+            with self._cond:
+                while not (self._recalls or self._writes or self._stop):
+                    self._cond.wait()
+                if self._recalls:  # before any write: a write could be the new run's record
+                    task: Callable[[], None] = self._recall_task(*self._recalls.popleft())
+                elif self._writes:
+                    job = next(iter(self._writes))
+                    task = self._write_task(job, self._writes.pop(job))
+                else:
+                    return
+            try:
+                task()
+            except Exception as exc:  # noqa: BLE001 - a bug here must not end the figures' thread
+                log.error("goodput store task failed: %r", exc, exc_info=exc)
+
+    def _write_task(self, job: str, body: bytes) -> Callable[[], None]:
+        def write() -> None:
+            try:
+                self.store.put_bytes(progress_key(job), body)
+            except ValueError:  # a job id the store cannot name: its checkpoints are refused too
+                return
+            except StoreError as exc:
+                if not self._failing:
+                    log.warning("cannot write the progress of job %r to %s: %s (trying again; a fresh "
+                                "node will count less of the next restart's loss)", job, self.store.url, exc)
+                self._failing = True
+                with self._cond:
+                    self._failed[job] = (body, time.monotonic() + self.interval)
+                return
+            if self._failing:
+                log.info("progress writes to %s work again", self.store.url)
+            self._failing = False
+        return write
+
+    def _recall_task(self, job: str, resumed_from: int, at: float) -> Callable[[], None]:
+        def recall() -> None:
+            record = self._read(job, at)
+            if record is None:
+                return
+            self.metrics.lost(restart_loss(job, record, resumed_from, at))
+            self.metrics.steps_redone.inc(max(0, max(record.reached, default=-1) - resumed_from))
+        return recall
+
+    def _read(self, job: str, before: float) -> JobRecord | None:
+        """The job's record from the store, valid and older than ``before``; None (logged) otherwise."""
+        try:
+            key = progress_key(job)
+        except ValueError:
+            return None
+        try:
+            body = self._get(key)
+        except NotFound:
+            log.info("job %r has no progress record in %s: its restart counts no loss", job, self.store.url)
+            return None
+        except (StoreError, OSError) as exc:
+            log.warning("cannot read the progress of job %r from %s: %s; its restart counts no loss",
+                        job, self.store.url, exc)
+            return None
+        try:
+            return _validated(body, job, before)
+        except ValueError as exc:
+            log.warning("ignoring the progress record of job %r in %s: %s", job, self.store.url, _short(exc))
+            return None
+
+    def _get(self, key: str) -> bytes:
+        """The object's bytes, at most ``MAX_BYTES`` (its size is checked before the download)."""
+        make_private_dirs(self.scratch)
+        fd, name = tempfile.mkstemp(prefix=".progress-", dir=self.scratch)
+        os.close(fd)
+        try:
+            self.store.get_file(key, Path(name), max_size=MAX_BYTES)
+            with open(name, "rb") as handle:
+                body = handle.read(MAX_BYTES + 1)
+        finally:
+            os.unlink(name)
+        if len(body) > MAX_BYTES:
+            raise IntegrityError(f"{key} is over {MAX_BYTES} bytes")
+        return body
+
+
+def _encode(job: str, record: JobRecord) -> bytes:
+    return ProgressObject(job=job, step=record.step, at=record.at, reached=sorted(record.reached.items()),
+                          written=time.time()).model_dump_json().encode()
+
+
+def _validated(body: bytes, job: str, before: float) -> JobRecord:
+    """The record ``body`` holds; ValueError unless it is the job's and its times are plausible."""
+    doc = ProgressObject.model_validate_json(body)
+    if doc.job != job:
+        raise ValueError(f"it names job {doc.job[:64]!r}")
+    for when in [doc.written, doc.at, *(t for _, t in doc.reached)]:
+        if not before - MAX_AGE <= when <= before:
+            raise ValueError(f"time {when:.0f} is not within the {MAX_AGE:.0f} s before the restart")
+    return doc.record()
+
+
+def _short(exc: ValueError) -> str:
+    """One line without the offending input (it came from the bucket)."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors(include_input=False, include_url=False)[0]
+        where = ".".join(str(part)[:32] for part in first["loc"])
+        return f"{exc.error_count()} validation error(s), first at {where or 'top'!r}: {first['msg'][:120]}"
+    return str(exc)[:200]

@@ -1,0 +1,48 @@
+"""Goodput figures from the Hugging Face and Lightning callbacks, as a real daemon counts them.
+
+The user-style jobs of ``tests/client/_integration_jobs.py`` (saving every 4 steps) talk to a real
+daemon: each is SIGKILLed at step 10 once the daemon acknowledged its progress there, and the
+identical command resumes from step 8. The daemon must have received its progress reports
+and count the restart and the 2 steps lost (9 and 10).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_goodput_loss import progress_requests
+from test_goodput_metrics import samples
+
+
+JOB = Path(__file__).parents[1] / "client" / "_integration_jobs.py"
+
+
+def launch(kind: str, daemon, out: Path, **knobs: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
+    env.update(knobs, JOB_DAEMON="1", OMP_NUM_THREADS="1", SPOTGUARD_RUNTIME_DIR=str(daemon.runtime_dir),
+               SPOTGUARD_PROGRESS_SECONDS="0.01")
+    return subprocess.run([sys.executable, str(JOB), kind, str(out)], env=env, timeout=240,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # two framework jobs: about 15 s each on an idle machine
+@pytest.mark.parametrize("kind", ["hf", "lightning"])
+def test_the_callbacks_report_their_progress_and_resume(daemon_factory, tmp_path, kind):
+    pytest.importorskip({"hf": "transformers", "lightning": "lightning.pytorch"}[kind])
+    daemon, out = daemon_factory(), tmp_path / "out"
+    killed = launch(kind, daemon, out, JOB_KILL="10")
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
+    assert progress_requests(daemon) >= 1
+    again = launch(kind, daemon, out)
+    assert again.returncode == 0, again.stdout[-3000:]
+    values = samples(daemon)
+    assert values["spotguard_job_restarts_total"] == 1  # resumed from step 8
+    assert values["spotguard_steps_lost_total"] == 2  # steps 9 and 10, trained again
+    assert values["spotguard_training_seconds_total"] > 0

@@ -32,12 +32,15 @@ At each step boundary (after the loop body, before the next step):
 **A peer that vanished** (its node killed outright, no notice) must not leave the survivors hanging
 in a collective until torch's 30-minute default. With more than one rank, ``peer_timeout`` (600 s by
 default; None turns this off) bounds it twice: the agreement's own collective gives up after that
-long (:class:`~spotguard.distributed.PeerLostError`; a clean ``SystemExit``), and a progress
+long (:class:`~spotguard.distributed.PeerLostError`, logged with its cause), and a progress
 watchdog ends the process when no step boundary is reached for ``peer_timeout`` plus
 :data:`PEER_LOST_GRACE` (a collective of the step itself, e.g. DDP's all-reduce, waiting for the
-lost peer). Either way the exit status is ``EXIT_PEER_LOST`` (77) and the last committed checkpoint
-stands; a save in flight is abandoned (its peers are gone). A step that really takes longer than
-``peer_timeout`` (an evaluation inside the loop) needs a larger value.
+lost peer; every thread's stack is dumped). Either way the process ends at once with
+``EXIT_PEER_LOST`` (77), through ``os._exit``: a process group whose peer is gone cannot be torn
+down (interpreter exit waits for the save in flight, itself waiting for the peer, or aborts in
+gloo's destructors), and ``finally`` blocks would only run into the same collectives. The last
+committed checkpoint stands. A step that really takes longer than ``peer_timeout`` (an evaluation
+inside the loop) needs a larger value.
 
 Leaving the loop early with ``break`` (or ``return``) is safe: :meth:`finish` saves the state as
 it is, counting the step left mid-way as done when the optimizer given to ``Run`` stepped in it
@@ -61,7 +64,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 from spotguard import _jobid, rng
 from spotguard._record import Recorder
@@ -81,8 +84,8 @@ ASSUMED_THROUGHPUT = 100e6
 """Bytes per second assumed for a save never measured yet: a conservative local-disk figure."""
 
 PEER_LOST_GRACE = 10.0
-"""Seconds the progress watchdog allows beyond ``peer_timeout`` (so the agreement's own timeout,
-which exits cleanly, comes first), and allows a process whose peer is lost to finish exiting."""
+"""Seconds the progress watchdog allows beyond ``peer_timeout``, so that when the loop waits in the
+agreement, the agreement's own timeout (which logs and records the cause) comes first."""
 
 
 def save_fits(save_seconds: float | None, seconds_left: float | None, margin: float) -> bool:
@@ -208,8 +211,8 @@ class Run:
                 self.step += 1
                 if self._boundary(self.step):
                     return
-        finally:  # the loop ended or was left (break closes this generator); a peer-lost exit
-            if self._progress is not None and not self._closed:  # keeps it, to bound the exit
+        finally:  # the loop ended, or was left (break closes this generator)
+            if self._progress is not None:
                 self._progress.disarm()
 
     def _load_latest(self) -> Any:
@@ -365,17 +368,15 @@ class Run:
             log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
                         "it", notice.id, left, self._stop_needed(save))
 
-    def _peer_lost(self, done: int, exc: PeerLostError) -> None:
-        """Exit ``EXIT_PEER_LOST`` without waiting for the save in flight (it waits for the lost
-        peer too); the progress watchdog bounds the exit itself."""
+    def _peer_lost(self, done: int, exc: PeerLostError) -> NoReturn:
+        """Say why, record it, and end the process now (see the module docstring: no teardown)."""
         log.error("%s; exiting %d: relaunch the job on every node, it resumes from the last committed "
                   "checkpoint", exc, EXIT_PEER_LOST)
         self.record.emit("peer_lost", step=done, error=str(exc))
-        if self._progress is not None:
-            self._progress.reset(time.monotonic() + PEER_LOST_GRACE)
-        self.stopped = self._closed = True
-        self.guard.close(exiting=True)
-        raise SystemExit(EXIT_PEER_LOST) from exc
+        logging.shutdown()  # flushes every handler
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(EXIT_PEER_LOST)
 
     def _stop(self, done: int, decision: Decision) -> bool:
         if self._progress is not None:

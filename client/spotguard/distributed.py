@@ -64,7 +64,9 @@ class Agreement:
 
     Created collectively when torch.distributed runs (every rank of the world constructs it, in
     the same order as other groups): it makes a private gloo group over ``process_group``'s ranks
-    whose collectives give up after ``timeout`` seconds (None: torch's default, 30 min).
+    whose collectives give up after ``timeout`` seconds (None: torch's default, 30 min). Created
+    before torch.distributed is initialised (a callback built before its trainer), it exchanges on
+    ``process_group`` itself, bounded by that group's own timeout.
     """
 
     def __init__(self, process_group: Any = None, *, overhead: float = 0.01, max_lag: float = 2.0,
@@ -106,7 +108,8 @@ class Agreement:
         left = _NO_DEADLINE if local.seconds_left is None else local.seconds_left
         save = -1.0 if local.save_seconds is None else local.save_seconds
         values = [float(local.stop), float(local.checkpoint), -left, -self._propose(step), save]
-        tensor = torch.tensor(values, dtype=torch.float64)
+        device = torch.device("cpu") if self._private is not None else self._device()
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
         started = time.monotonic()
         self._all_reduce_max(tensor, step)
         self._collective_seconds = time.monotonic() - started
@@ -135,13 +138,23 @@ class Agreement:
         import torch.distributed as dist
 
         started = time.monotonic()
+        group = self._private if self._private is not None else self._group
         try:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._private, async_op=True)
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
             done = work.wait() if self.timeout is None else work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out", "pair closure"
             raise PeerLostError(_lost(step, started, exc)) from exc
         if done is False:
             raise PeerLostError(_lost(step, started, "timed out"))
+
+
+    def _device(self) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
 def _lost(step: int, started: float, cause: object) -> str:

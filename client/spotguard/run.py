@@ -39,8 +39,9 @@ lost peer; every thread's stack is dumped). Either way the process ends at once 
 ``EXIT_PEER_LOST`` (77), through ``os._exit``: a process group whose peer is gone cannot be torn
 down (interpreter exit waits for the save in flight, itself waiting for the peer, or aborts in
 gloo's destructors), and ``finally`` blocks would only run into the same collectives. The last
-committed checkpoint stands. A step that really takes longer than ``peer_timeout`` (an evaluation
-inside the loop) needs a larger value.
+committed checkpoint stands. Work that really takes longer than ``peer_timeout`` between two
+steps (an evaluation inside the loop) calls :meth:`Run.heartbeat` now and then, or needs a larger
+value.
 
 Leaving the loop early with ``break`` (or ``return``) is safe: :meth:`finish` saves the state as
 it is, counting the step left mid-way as done when the optimizer given to ``Run`` stepped in it
@@ -269,6 +270,12 @@ class Run:
         if not self.stopped and last is not None and last.step == self.step:
             self.record.emit("finish", step=self.step, digest=last.digest)
 
+    def heartbeat(self) -> None:
+        """Tell the peer-loss progress watchdog this rank is busy, not stuck: call it from work
+        between two steps that may outlast ``peer_timeout``, such as an evaluation loop."""
+        if self._progress is not None and self._progress.armed_at is not None:
+            self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
+
     def _count_optimizer_step(self, *_: Any) -> None:
         self._optimizer_steps += 1
 
@@ -318,7 +325,7 @@ class Run:
     def _boundary(self, done: int) -> bool:
         """Act on the agreed decision after ``done`` steps; True when the loop must end."""
         if self._progress is not None:
-            self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
+            self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)  # arms it
         self._observe()
         self.record.progress(done)
         due = self.cadence.due(done)  # asked at every boundary so its count moves alike everywhere

@@ -73,3 +73,21 @@ def test_a_rank_whose_peer_vanished_in_the_agreement_exits_77_within_peer_timeou
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+
+
+def test_long_work_with_heartbeats_and_work_after_the_loop_are_not_a_lost_peer(tmp_path):
+    """The progress bound must not fire on a healthy job: an evaluation inside a step that calls
+    ``run.heartbeat()``, and work after the loop (no boundary comes any more), each longer than
+    ``peer_timeout + PEER_LOST_GRACE``."""
+    long = str(PEER_TIMEOUT + PEER_LOST_GRACE + 1)
+    procs = [start(tmp_path, rank, "--steps", "6", "--evaluate-at", "2", "--evaluate-for", long,
+                   "--after-loop", long) for rank in (0, 1)]
+    try:
+        codes = [proc.wait(BOUND * 4) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert codes == [0, 0], logs(tmp_path)
+    assert "forced exit" not in logs(tmp_path)

@@ -57,6 +57,7 @@ class Node:
         self.runtime_dir, self.state_dir = sock_dir / name, workdir / f"state-{name}"
         self.log_dir = workdir
         self.daemon: subprocess.Popen | None = None
+        self.procs: list[subprocess.Popen] = []
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a process on this node: its own daemon, gloo on its own link."""
@@ -68,8 +69,10 @@ class Node:
     def popen(self, argv: list[str], log: Path, **env: str) -> subprocess.Popen:
         """``ip netns exec`` (which execs: the pid is the command's) in a session of its own."""
         with open(log, "ab") as out:
-            return subprocess.Popen(["ip", "netns", "exec", self.name, *argv], env=self.env(**env),
+            proc = subprocess.Popen(["ip", "netns", "exec", self.name, *argv], env=self.env(**env),
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
 
     def start_daemon(self, checkpoint_root: Path, timeout: float = 30.0) -> None:
         argv = [sys.executable, "-m", "spotguard_daemon", "daemon", "--platform", "none",
@@ -140,6 +143,8 @@ class Cluster:
         for node in self.nodes:
             node.kill_all()
         for node in self.nodes:
+            for proc in node.procs:
+                proc.wait(30)  # reap them: every one was in the namespace, so it was killed
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True, timeout=10)
 
     def torchrun(self, node: Node, name: str, ckpt: str, record: Path, *job_args: str,

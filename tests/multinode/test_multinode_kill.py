@@ -21,7 +21,7 @@ import pytest
 from spotguard.checkpoint import Checkpointer
 from spotguard.run import PEER_LOST_GRACE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # torchrun start-up on a loaded CI
 
 PEER_TIMEOUT = 5.0
 AGENT_EXIT = 30.0

@@ -15,7 +15,7 @@ import pytest
 
 from spotguard.checkpoint import Checkpointer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # torchrun start-up on a loaded CI
 
 STEPS, NPROC = 80, 2
 ARGS = ("--steps", str(STEPS), "--save-every", "60")

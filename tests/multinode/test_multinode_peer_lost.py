@@ -24,7 +24,7 @@ from spotguard import _record
 from spotguard.exit_codes import EXIT_PEER_LOST
 from spotguard.run import PEER_LOST_GRACE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # torchrun start-up on a loaded CI
 
 JOB = Path(__file__).with_name("_peer_job.py")
 PEER_TIMEOUT = 2.0

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard import rng
 from spotguard.cadence import Cadence, daly_interval, young_interval
-from spotguard.exit_codes import EXIT_FORCED, EXIT_PREEMPTED
+from spotguard.exit_codes import EXIT_FORCED, EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import Guard
 from spotguard.protocol import Kind, Notice
 from spotguard.sampler import LoaderState, NotExactWarning, ResumableSampler
@@ -45,6 +45,7 @@ __all__ = [
     "rng",
     "EXIT_PREEMPTED",
     "EXIT_FORCED",
+    "EXIT_PEER_LOST",
     "__version__",
 ]
 

@@ -10,6 +10,9 @@ dumps every thread's stack to stderr (:func:`faulthandler.dump_traceback`, which
 descriptor without taking any Python lock), so the user sees where the process hung.
 
 Arming again keeps the earlier instant (a later notice never postpones an earlier deadline).
+:meth:`Watchdog.reset` moves the instant either way, quietly: the progress bound of a distributed
+run (:class:`spotguard.run.Run`'s ``peer_timeout``) pushes it forward at every step boundary, so it
+fires only when no boundary is reached for that long.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ log = logging.getLogger(__name__)
 class Watchdog:
     """Calls ``os._exit(code)`` at the armed ``time.monotonic()`` instant unless disarmed."""
 
-    def __init__(self, code: int) -> None:
-        self._code = code
+    def __init__(self, code: int, reason: str = "clean stop overran its deadline") -> None:
+        self._code, self._reason = code, reason
         self._cond = threading.Condition()
         self._at: float | None = None
         self._thread: threading.Thread | None = None
@@ -46,10 +49,25 @@ class Watchdog:
                 return
             self._at = at
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="spotguard-watchdog", daemon=True)
-                self._thread.start()
+                self._start()
             self._cond.notify_all()
         log.info("forced exit armed in %.1f s", at - time.monotonic())
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="spotguard-watchdog", daemon=True)
+        self._thread.start()
+
+    def reset(self, at: float) -> None:
+        """Force the exit at ``at`` instead, later or earlier, without logging (called per step).
+
+        A later instant wakes nobody: the thread finds it when its current wait ends, so a step
+        costs a lock, not a thread switch."""
+        with self._cond:
+            previous, self._at = self._at, at
+            if self._thread is None:
+                self._start()
+            if previous is None or at < previous:
+                self._cond.notify_all()
 
     def disarm(self) -> None:
         with self._cond:
@@ -69,7 +87,7 @@ class Watchdog:
                     break
                 self._cond.wait(left)
         # No logging here: a hung main thread may hold a handler's or sys.stderr's lock.
-        message = f"spotguard: clean stop overran its deadline; forced exit {self._code}\n"
+        message = f"spotguard: {self._reason}; forced exit {self._code}\n"
         try:
             os.write(2, message.encode())
             faulthandler.dump_traceback(file=2, all_threads=True)

@@ -22,9 +22,14 @@ proposes its ``k`` from its own measurements and the agreed interval is the MIN 
 (carried in the same tensor), so all ranks keep calling the collective at identical steps, which
 is what makes it safe.
 
-**No rank waits forever**: a rank that holds a notice has its forced-exit watchdog armed
-(:mod:`spotguard._watchdog`), so a collective that never completes because a peer is gone ends in
-``EXIT_FORCED`` before the deadline.
+**No rank waits forever.** The exchange runs on a private gloo group created with ``timeout``
+(``Run(peer_timeout=)``): when a peer's node was killed outright (no notice, no clean exit), the
+survivors' exchange fails within that bound (at once when the peer's kernel reset the connections,
+after ``timeout`` when the node vanished from the network and nothing answers) and :meth:`agree`
+raises :class:`PeerLostError`, which ``Run`` turns into ``EXIT_PEER_LOST`` (77). A private group
+also keeps the tiny exchange off an NCCL group (no device sync) and away from the user's own
+collectives. A rank that holds a notice also has its forced-exit watchdog armed
+(:mod:`spotguard._watchdog`), so a hang ends in ``EXIT_FORCED`` before the notice's deadline.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-__all__ = ["Agreement", "Decision"]
+__all__ = ["Agreement", "Decision", "PeerLostError"]
 
 _NO_DEADLINE = 1e18
 
@@ -49,12 +55,25 @@ class Decision:
     save_seconds: float | None = None
 
 
+class PeerLostError(RuntimeError):
+    """The ranks' exchange did not complete: a peer is gone, or did not arrive within the timeout."""
+
+
 class Agreement:
-    """Exchanges stop/checkpoint flags across ranks every ``interval`` steps (adaptive)."""
+    """Exchanges stop/checkpoint flags across ranks every ``interval`` steps (adaptive).
+
+    Created collectively when torch.distributed runs (every rank of the world constructs it, in
+    the same order as other groups): it makes a private gloo group over ``process_group``'s ranks
+    whose collectives give up after ``timeout`` seconds (None: torch's default, 30 min). Created
+    before torch.distributed is initialised (a callback built before its trainer), it exchanges on
+    ``process_group`` itself, bounded by that group's own timeout.
+    """
 
     def __init__(self, process_group: Any = None, *, overhead: float = 0.01, max_lag: float = 2.0,
-                 max_interval: int = 1000) -> None:
+                 max_interval: int = 1000, timeout: float | None = None) -> None:
         self._group = process_group
+        self.timeout = timeout
+        self._private = _private_group(process_group, timeout) if self.enabled else None
         self._overhead, self._max_lag, self._max_interval = overhead, max_lag, max_interval
         self.interval = 1
         self._next_check = 0
@@ -89,9 +108,10 @@ class Agreement:
         left = _NO_DEADLINE if local.seconds_left is None else local.seconds_left
         save = -1.0 if local.save_seconds is None else local.save_seconds
         values = [float(local.stop), float(local.checkpoint), -left, -self._propose(step), save]
-        tensor = torch.tensor(values, dtype=torch.float64, device=self._device())
+        device = torch.device("cpu") if self._private is not None else self._device()
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
         started = time.monotonic()
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        self._all_reduce_max(tensor, step)
         self._collective_seconds = time.monotonic() - started
         stop, checkpoint, neg_left, neg_interval, save = tensor.tolist()
         self.interval = max(1, int(-neg_interval))
@@ -113,6 +133,21 @@ class Agreement:
         bound = math.floor(self._max_lag / step_seconds)
         return max(1, min(wanted, bound, self._max_interval))
 
+    def _all_reduce_max(self, tensor: Any, step: int) -> None:
+        """MAX-reduce on the private group; a failure or timeout becomes :class:`PeerLostError`."""
+        import torch.distributed as dist
+
+        started = time.monotonic()
+        group = self._private if self._private is not None else self._group
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            done = work.wait() if self.timeout is None else work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out", "pair closure"
+            raise PeerLostError(_lost(step, started, exc)) from exc
+        if done is False:
+            raise PeerLostError(_lost(step, started, "timed out"))
+
+
     def _device(self) -> Any:
         import torch
         import torch.distributed as dist
@@ -120,3 +155,17 @@ class Agreement:
         if dist.get_backend(self._group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _lost(step: int, started: float, cause: object) -> str:
+    return (f"the ranks' agreement at step {step} failed after {time.monotonic() - started:.1f} s "
+            f"({cause}): a peer rank is gone or unreachable (its node killed?)")
+
+
+def _private_group(process_group: Any, timeout: float | None) -> Any:
+    """A gloo group over ``process_group``'s ranks (collective: every rank of the world calls it)."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    return dist.new_group(ranks=ranks, backend="gloo", **kwargs)

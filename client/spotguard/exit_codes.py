@@ -15,14 +15,23 @@ notice get distinctive values that no ordinary crash produces:
     deadline (minus a margin): typically a collective that hangs because a peer is already gone.
     The last committed checkpoint is still valid (commits are atomic); requeue on it as on 75, but
     a recurring 76 points at a hang worth investigating.
+
+``EXIT_PEER_LOST = 77``
+    Another rank of the job is gone: the ranks' per-step agreement did not complete within
+    ``Run(peer_timeout=)``, or no step boundary was reached for that long (a collective of the
+    training step itself waiting for a peer on a node that was killed outright). The last
+    committed checkpoint is valid; requeue the whole job (every node) as on 75.
 """
 
 from __future__ import annotations
 
-__all__ = ["EXIT_PREEMPTED", "EXIT_FORCED"]
+__all__ = ["EXIT_PREEMPTED", "EXIT_FORCED", "EXIT_PEER_LOST"]
 
 EXIT_PREEMPTED = 75
 """A clean stop after a notice (``EX_TEMPFAIL``): restart the identical command to resume."""
 
 EXIT_FORCED = 76
 """The watchdog forced the exit because the clean stop overran its deadline."""
+
+EXIT_PEER_LOST = 77
+"""A peer rank vanished (its node was killed): the job must be relaunched on every node."""

@@ -29,6 +29,20 @@ At each step boundary (after the loop body, before the next step):
    way the process is expected to exit: the forced-exit watchdog stays armed and SIGTERM/SIGUSR1
    stay ignored (:meth:`Guard.close` with ``exiting=True``).
 
+**A peer that vanished** (its node killed outright, no notice) must not leave the survivors hanging
+in a collective until torch's 30-minute default. With more than one rank, ``peer_timeout`` (600 s by
+default; None turns this off) bounds it twice: the agreement's own collective gives up after that
+long (:class:`~spotguard.distributed.PeerLostError`, logged with its cause), and a progress
+watchdog ends the process when no step boundary is reached for ``peer_timeout`` plus
+:data:`PEER_LOST_GRACE` (a collective of the step itself, e.g. DDP's all-reduce, waiting for the
+lost peer; every thread's stack is dumped). Either way the process ends at once with
+``EXIT_PEER_LOST`` (77), through ``os._exit``: a process group whose peer is gone cannot be torn
+down (interpreter exit waits for the save in flight, itself waiting for the peer, or aborts in
+gloo's destructors), and ``finally`` blocks would only run into the same collectives. The last
+committed checkpoint stands. Work that really takes longer than ``peer_timeout`` between two
+steps (an evaluation inside the loop) calls :meth:`Run.heartbeat` now and then, or needs a larger
+value.
+
 Leaving the loop early with ``break`` (or ``return``) is safe: :meth:`finish` saves the state as
 it is, counting the step left mid-way as done when the optimizer given to ``Run`` stepped in it
 (an optimizer step hook tells), and as not done otherwise, in which case a ``spotguard.DataLoader``
@@ -53,14 +67,15 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 from spotguard import _jobid, rng
 from spotguard._record import Recorder
+from spotguard._watchdog import Watchdog
 from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.load import read_manifest
-from spotguard.distributed import Agreement, Decision
-from spotguard.exit_codes import EXIT_PREEMPTED
+from spotguard.distributed import Agreement, Decision, PeerLostError
+from spotguard.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
 from spotguard.storage import StoreError, restore_newer, store_from_env
 
@@ -70,6 +85,10 @@ log = logging.getLogger(__name__)
 
 ASSUMED_THROUGHPUT = 100e6
 """Bytes per second assumed for a save never measured yet: a conservative local-disk figure."""
+
+PEER_LOST_GRACE = 10.0
+"""Seconds the progress watchdog allows beyond ``peer_timeout``, so that when the loop waits in the
+agreement, the agreement's own timeout (which logs and records the cause) comes first."""
 
 
 def save_fits(save_seconds: float | None, seconds_left: float | None, margin: float) -> bool:
@@ -121,6 +140,7 @@ class Run:
         on_commit: Callable[[Any], None] | None = None,
         guard: Guard | None = None,
         durable: str | None = None,
+        peer_timeout: float | None = 600.0,
     ) -> None:
         self.state = _build_state(model, optimizer, scheduler, sampler, state)
         if stop_lead < 0:
@@ -130,7 +150,11 @@ class Run:
         self.save_margin, self.stop_lead, self.exit_on_stop = save_margin, stop_lead, exit_on_stop
         self._far_notice: str | None = None
         process_group = _default_group(process_group)
-        self.agreement = Agreement(process_group)
+        self.agreement = Agreement(process_group, timeout=peer_timeout)
+        self.peer_timeout = peer_timeout
+        self._progress = (Watchdog(EXIT_PEER_LOST, f"no step boundary for {peer_timeout} s "
+                                   "(Run(peer_timeout=)): a peer rank is probably gone")
+                          if peer_timeout and self.agreement.enabled else None)
         self.cadence = _make_cadence(save_every, cadence)
         self._user_on_commit = on_commit
         job_id = job_id or os.environ.get(_jobid.ENV, "")
@@ -180,15 +204,19 @@ class Run:
         if self.step >= total:
             log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
             return  # a completed job relaunched under a pending notice must exit 0, not 75
-        if self._boundary(self.step):
-            return
-        while self.step < total:
-            self._open_step = (self._optimizer_steps, self._loader_mark())
-            yield self.step
-            self._open_step = None
-            self.step += 1
+        try:
             if self._boundary(self.step):
                 return
+            while self.step < total:
+                self._open_step = (self._optimizer_steps, self._loader_mark())
+                yield self.step
+                self._open_step = None
+                self.step += 1
+                if self._boundary(self.step):
+                    return
+        finally:  # the loop ended, or was left (break closes this generator)
+            if self._progress is not None:
+                self._progress.disarm()
 
     def _load_latest(self) -> Any:
         """Load the newest checkpoint; one that does not fit the state (another model, another run
@@ -244,6 +272,12 @@ class Run:
         if not self.stopped and last is not None and last.step == self.step:
             self.record.emit("finish", step=self.step, digest=last.digest)
 
+    def heartbeat(self) -> None:
+        """Tell the peer-loss progress watchdog this rank is busy, not stuck: call it from work
+        between two steps that may outlast ``peer_timeout``, such as an evaluation loop."""
+        if self._progress is not None and self._progress.armed_at is not None:
+            self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
+
     def _count_optimizer_step(self, *_: Any) -> None:
         self._optimizer_steps += 1
 
@@ -292,6 +326,8 @@ class Run:
 
     def _boundary(self, done: int) -> bool:
         """Act on the agreed decision after ``done`` steps; True when the loop must end."""
+        if self._progress is not None:
+            self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)  # arms it
         self._observe()
         self.record.progress(done)
         self.guard.report_progress(done)
@@ -302,7 +338,10 @@ class Run:
             self._due_latched |= due
         if self.agreement.enabled and not self.agreement.due(done):
             return False  # flags wait for the next exchange: every rank acts at the same step
-        decision = self.agreement.agree(done, self._local_decision(done))
+        try:
+            decision = self.agreement.agree(done, self._local_decision(done))
+        except PeerLostError as exc:
+            self._peer_lost(done, exc)
         self._due_latched = False
         if decision.stop:
             return self._stop(done, decision)
@@ -339,7 +378,19 @@ class Run:
             log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
                         "it", notice.id, left, self._stop_needed(save))
 
+    def _peer_lost(self, done: int, exc: PeerLostError) -> NoReturn:
+        """Say why, record it, and end the process now (see the module docstring: no teardown)."""
+        log.error("%s; exiting %d: relaunch the job on every node, it resumes from the last committed "
+                  "checkpoint", exc, EXIT_PEER_LOST)
+        self.record.emit("peer_lost", step=done, error=str(exc))
+        logging.shutdown()  # flushes every handler
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(EXIT_PEER_LOST)
+
     def _stop(self, done: int, decision: Decision) -> bool:
+        if self._progress is not None:
+            self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
         self.guard.begin_stop()
         left = decision.seconds_left
         saved = False

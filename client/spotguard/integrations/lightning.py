@@ -159,6 +159,8 @@ class SpotguardCallback(pl.Callback):
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._defer_sigterm(trainer)
+        if self.run is not None:
+            self.run.heartbeat()  # a long validation between two steps is not a lost peer
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Training ended without a notice: save the final state and close."""

@@ -1,0 +1,229 @@
+"""Two "nodes" on one machine: network namespaces joined by a veth pair, each with its own daemon.
+
+A multi-node job needs what a cluster gives it: separate network stacks that reach each other over
+a link, one spotguard daemon per node (its own runtime directory, sockets and state), and one
+``torchrun`` agent per node meeting through c10d rendezvous. Each node here is a network namespace
+(``ip netns add``) with loopback up and one end of a veth pair, addressed ``10.213.0.1/30`` and
+``10.213.0.2/30``: those addresses exist only inside the two namespaces, so nothing outside can
+reach them and parallel test runs (other namespaces) cannot collide. The file system is shared,
+like a cluster's shared checkpoint directory.
+
+Needs root and ``ip`` (CI runs as root); skips loudly otherwise. Every process started in a
+namespace is killed by pid (``ip netns pids``) and the namespaces are deleted at teardown.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from spotguard import _record
+
+HERE = Path(__file__).parent
+JOB = HERE / "_multinode_job.py"
+SUBNET = "10.213.0"
+_counter = itertools.count()
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+def netns_available() -> str | None:
+    """Why two-node tests cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns add)"
+    if shutil.which("ip") is None:
+        return "needs the ip command (iproute2)"
+    return None
+
+
+class Node:
+    """One namespace: its address, its daemon and the processes started in it."""
+
+    def __init__(self, name: str, index: int, workdir: Path, sock_dir: Path) -> None:
+        self.name, self.index = name, index
+        self.addr = f"{SUBNET}.{index + 1}"
+        self.ifname = f"{name}v"
+        self.runtime_dir, self.state_dir = sock_dir / name, workdir / f"state-{name}"
+        self.log_dir = workdir
+        self.daemon: subprocess.Popen | None = None
+        self.procs: list[subprocess.Popen] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a process on this node: its own daemon, gloo on its own link."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "TORCHELASTIC_"))}
+        env.update(SPOTGUARD_RUNTIME_DIR=str(self.runtime_dir), GLOO_SOCKET_IFNAME=self.ifname,
+                   SPOTGUARD_ZMQ__HEARTBEAT_INTERVAL="0.2", PYTHONUNBUFFERED="1", **extra)
+        return env
+
+    def popen(self, argv: list[str], log: Path, **env: str) -> subprocess.Popen:
+        """``ip netns exec`` (which execs: the pid is the command's) in a session of its own."""
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.name, *argv], env=self.env(**env),
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def start_daemon(self, checkpoint_root: Path, timeout: float = 30.0) -> None:
+        argv = [sys.executable, "-m", "spotguard_daemon", "daemon", "--platform", "none",
+                "--runtime-dir", str(self.runtime_dir), "--state-dir", str(self.state_dir),
+                "--checkpoint-root", str(checkpoint_root), "--metrics-port", "0"]
+        self.daemon = self.popen(argv, self.log_dir / f"daemon-{self.name}.log")
+        deadline = time.monotonic() + timeout
+        while not (self.runtime_dir / "requests.sock").exists():
+            assert self.daemon.poll() is None, self.daemon_log()
+            assert time.monotonic() < deadline, f"daemon on {self.name} did not start: {self.daemon_log()}"
+            time.sleep(0.1)
+
+    def daemon_log(self) -> str:
+        path = self.log_dir / f"daemon-{self.name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def notify(self, deadline: float) -> None:
+        """``spotguard notify`` against this node's daemon only."""
+        out = subprocess.run(["ip", "netns", "exec", self.name, sys.executable, "-m", "spotguard_daemon",
+                              "notify", "--kind", "drill", "--deadline", str(deadline), "--timeout", "10"],
+                             env=self.env(), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+    def pids(self) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True, timeout=10)
+        return [int(p) for p in out.stdout.split()]
+
+    def kill_all(self) -> list[int]:
+        """SIGKILL every process in the namespace (daemon included), by pid; returns them."""
+        pids = self.pids()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def link_down(self) -> None:
+        """Take this node off the network: its peers get no reset, their packets just vanish."""
+        _ip("-n", self.name, "link", "set", self.ifname, "down")
+
+    def link_up(self) -> None:
+        _ip("-n", self.name, "link", "set", self.ifname, "up")
+
+
+class Cluster:
+    """Two nodes and the commands that launch a job on both."""
+
+    def __init__(self, workdir: Path, sock_dir: Path) -> None:
+        tag = f"sg{os.getpid() % 100000}{next(_counter)}"
+        self.nodes = [Node(f"{tag}{c}", i, workdir, sock_dir) for i, c in enumerate("ab")]
+        self.workdir, self.port = workdir, 29400 + next(_counter)
+        self.checkpoint_root = workdir / "ckpt"
+        self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+
+    def create(self) -> None:
+        a, b = self.nodes
+        for node in self.nodes:
+            _ip("netns", "add", node.name)
+            _ip("-n", node.name, "link", "set", "lo", "up")
+        _ip("link", "add", a.ifname, "type", "veth", "peer", "name", b.ifname)
+        for node in self.nodes:
+            _ip("link", "set", node.ifname, "netns", node.name)
+            _ip("-n", node.name, "addr", "add", f"{node.addr}/30", "dev", node.ifname)
+            _ip("-n", node.name, "link", "set", node.ifname, "up")
+
+    def destroy(self) -> None:
+        for node in self.nodes:
+            node.kill_all()
+        for node in self.nodes:
+            for proc in node.procs:
+                proc.wait(30)  # reap them: every one was in the namespace, so it was killed
+            subprocess.run(["ip", "netns", "del", node.name], capture_output=True, timeout=10)
+
+    def torchrun(self, node: Node, name: str, ckpt: str, record: Path, *job_args: str,
+                 nproc: int = 1, run_id: str = "job", restarts: int = 0, rdzv_conf: str = "") -> "Launch":
+        """One torchrun agent on ``node`` for a two-node job (rendezvous on node a's address).
+
+        ``is_host`` says which agent serves the rendezvous store: torchrun decides it by matching
+        the endpoint against the machine's hostname, and both namespaces share this machine's."""
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{self.nodes[0].addr}:{self.port}", "--rdzv-id", run_id,
+                "--rdzv-conf", ",".join(filter(None, [f"is_host={int(node.index == 0)}", rdzv_conf])),
+                "--local-addr", node.addr, "--max-restarts", str(restarts), "--monitor-interval", "0.5",
+                str(JOB), "--ckpt-dir", str(self.checkpoint_root / ckpt), *job_args]
+        log = self.workdir / f"{name}-{node.name}.log"
+        proc = node.popen(argv, log, SPOTGUARD_RECORD=str(record), SPOTGUARD_JOB_ID="multinode")
+        return Launch(proc, log)
+
+    def launch(self, name: str, ckpt: str, *job_args: str, nproc: int = 1, **agent: Any) -> "Job":
+        """The identical command on both nodes, checkpointing to the shared ``checkpoint_root /
+        ckpt``; the record is shared too (one file, whole ``O_APPEND`` lines)."""
+        record = self.workdir / f"{name}.jsonl"
+        self.port += 2
+        return Job([self.torchrun(node, name, ckpt, record, *job_args, nproc=nproc, run_id=name, **agent)
+                    for node in self.nodes], record)
+
+
+class Launch:
+    def __init__(self, proc: subprocess.Popen, log: Path) -> None:
+        self.proc, self.log = proc, log
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class Job:
+    """A job's two agents and its run record."""
+
+    def __init__(self, launches: list[Launch], record: Path) -> None:
+        self.launches, self.record = launches, record
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in _record.read(self.record) if e["event"] == kind] if self.record.exists() else []
+
+    def wait(self, timeout: float) -> list[int]:
+        """Both agents' exit statuses (fails, with both logs, when one outlives ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        for launch in self.launches:
+            try:
+                launch.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"a torchrun agent outlived {timeout} s:\n{self.output()}") from None
+        return [launch.proc.returncode for launch in self.launches]
+
+    def wait_for(self, kind: str, count: int, where=lambda event: True, timeout: float = 120.0) -> list[dict]:
+        """Wait until the record holds ``count`` events of ``kind`` that satisfy ``where`` (the
+        agents still running)."""
+        deadline = time.monotonic() + timeout
+        while len([e for e in self.events(kind) if where(e)]) < count:
+            dead = [launch for launch in self.launches if launch.proc.poll() is not None]
+            assert not dead, f"an agent exited before {count} {kind} events:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no {count} {kind} events in {timeout} s:\n{self.output()}"
+            time.sleep(0.1)
+        return self.events(kind)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {launch.log.name}\n{launch.output()[-6000:]}" for launch in self.launches)
+
+
+@contextmanager
+def two_nodes(workdir: Path) -> Iterator[Cluster]:
+    """Two namespaces with a daemon each, torn down (processes killed by pid) on the way out."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="sgmn-", dir="/tmp"))  # ipc:// paths must stay short
+    cluster = Cluster(workdir, sock_dir)
+    try:
+        cluster.create()
+        for node in cluster.nodes:
+            node.start_daemon(cluster.checkpoint_root)
+        yield cluster
+    finally:
+        cluster.destroy()
+        shutil.rmtree(sock_dir, ignore_errors=True)

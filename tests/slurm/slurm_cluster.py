@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-__all__ = ["Cluster", "missing", "wait_for"]
+__all__ = ["Cluster", "missing", "tool", "wait_for"]
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
 SBIN = "/usr/sbin:/usr/bin:/sbin:/bin"
@@ -72,7 +72,7 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _tool(name: str) -> str:
+def tool(name: str) -> str:
     return shutil.which(name, path=f"{os.environ.get('PATH', '')}:{SBIN}") or name
 
 
@@ -97,8 +97,8 @@ class Cluster:
         try:
             self._start_munged()
             self._write_conf()
-            self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-f", str(self.conf)])
-            self._spawn("slurmd", [_tool("slurmd"), "-D", "-f", str(self.conf)])
+            self._spawn("slurmctld", [tool("slurmctld"), "-D", "-f", str(self.conf)])
+            self._spawn("slurmd", [tool("slurmd"), "-D", "-f", str(self.conf)])
             wait_for(f"node {self.node} idle in sinfo ({self.log_tail()})", self._idle, timeout, 0.3)
         except BaseException:
             self.stop()
@@ -140,14 +140,14 @@ class Cluster:
         for path in (munge, key):
             os.chown(path, user.pw_uid, user.pw_gid)
         self.munge_socket = munge / "munge.sock"
-        self._spawn("munged", [_tool("munged"), "-F", f"--socket={self.munge_socket}", f"--key-file={key}",
+        self._spawn("munged", [tool("munged"), "-F", f"--socket={self.munge_socket}", f"--key-file={key}",
                                f"--pid-file={munge / 'munged.pid'}", f"--seed-file={munge / 'seed'}",
                                f"--log-file={munge / 'munged.log'}"], user=user.pw_uid, group=user.pw_gid,
                     extra_groups=[])
         wait_for("munged's socket", self.munge_socket.exists, 15)
 
     def _write_conf(self) -> None:
-        node_line = subprocess.run([_tool("slurmd"), "-C"], capture_output=True, text=True, check=True,
+        node_line = subprocess.run([tool("slurmd"), "-C"], capture_output=True, text=True, check=True,
                                    env=self.env).stdout.splitlines()[0]
         ctld_port, slurmd_port = _free_ports(2)
         b = self.base
@@ -206,7 +206,7 @@ PartitionName=high Nodes={self.node} PriorityTier=10 MaxTime=INFINITE State=UP
 
     def run(self, *argv: str, check: bool = True, env: dict | None = None) -> str:
         """A Slurm client command against this cluster; its stdout."""
-        done = subprocess.run([_tool(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=30,
+        done = subprocess.run([tool(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=30,
                               env={**self.env, **(env or {})})
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
@@ -214,7 +214,7 @@ PartitionName=high Nodes={self.node} PriorityTier=10 MaxTime=INFINITE State=UP
 
     def sbatch(self, *argv: str, cwd: Path, env: dict | None = None) -> str:
         """Submit; the job id."""
-        done = subprocess.run([_tool("sbatch"), "--parsable", *argv], capture_output=True, text=True,
+        done = subprocess.run([tool("sbatch"), "--parsable", *argv], capture_output=True, text=True,
                               timeout=30, cwd=cwd, env={**self.env, **(env or {})})
         if done.returncode != 0:
             raise AssertionError(f"sbatch {' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")

@@ -52,9 +52,8 @@ def one_preemption(cluster: Cluster, workdir: Path, variant: str) -> dict[str, A
     job.wait_event("commit", timeout=120)
     t0 = time.time()
     cluster.sbatch("--partition", "high", "--cpus-per-task", "2", "--wrap", "sleep 1", cwd=workdir)
-    off_node = wait_for("the job off the node", lambda: not cluster.run(
-        "squeue", "-h", "-j", job.id, "-t", "R,CG,CF", "-o", "%i", check=False).strip() and time.time(),
-        cluster.grace_time + 60, POLL_S)
+    off_node = wait_for("the job off the node", lambda: cluster.busy(job.id) is False and time.time(),
+                        cluster.grace_time + 60, POLL_S)
     stops, commits = job.events("stop"), [c for c in job.events("commit") if c["kind"] == "emergency"]
     result = {"variant": variant, "stop_s": stops[0]["t"] - t0 if stops else None,
               "commit_s": commits[-1]["t"] - t0 if commits else None, "off_node_s": off_node - t0,
@@ -67,8 +66,9 @@ def one_preemption(cluster: Cluster, workdir: Path, variant: str) -> dict[str, A
 def run(repeats: int, grace: int) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="sg-bench-slurm-"))
     samples: list[dict[str, Any]] = []
+    cluster = Cluster(grace_time=grace)
     try:
-        with Cluster(grace_time=grace) as cluster:
+        with cluster:
             for r in range(repeats):
                 for variant in ("signal", "no-signal"):
                     sample = one_preemption(cluster, base / f"{variant}-{r}", variant)
@@ -77,6 +77,7 @@ def run(repeats: int, grace: int) -> dict[str, Any]:
                     samples.append(sample)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(cluster.base, ignore_errors=True)
     return {"grace_time_s": grace, "repeats": repeats, "samples": samples, "summary": summary(samples)}
 
 

@@ -1,10 +1,9 @@
-"""The Slurm tests' cluster: one real one-node cluster per pytest process, used by one test at a time.
+"""The Slurm tests' cluster: one real one-node cluster per pytest process, its jobs cancelled after each test.
 
 ``slurm`` yields a :class:`~slurm_cluster.Cluster` started on first use and stopped by pid when the
-session ends. Under pytest-xdist each worker that runs a Slurm test has its own cluster (their own
-ports and directories), and an exclusive file lock shared by the workers lets only one test drive a
-cluster at a time: a preemption test's high-priority job must find the node busy with its own job
-only, and the two cores are not shared with another test's training job.
+session ends. Under pytest-xdist each worker that runs a Slurm test has its own cluster (its own
+munged, slurmctld, slurmd, ports and directories), so the workers never see each other's jobs: a
+preemption test's high-priority job finds the node busy with its own low-priority job only.
 
 Without root or without the Debian packages (``scripts/install-system-packages.sh`` installs them as
 root) every test here is skipped with a WARNING saying so.
@@ -12,7 +11,6 @@ root) every test here is skipped with a WARNING saying so.
 
 from __future__ import annotations
 
-import fcntl
 import shutil
 import sys
 import warnings
@@ -26,7 +24,7 @@ from slurm_job import Job  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def _session_cluster(tmp_path_factory):
+def _session_cluster():
     why = missing()
     if why:
         message = f"WARNING: Slurm tests SKIPPED: {why}; run scripts/install-system-packages.sh as root"
@@ -39,16 +37,12 @@ def _session_cluster(tmp_path_factory):
 
 
 @pytest.fixture
-def slurm(_session_cluster, tmp_path_factory, worker_id):
-    """The cluster, held exclusively (across xdist workers) for this test; its jobs cancelled after."""
-    shared = tmp_path_factory.getbasetemp()
-    shared = shared.parent if worker_id != "master" else shared
-    with open(shared / "slurm-tests.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield _session_cluster
-        finally:
-            _session_cluster.cancel_all()
+def slurm(_session_cluster):
+    """The cluster; every job cancelled after the test."""
+    try:
+        yield _session_cluster
+    finally:
+        _session_cluster.cancel_all()
 
 
 @pytest.fixture

@@ -32,6 +32,8 @@ PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sc
 SBIN = "/usr/sbin:/usr/bin:/sbin:/bin"
 GRACE_TIME = 20
 """The ``low`` partition's GraceTime: seconds between the preemption signal and the kill."""
+BUSY = {"RUNNING", "COMPLETING", "CONFIGURING"}
+"""Job states that hold the node."""
 T = TypeVar("T")
 
 
@@ -106,7 +108,13 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """SIGTERM each daemon by pid (slurmd first), SIGKILL what is left after 10 s; cancel nothing else."""
+        """Cancel every job (a slurmstepd outlives its slurmd), then SIGTERM each daemon by pid (slurmd
+        first) and SIGKILL what is left after 10 s."""
+        if all(name in self.procs and self.procs[name].poll() is None for name in ("slurmctld", "slurmd")):
+            try:
+                self.cancel_all()
+            except (AssertionError, subprocess.SubprocessError) as exc:
+                print(f"slurm cluster {self.base}: jobs left behind: {exc}")
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
@@ -230,6 +238,19 @@ PartitionName=high Nodes={self.node} PriorityTier=10 MaxTime=INFINITE State=UP
                 fields[key] = value
         return fields
 
+    def states(self, job_id: str | None = None) -> list[str] | None:
+        """The states (``RUNNING``, ``PENDING``, ...) of the jobs squeue lists (or of ``job_id``); None
+        when squeue failed (slurmctld busy on a loaded machine), so that a poll never takes an error
+        for an empty queue. (``squeue -t`` is not used: with ``-j`` it missed a running job.)"""
+        done = subprocess.run([tool("squeue"), "-h", "-o", "%T", *(["-j", job_id] if job_id else [])],
+                              capture_output=True, text=True, timeout=30, env=self.env)
+        return done.stdout.split() if done.returncode == 0 else None
+
+    def busy(self, job_id: str) -> bool | None:
+        """Whether the job holds the node (running or completing); None when squeue failed."""
+        states = self.states(job_id)
+        return None if states is None else any(s in BUSY for s in states)
+
     def release(self, job_id: str) -> None:
         """Start a requeued job now: Slurm holds one back for 120 s (``BeginTime``) after a requeue."""
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
@@ -237,7 +258,8 @@ PartitionName=high Nodes={self.node} PriorityTier=10 MaxTime=INFINITE State=UP
     def cancel_all(self) -> None:
         """Cancel every job, and wait until none is pending, running or completing."""
         def gone() -> bool:
-            if not self.run("squeue", "-h", "-t", "PD,R,CG,CF,S", "-o", "%i", check=False).strip():
+            states = self.states()
+            if states is not None and not set(states) & {"PENDING", "SUSPENDED", *BUSY}:
                 return True
             self.run("scancel", "--user", pwd.getpwuid(os.geteuid()).pw_name, check=False)
             return False

@@ -62,8 +62,7 @@ class Job:
     def wait_settled(self, timeout: float) -> str:
         """Wait until the job is neither running nor completing (pending again, or ended); its state."""
         def settled() -> str | None:
-            busy = self.cluster.run("squeue", "-h", "-j", self.id, "-t", "R,CG,CF", "-o", "%i", check=False)
-            return None if busy.strip() else self.state()
+            return self.state() if self.cluster.busy(self.id) is False else None
         return wait_for(f"job {self.id} settled\n{self.output()}", settled, timeout)
 
     def wait_state(self, *states: str, timeout: float) -> str:

@@ -32,8 +32,10 @@ PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sc
 SBIN = "/usr/sbin:/usr/bin:/sbin:/bin"
 GRACE_TIME = 20
 """The ``low`` partition's GraceTime: seconds between the preemption signal and the kill."""
-BUSY = {"RUNNING", "COMPLETING", "CONFIGURING"}
-"""Job states that hold the node."""
+BUSY = {"RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "RESIZING", "SUSPENDED"}
+"""Job states that hold the node. A preempted job shows SIGNALING for a moment, not RUNNING."""
+ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+         "OUT_OF_MEMORY"}
 T = TypeVar("T")
 
 
@@ -241,7 +243,7 @@ PartitionName=high Nodes={self.node} PriorityTier=10 MaxTime=INFINITE State=UP
     def states(self, job_id: str | None = None) -> list[str] | None:
         """The states (``RUNNING``, ``PENDING``, ...) of the jobs squeue lists (or of ``job_id``); None
         when squeue failed (slurmctld busy on a loaded machine), so that a poll never takes an error
-        for an empty queue. (``squeue -t`` is not used: with ``-j`` it missed a running job.)"""
+        for an empty queue."""
         done = subprocess.run([tool("squeue"), "-h", "-o", "%T", *(["-j", job_id] if job_id else [])],
                               capture_output=True, text=True, timeout=30, env=self.env)
         return done.stdout.split() if done.returncode == 0 else None
@@ -259,7 +261,7 @@ PartitionName=high Nodes={self.node} PriorityTier=10 MaxTime=INFINITE State=UP
         """Cancel every job, and wait until none is pending, running or completing."""
         def gone() -> bool:
             states = self.states()
-            if states is not None and not set(states) & {"PENDING", "SUSPENDED", *BUSY}:
+            if states is not None and set(states) <= ENDED:
                 return True
             self.run("scancel", "--user", pwd.getpwuid(os.geteuid()).pw_name, check=False)
             return False

@@ -66,7 +66,7 @@ def one_preemption(cluster: Cluster, workdir: Path, variant: str) -> dict[str, A
 def run(repeats: int, grace: int) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="sg-bench-slurm-"))
     samples: list[dict[str, Any]] = []
-    cluster = Cluster(grace_time=grace)
+    cluster = Cluster(grace_time=grace, kill_wait=5)
     try:
         with cluster:
             for r in range(repeats):

@@ -83,9 +83,9 @@ def tool(name: str) -> str:
 class Cluster:
     """One node, two partitions; :meth:`start` returns once ``sinfo`` shows the node idle."""
 
-    def __init__(self, base: Path | None = None, *, grace_time: int = GRACE_TIME) -> None:
+    def __init__(self, base: Path | None = None, *, grace_time: int = GRACE_TIME, kill_wait: int = 30) -> None:
         self.base = Path(base or tempfile.mkdtemp(prefix="sg-slurm-", dir="/tmp"))
-        self.grace_time = grace_time
+        self.grace_time, self.kill_wait = grace_time, kill_wait
         self.conf = self.base / "slurm.conf"
         self.node = socket.gethostname().split(".")[0]
         self.env = {**os.environ, "SLURM_CONF": str(self.conf), "PATH": f"{os.environ.get('PATH', '')}:{SBIN}"}
@@ -189,7 +189,7 @@ SlurmctldParameters=preempt_send_user_signal
 JobRequeue=1
 ReturnToService=2
 MinJobAge=600
-KillWait=5
+KillWait={self.kill_wait}
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none

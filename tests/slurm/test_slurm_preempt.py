@@ -38,7 +38,7 @@ def test_preempted_job_saves_within_grace_is_requeued_and_resumes_exactly(make_j
     try:
         job = make_job()
         job.submit("--partition", "low", "--cpus-per-task", "2", args=TRAIN)
-        job.wait_event("commit", timeout=90)
+        job.wait_event("commit", timeout=120)
 
         preempted_at = time.time()
         high = slurm.sbatch("--partition", "high", "--cpus-per-task", "2", "--wrap", "sleep 1", cwd=job.workdir)

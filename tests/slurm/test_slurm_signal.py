@@ -13,7 +13,7 @@ TRAIN = ("--steps", "2000", "--workers", "2", "--save-every", "25", "--step-slee
 def test_scancel_usr1_stops_cleanly_commits_and_requeues(make_job, slurm):
     job = make_job()
     job.submit("--partition", "low", "--cpus-per-task", "2", args=TRAIN)
-    job.wait_event("commit", timeout=90)          # training runs and has saved once
+    job.wait_event("commit", timeout=120)          # training runs and has saved once
 
     slurm.run("scancel", "--batch", "--signal=USR1", job.id)
     stop = job.wait_event("stop", timeout=60)[0]
@@ -32,7 +32,7 @@ def test_plain_scancel_signal_misses_the_script_and_plain_scancel_ends_the_job(m
     `scancel` (SIGTERM, then SIGKILL) still saves and ends the job for good: no requeue."""
     job = make_job()
     job.submit("--partition", "low", "--cpus-per-task", "2", args=TRAIN)
-    job.wait_event("commit", timeout=90)
+    job.wait_event("commit", timeout=120)
     slurm.run("scancel", "--signal=USR1", job.id)
     before = len(job.events("commit"))
     job.wait_event("commit", timeout=60, count=before + 2)   # two more periodic saves: it trained on
@@ -41,7 +41,7 @@ def test_plain_scancel_signal_misses_the_script_and_plain_scancel_ends_the_job(m
     slurm.run("scancel", job.id)
     stop = job.wait_event("stop", timeout=30)[0]
     assert stop["notice"]["kind"] == "signal"
-    wait_for("the script's end", lambda: "training exited" in job.output(), 30)
+    wait_for("the script's end", lambda: "training exited" in job.output(), 60)
     job.wait_settled(timeout=30)
     assert job.state() == "CANCELLED" and slurm.job(job.id)["Restarts"] == "0"
     assert "requeueing" not in job.output()

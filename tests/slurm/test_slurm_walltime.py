@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import time
 from datetime import datetime, timezone
 
 import pytest
@@ -58,20 +60,26 @@ def test_scontrol_fallback_and_no_limit(slurm, tmp_path):
 
 
 def test_job_saves_on_the_daemons_walltime_notice_before_its_limit(make_job, slurm):
-    """`--time=1` (Slurm's least) and `slurm.lead=30`: the job's own daemon raises the notice
-    30 s in; training saves and exits 75 well before the limit, and the script requeues it."""
-    job = make_job(env={"SPOTGUARD_SLURM__LEAD": "30"})
+    """Once training runs (its start takes 5 to 25 s on a loaded machine), its time limit is cut with
+    `scontrol update TimeLimit` to end 15 to 75 s later. The job's own daemon (`slurm.lead` 120 s,
+    polling every second) sees the new end time; training saves and exits 75 well before it, and the
+    script requeues the job."""
+    job = make_job(env={"SPOTGUARD_SLURM__LEAD": "120", "SPOTGUARD_SLURM__INTERVAL": "1"})
     script, line = job.workdir / "train.sbatch", "#SBATCH --signal=B:USR1@120\n"
     assert line in script.read_text()   # Slurm may send --signal up to a minute early: only the daemon here
     script.write_text(script.read_text().replace(line, ""))
-    job.submit("--partition", "low", "--cpus-per-task", "2", "--time=1",
-               args=("--steps", "5000", "--workers", "2", "--save-every", "25", "--step-sleep", "0.02"))
-    job.wait_state("RUNNING", timeout=30)
-    end = epoch(slurm, job.id, "%e")
+    job.submit("--partition", "low", "--cpus-per-task", "2", "--time=10",
+               args=("--steps", "20000", "--workers", "2", "--save-every", "25", "--step-sleep", "0.02"))
+    job.wait_event("commit", timeout=120)
+    assert not job.events("stop")                 # ten minutes, lead two: no notice yet
 
-    stop = job.wait_event("stop", timeout=90)[0]
-    assert stop["notice"]["kind"] == "walltime" and stop["saved"] is True
+    cut_at = time.time()
+    minutes = math.ceil((cut_at - epoch(slurm, job.id, "%S") + 15) / 60)
+    slurm.run("scontrol", "update", f"JobId={job.id}", f"TimeLimit={minutes}")
+    end = epoch(slurm, job.id, "%e")
+    stop = job.wait_event("stop", timeout=120)[0]
+    assert stop["notice"]["kind"] == "walltime" and stop["saved"] is True and stop["t"] > cut_at
     commit = job.events("commit")[-1]
     assert commit["kind"] == "emergency" and commit["step"] == stop["step"] and commit["t"] < end - 5
-    wait_for("the script's end", lambda: "training exited 75" in job.output(), 30)
+    wait_for("the script's end", lambda: "training exited 75" in job.output(), 60)
     assert job.wait_settled(timeout=30) == "PENDING" and "requeueing job" in job.output()

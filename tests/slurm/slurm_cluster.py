@@ -96,7 +96,7 @@ class Cluster:
     def start(self, timeout: float = 60.0) -> "Cluster":
         self.base.mkdir(parents=True, exist_ok=True)
         self.base.chmod(0o755)  # munged (user munge) must reach its own directory below
-        for name in ("state", "spool", "log"):
+        for name in ("state", "spool", "log", "tmp"):
             (self.base / name).mkdir(exist_ok=True)
         try:
             self._start_munged()

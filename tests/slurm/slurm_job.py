@@ -35,8 +35,9 @@ class Job:
         shutil.copy(SBATCH_SCRIPT, workdir / "train.sbatch")
         shutil.copy(EXAMPLE, workdir / "train.py")
         self.record = workdir / "record.jsonl"
-        self.env = {"SPOTGUARD_RECORD": str(self.record), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {"SPOTGUARD_RECORD": str(self.record), "PYTHONUNBUFFERED": "1",
+                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                    "TMPDIR": str(cluster.base / "tmp"), **(env or {})}   # the job's daemon: removed with the cluster
         self.id = ""
 
     def submit(self, *sbatch_options: str, args: tuple[str, ...] = ()) -> str:
@@ -46,6 +47,14 @@ class Job:
 
     def events(self, name: str | None = None) -> list[dict]:
         return read_record(self.record, name)
+
+    def stopped_at_checkpoint(self, stop: dict) -> dict:
+        """The commit of the step ``stop`` stopped at, checked: an emergency save when the stop says it
+        saved, else the periodic one that had just been committed at that step (nothing to save)."""
+        commit = self.events("commit")[-1]
+        assert commit["step"] == stop["step"], (commit, stop)
+        assert (commit["kind"] == "emergency") is stop["saved"], (commit, stop)
+        return commit
 
     def output(self) -> str:
         path = self.workdir / "job.out"

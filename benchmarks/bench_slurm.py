@@ -72,8 +72,8 @@ def run(repeats: int, grace: int) -> dict[str, Any]:
             for r in range(repeats):
                 for variant in ("signal", "no-signal"):
                     sample = one_preemption(cluster, base / f"{variant}-{r}", variant)
-                    print(f"  {variant} #{r}: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                                            for k, v in sample.items() if k != "variant"), flush=True)
+                    shown = (f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in sample.items())
+                    print(f"  {variant} #{r}: " + ", ".join(shown), flush=True)
                     samples.append(sample)
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -37,7 +37,7 @@ class Job:
         self.record = workdir / "record.jsonl"
         self.env = {"SPOTGUARD_RECORD": str(self.record), "PYTHONUNBUFFERED": "1",
                     "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                    "TMPDIR": str(cluster.base / "tmp"), **(env or {})}   # the job's daemon: removed with the cluster
+                    "TMPDIR": str(cluster.base / "tmp"), **(env or {})}  # removed with the cluster
         self.id = ""
 
     def submit(self, *sbatch_options: str, args: tuple[str, ...] = ()) -> str:

@@ -44,3 +44,19 @@ def test_plain_scancel_signal_misses_the_script_and_plain_scancel_ends_the_job(m
     job.wait_settled(timeout=30)
     assert job.state() == "CANCELLED" and slurm.job(job.id)["Restarts"] == "0"
     assert "requeueing" not in job.output()
+
+
+def test_usr1_before_training_can_handle_it_still_requeues(make_job, slurm):
+    """A USR1 at once (Slurm may send --signal up to a minute early), while the script still starts its
+    daemon or Python still imports torch: the shell survives it, and training, killed by it before
+    spotguard could handle it, counts as a clean stop: nothing since its start is lost, it is requeued."""
+    job = make_job()
+    job.submit("--partition", "low", "--cpus-per-task", "2", args=TRAIN)
+    wait_for("the job's daemon up", lambda: " ready (platform " in job.output() or "using the daemon" in
+             job.output(), 60, 0.05)
+    slurm.run("scancel", "--batch", "--signal=USR1", job.id)
+    wait_for("the script's end", lambda: "training exited" in job.output(), 60)
+    assert "USR1 received" in job.output()
+    assert job.wait_settled(timeout=30) == "PENDING" and "requeueing job" in job.output()
+    assert "training exited 138" in job.output() and "treating it as a clean stop" in job.output()
+    assert not job.events("start")      # spotguard.Run never started: nothing was lost

@@ -166,7 +166,8 @@ class SlurmSettings(_Section):
     squeue: str = "squeue"
     """The ``squeue`` executable (``scontrol`` is looked up beside it as a fallback)."""
     interval: float = Field(60.0, gt=0)
-    """Seconds between reads of the end time (it changes only with ``scontrol update``)."""
+    """Seconds between reads of the end time (it changes only with ``scontrol update``, or when a
+    preemption's ``GraceTime`` starts)."""
 
 
 class ZmqSettings(_Section):

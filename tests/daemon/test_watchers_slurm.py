@@ -16,8 +16,8 @@ from spotguard_daemon.watchers.slurm import SlurmWalltimeWatcher, parse_end_time
 
 
 def local(ts: float) -> str:
-    """How squeue prints a time: local, naive, whole seconds."""
-    return datetime.fromtimestamp(ts).strftime("%Y-%m-%dT%H:%M:%S")
+    """How squeue prints a time under the watcher's TZ=UTC0: naive, whole seconds."""
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def script(path, body):
@@ -31,8 +31,10 @@ def slurm(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (tmp_path / "end").write_text("N/A\n")
-    script(bindir / "squeue", f'echo "$@" >> {tmp_path}/argv\ncat {tmp_path}/end')
-    environ = {"SLURM_JOB_ID": "42", "PATH": f"{bindir}:/usr/bin:/bin"}
+    script(bindir / "squeue", f'echo "$@" >> {tmp_path}/argv\necho "$TZ $SLURM_TIME_FORMAT" > {tmp_path}/env\n'
+                              f'cat {tmp_path}/end')
+    environ = {"SLURM_JOB_ID": "42", "PATH": f"{bindir}:/usr/bin:/bin", "TZ": "EST5",
+               "SLURM_TIME_FORMAT": "relative"}
     return tmp_path, environ
 
 
@@ -45,7 +47,7 @@ def test_parse_end_time():
     assert parse_end_time("N/A") is None and parse_end_time("Unknown") is None
     ts = 1_900_000_000
     assert parse_end_time(local(ts)) == datetime.fromtimestamp(ts, timezone.utc)
-    assert parse_end_time("2026-11-21T20:30:00+00:00") == datetime(2026, 11, 21, 20, 30, tzinfo=timezone.utc)
+    assert parse_end_time("2026-11-21T15:30:00-05:00") == datetime(2026, 11, 21, 20, 30, tzinfo=timezone.utc)
 
 
 def test_no_limit_means_no_notice(slurm):
@@ -53,6 +55,7 @@ def test_no_limit_means_no_notice(slurm):
     w = watcher(environ)
     assert asyncio.run(w.poll()) == []
     assert (tmp_path / "argv").read_text().split() == ["-h", "-j", "42", "-o", "%e"]
+    assert (tmp_path / "env").read_text().split() == ["UTC0", "standard"]  # whatever the user set
 
 
 def test_notice_appears_lead_seconds_before_the_end_and_is_stable(slurm):

@@ -1,10 +1,14 @@
 """Slurm: the job's walltime, raised as a WALLTIME notice ``slurm.lead`` seconds before the end.
 
 Inside an allocation (``SLURM_JOB_ID`` set) the job's end time is read with
-``squeue -h -j $SLURM_JOB_ID -o %e`` (falling back to ``scontrol show job``), a local time such as
-``2026-11-21T20:30:00``. The snapshot is empty until ``end - lead``, then holds one notice whose
+``squeue -h -j $SLURM_JOB_ID -o %e`` (falling back to ``scontrol show job``). Slurm prints it in the
+local time of the command, in the format ``$SLURM_TIME_FORMAT`` asks for (``relative``, ``%s``, ...),
+so both commands run with ``TZ=UTC0`` and ``SLURM_TIME_FORMAT=standard``: the answer is then always
+UTC, such as ``2026-11-21T20:30:00``, whatever the daemon's or the user's settings. The snapshot is empty until ``end - lead``, then holds one notice whose
 deadline is the end time and whose id names the end time, so an ``scontrol update TimeLimit=...``
-that moves the end replaces the notice (the old one is cancelled). ``N/A``/``Unknown`` mean no limit.
+that moves the end replaces the notice (the old one is cancelled), and so does a preemption with a
+``GraceTime``, which moves the end to the preemption plus the grace. ``N/A``/``Unknown`` mean no limit
+(a job without a time limit shows an end a year ahead, which raises nothing).
 
 The end time rarely changes, so it is read every ``slurm.interval`` seconds; ``interval`` shrinks as
 ``end - lead`` approaches so that the notice appears on time, not up to one interval late.
@@ -31,7 +35,7 @@ from ..settings import Settings
 from ._common import iso
 from .base import BadPayload, WatcherError
 
-__all__ = ["SlurmWalltimeWatcher", "parse_end_time"]
+__all__ = ["SLURM_ENV", "SlurmWalltimeWatcher", "parse_end_time"]
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +44,13 @@ _END_TIME = re.compile(r"\bEndTime=(\S+)")
 MIN_INTERVAL = 0.05
 
 
+SLURM_ENV = {"TZ": "UTC0", "SLURM_TIME_FORMAT": "standard"}
+"""Set for squeue and scontrol: times in UTC, ISO 8601, whatever the environment says."""
+
+
 def parse_end_time(text: str) -> datetime | None:
-    """Slurm's ``%e`` / ``EndTime=`` value (local time) as aware UTC; None when there is no limit."""
+    """Slurm's ``%e`` / ``EndTime=`` value, printed under :data:`SLURM_ENV` (UTC), as aware UTC; None
+    when there is no limit. An explicit offset is honoured."""
     text = text.strip()
     if text.upper() in _NO_LIMIT:
         return None
@@ -49,7 +58,9 @@ def parse_end_time(text: str) -> datetime | None:
         parsed = datetime.fromisoformat(text)
     except ValueError:
         raise BadPayload(f"slurm end time {text[:40]!r}") from None
-    return parsed.astimezone(timezone.utc)  # a naive value is local time, as Slurm prints it
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=timezone.utc)
+    return parsed.astimezone(timezone.utc)
 
 
 class SlurmWalltimeWatcher:
@@ -62,7 +73,7 @@ class SlurmWalltimeWatcher:
                  command_timeout: float | None = None) -> None:
         self._slurm = settings.slurm
         self.job_id = environ.get("SLURM_JOB_ID", "")
-        self._env = dict(environ)
+        self._env = {**environ, **SLURM_ENV}
         self._timeout = command_timeout or max(settings.runner.request_timeout, 10.0)
         self.poll_timeout = 2 * self._timeout + 1.0
         self.interval = settings.slurm.interval

@@ -5,12 +5,14 @@
 #   podman, runc, catatonit, mmdebstrap   build and run the image, play Kubernetes pods
 #                (tests/daemon/test_container.py)
 #   slurm-wlm, munge   a real one-node Slurm cluster (tests/slurm/, benchmarks/bench_slurm.py)
+#   iproute2     `ip netns` and veth pairs for two-node jobs (tests/multinode/, benchmarks/bench_multinode.py)
 #
 # Without root, missing packages are reported loudly and the tests that need them skip.
 set -euo pipefail
 
 declare -A command_of=([prometheus]=promtool [podman]=podman [runc]=runc [catatonit]=catatonit
-                       [mmdebstrap]=mmdebstrap [slurm-wlm]=slurmctld [munge]=munged)
+                       [mmdebstrap]=mmdebstrap [slurm-wlm]=slurmctld [munge]=munged
+                       [iproute2]=ip)
 missing=()
 for package in "${!command_of[@]}"; do
     PATH="$PATH:/usr/sbin:/usr/libexec/podman" command -v "${command_of[$package]}" >/dev/null \

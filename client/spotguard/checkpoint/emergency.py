@@ -64,6 +64,8 @@ def live_snapshot(state: Mapping[str, Any], names: Iterable[str] | None = None) 
             tree = value.state_dict() if kind == "stateful" else value
             entries.append([str(name), kind, encode(tree, tensors, str(name))])
             ends.append(len(tensors))
+    for device in {t.device for t in tensors if t.is_cuda}:  # the writer threads' streams must
+        torch.cuda.synchronize(device)  # see the loop's last kernels, whichever stream ran them
     return Snapshot(entries, tensors, sum(t.numel() * t.element_size() for t in tensors), ends)
 
 

@@ -45,9 +45,10 @@ class SaveStats:
 
     step: int | None = None
     blocking_seconds: float = 0.0
-    """Time ``save()`` held the training loop (wait for buffers excluded: snapshot only)."""
+    """Time ``save()`` held the training loop (wait for buffers excluded: snapshot only; an
+    emergency save's whole write and commit)."""
     persist_seconds: float = 0.0
-    """Write + hash + fsync + commit time of the background part."""
+    """Write + hash + fsync + commit time of the background part (0 for an emergency save)."""
     bytes: int = 0
     """Bytes of tensor data written."""
 
@@ -189,9 +190,12 @@ class Checkpointer:
             info = self._coord.persist(self.root, snap, meta, **kwargs)
         else:
             info = commit.persist_local(self.root, snap, meta, **kwargs)
-        self._stats = SaveStats(meta["step"], stalled, time.perf_counter() - started, snap.nbytes)
-        if writer is None:
-            self.emergency.seed(snap.nbytes, self._stats.persist_seconds)
+        persisted = time.perf_counter() - started
+        if writer is not None:  # an emergency save held the loop throughout; nothing ran behind it
+            stalled, persisted = stalled + persisted, 0.0
+        else:
+            self.emergency.seed(snap.nbytes, persisted)
+        self._stats = SaveStats(meta["step"], stalled, persisted, snap.nbytes)
         return info
 
     def _run_background(self, job: Callable[[], CommitInfo]) -> None:

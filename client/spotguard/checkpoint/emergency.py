@@ -126,9 +126,9 @@ class _File:
         self.run(_write_segment, self.fd, view, offset)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """One segment's work; an error is kept for :attr:`done` (and raised here)."""
+        """One segment's work (skipped once another failed); an error is kept for :attr:`done`."""
         try:
-            return fn(*args)
+            return fn(*args) if self.error is None else None
         except BaseException as exc:
             self.error = self.error or exc
             raise

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from _common import markdown_table, write_results
-from bench_checkpoint import GiB, add, dd, settle, state_bytes, synthetic_state, timed, torch_save
+from bench_checkpoint import GiB, add, dd, state_bytes, synthetic_state, timed, torch_save
 from spotguard.checkpoint import Checkpointer
 
 FIRST_SAVE = """

@@ -22,7 +22,10 @@ At each step boundary (after the loop body, before the next step):
    announced minutes or days ahead); the loop stops at the last boundary that leaves that much time.
    A notice without a deadline (a bare signal) stops at the next boundary;
 4. on a stop: an emergency save is taken only when its expected duration plus ``save_margin``
-   fits before the deadline (:func:`save_fits`), else the last committed checkpoint stands; the
+   fits before the deadline (:func:`save_fits`), else the last committed checkpoint stands. The
+   expected duration is the state's bytes at the emergency path's measured bandwidth
+   (:meth:`Checkpointer.emergency_seconds`); the save itself is ``save(blocking=True)``, written
+   from live memory at the disk's speed (:mod:`spotguard.checkpoint.emergency`). The
    pending save is awaited, the daemon is told the process is safe, and the loop raises
    ``SystemExit(EXIT_PREEMPTED)`` (75) so the caller's ``finally`` blocks and context managers
    run. ``exit_on_stop=False`` ends the iteration instead and sets :attr:`Run.stopped`. Either
@@ -73,6 +76,7 @@ from spotguard import _jobid, rng
 from spotguard._record import Recorder
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
+from spotguard.checkpoint.emergency import ASSUMED_THROUGHPUT  # noqa: F401 (integrations import it here)
 from spotguard.checkpoint.load import read_manifest
 from spotguard.distributed import Agreement, Decision, PeerLostError
 from spotguard.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
@@ -82,9 +86,6 @@ from spotguard.storage import StoreError, restore_newer, store_from_env
 __all__ = ["Run", "save_fits"]
 
 log = logging.getLogger(__name__)
-
-ASSUMED_THROUGHPUT = 100e6
-"""Bytes per second assumed for a save never measured yet: a conservative local-disk figure."""
 
 PEER_LOST_GRACE = 10.0
 """Seconds the progress watchdog allows beyond ``peer_timeout``, so that when the loop waits in the
@@ -399,8 +400,7 @@ class Run:
         elif save_fits(decision.save_seconds, left, self.save_margin):
             log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", done,
                         decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
-            self._save(done, "emergency")
-            saved = True
+            saved = self._save_emergency(done)
         else:
             log.warning("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
                         "committed checkpoint stands", done, decision.save_seconds, left)
@@ -418,9 +418,18 @@ class Run:
             raise SystemExit(EXIT_PREEMPTED)
         return True
 
+    def _save_emergency(self, done: int) -> bool:
+        """Commit the state now, the loop stopped; False (logged) when the save failed."""
+        try:
+            self._save(done, "emergency")
+        except CheckpointError as exc:  # the previous commit is still valid: stop anyway
+            log.error("the emergency save failed (%s); the previous checkpoint stands", exc)
+            return False
+        return True
+
     def _save(self, done: int, kind: str = "periodic") -> None:
         self._save_kinds[done] = kind
-        self.checkpointer.save(done, self.state, blocking=False)
+        self.checkpointer.save(done, self.state, blocking=kind == "emergency")
         self._saved_step = done
         self.cadence.mark_saved(done)
 
@@ -447,13 +456,11 @@ class Run:
                 self.cadence.observe_save(stats.blocking_seconds or 0.0, stats.persist_seconds or 0.0)
 
     def expected_save_seconds(self) -> float | None:
-        """Measured blocking+persist time of a save, else an estimate from the state's bytes."""
-        stats = self.checkpointer.stats
-        measured = (stats.blocking_seconds or 0.0) + (stats.persist_seconds or 0.0)
-        if measured > 0:
-            return measured
-        size = stats.bytes or _state_bytes(self.state)
-        return size / ASSUMED_THROUGHPUT if size else None
+        """Expected notice-to-committed seconds of an emergency save now: the state's bytes (the
+        last save's, else counted) at the emergency path's measured bandwidth, which periodic saves
+        seed and each emergency save updates (:meth:`Checkpointer.emergency_seconds`)."""
+        size = self.checkpointer.stats.bytes or _state_bytes(self.state)
+        return self.checkpointer.emergency_seconds(size) if size else None
 
 
 def _make_cadence(save_every: int | None, cadence: Any) -> Any:

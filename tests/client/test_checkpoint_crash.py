@@ -7,6 +7,7 @@ protocol (a write, an fsync, the rename, the ``latest`` replace), then the paren
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -16,7 +17,7 @@ import time
 import pytest
 import torch
 
-from spotguard.checkpoint import Checkpointer
+from spotguard.checkpoint import Checkpointer, emergency
 
 N = 4096
 
@@ -26,40 +27,43 @@ def state_for(step: int) -> dict:
 
 
 def _kill_at(name: str, nth: int, after: bool) -> None:
-    real, calls = getattr(os, name), [0]
+    """SIGKILL this process right before/after the ``nth`` call of ``os.<name>``, counted once per
+    call and atomically (an emergency save calls ``pwrite`` from several threads)."""
+    real, calls = getattr(os, name), itertools.count(1)
 
     def hooked(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == nth and not after:
+        n = next(calls)
+        if n == nth and not after:
             os.kill(os.getpid(), signal.SIGKILL)
         result = real(*args, **kwargs)
-        if calls[0] == nth and after:
+        if n == nth and after:
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
     setattr(os, name, hooked)
 
 
-def _child(root, first_step: int, hook: tuple | None) -> None:
+def _child(root, first_step: int, hook: tuple | None, blocking: bool) -> None:
     try:
         torch.set_num_threads(1)
+        emergency.SEGMENT_BYTES = 4096  # an emergency save writes the 16 KiB tensor from several threads
         ck = Checkpointer(root, keep=2, large_tensor_bytes=4096)
         if hook:
             _kill_at(*hook)
         deadline = time.monotonic() + 10
         step = first_step
         while time.monotonic() < deadline:
-            ck.save(step, state_for(step))
+            ck.save(step, state_for(step), blocking=blocking)
             step += 1
     finally:
         os._exit(3)
 
 
-def crash_once(root, first_step: int, hook: tuple | None, delay: float) -> int:
+def crash_once(root, first_step: int, hook: tuple | None, delay: float, blocking: bool) -> int:
     """Run a saving child until it is killed; returns its exit signal."""
     pid = os.fork()
     if pid == 0:
-        _child(root, first_step, hook)
+        _child(root, first_step, hook, blocking)
     if hook is None:
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
@@ -74,13 +78,19 @@ HOOKS = [(name, nth, after) for name, nth in [("write", 1), ("write", 3), ("fsyn
 
 @pytest.mark.slow
 def test_sigkill_at_any_instant_leaves_a_loadable_checkpoint(tmp_path, caplog):
+    crash_trials(tmp_path, caplog, HOOKS, random.Random(1234), 24, blocking=False)
+
+
+def crash_trials(tmp_path, caplog, hooks: list[tuple], rng: random.Random, kills: int, blocking: bool) -> None:
+    """Crash a saving child at every hook, then ``kills`` times at random; load after each."""
     with Checkpointer(tmp_path, keep=2) as ck:
+        started = time.perf_counter()
         ck.save(0, state_for(0), blocking=True)
-    rng = random.Random(1234)
-    trials = [(hook, 0.0) for hook in HOOKS] + [(None, rng.uniform(0.0, 0.08)) for _ in range(24)]
+        spread = max(0.08, 8 * (time.perf_counter() - started))  # a loaded machine saves slower
+    trials = [(hook, 0.0) for hook in hooks] + [(None, rng.uniform(0.0, spread)) for _ in range(kills)]
     last, next_step, steps_seen = 0, 1, set()
     for hook, delay in trials:
-        assert crash_once(tmp_path, next_step, hook, delay) == signal.SIGKILL, hook
+        assert crash_once(tmp_path, next_step, hook, delay, blocking) == signal.SIGKILL, hook
         caplog.clear()
         target = {"w": torch.zeros(N), "b": torch.zeros(3), "extras": {}}
         with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint"):

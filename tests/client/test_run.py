@@ -110,8 +110,8 @@ def test_estimate_before_the_first_save_then_the_measured_cost(tmp_path):
         assert estimate is not None and 0 < estimate < 0.01  # 144 bytes at 100 MB/s
         train(run, 3, model, optimizer)
         run.checkpointer.wait()
-        stats = run.checkpointer.stats
-        assert run.expected_save_seconds() == pytest.approx(stats.blocking_seconds + stats.persist_seconds)
+        stats = run.checkpointer.stats  # seeded by the periodic save's persist bandwidth
+        assert run.expected_save_seconds() == pytest.approx(stats.persist_seconds)
 
 
 @pytest.fixture

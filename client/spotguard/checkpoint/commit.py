@@ -33,7 +33,7 @@ from spotguard.checkpoint.layout import (VOLATILE, CommitInfo, MANIFEST, committ
 from spotguard.checkpoint.layout import tmp_name, write_latest
 from spotguard.checkpoint.staging import Snapshot
 
-__all__ = ["FORMAT", "VERSION", "TREE", "write_part", "part_digest", "write_manifest", "publish",
+__all__ = ["FORMAT", "VERSION", "TREE", "tensor_bytes", "write_part", "part_digest", "write_manifest", "publish",
            "apply_retention", "persist_local"]
 
 FORMAT = "spotguard-checkpoint"
@@ -43,8 +43,9 @@ SMALL = "small.bin"
 _ALIGN = 64
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a tensor as a flat memoryview; a contiguous CPU tensor's own memory, not a copy."""
+    return memoryview(t.detach().cpu().reshape(-1).view(torch.uint8).numpy())
 
 
 def _layout(snap: Snapshot, large_bytes: int) -> tuple[list[dict[str, Any]], int]:
@@ -63,7 +64,8 @@ def _layout(snap: Snapshot, large_bytes: int) -> tuple[list[dict[str, Any]], int
 
 
 class _Writer:
-    """Writes files in the caller's thread; hashes in a pool, fsyncs in one more thread."""
+    """Writes files in the caller's thread; hashes in a pool, fsyncs in one more thread (the
+    emergency path's :class:`~.emergency.LiveWriter` is a variant)."""
 
     def __init__(self, nice: int | None, throttle: Throttle | None) -> None:
         # Capped: one writer and one hasher share the cap. Uncapped: two hashers keep up with the disk.
@@ -82,6 +84,9 @@ class _Writer:
             os.close(fd)
             raise
         self.pending.append((relpath, len(data), digest, self.syncer.submit(_fsync_close, fd)))
+
+    def write_tensor(self, directory: Path, relpath: str, t: torch.Tensor) -> None:
+        self.write(directory, relpath, tensor_bytes(t))
 
     def finish(self) -> dict[str, dict[str, Any]]:
         """Wait for every hash and fsync; the first failure (e.g. ENOSPC on fsync) is raised."""
@@ -110,19 +115,19 @@ def _fsync_close(fd: int) -> None:
 
 
 def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None,
-               throttle: Throttle | None = None) -> tuple[dict[str, dict], str]:
+               throttle: Throttle | None = None, writer: _Writer | None = None) -> tuple[dict[str, dict], str]:
     """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}`` and the part's
     :func:`part_digest`. ``nice`` applies to the hashing and fsync threads, ``throttle`` to writing
-    and hashing."""
+    and hashing; an emergency save passes its ``writer`` (see :mod:`.emergency`), same files."""
     index, small_size = _layout(snap, large_bytes)
     _fs.mkdir_private(dest)
-    writer = _Writer(nice, throttle)
+    writer = writer or _Writer(nice, throttle)
     try:
         if any(e["file"] != SMALL for e in index):
             _fs.mkdir_private(dest / "tensors")
         for entry, t in zip(index, snap.tensors):
             if entry["file"] != SMALL:
-                writer.write(dest, entry["file"], _bytes_view(t))
+                writer.write_tensor(dest, entry["file"], t)
         if small_size or any(e["file"] == SMALL for e in index):
             writer.write(dest, SMALL, memoryview(_pack_small(index, snap.tensors, small_size)))
         tree = json.dumps({"entries": snap.entries, "tensors": index}, separators=(",", ":"))
@@ -152,7 +157,7 @@ def part_digest(snap: Snapshot, index: list[dict[str, Any]], files: dict[str, di
             sha.update(json.dumps([name, kind, tree], separators=(",", ":")).encode())
             for entry, t in zip(index[start:end], snap.tensors[start:end]):
                 body = files[entry["file"]]["sha256"] if entry["file"] != SMALL else \
-                    hashlib.sha256(_bytes_view(t)).hexdigest()
+                    hashlib.sha256(tensor_bytes(t)).hexdigest()
                 sha.update(f"{entry['dtype']}{entry['shape']}{body}".encode())
         start = end
     for relpath in sorted(k for k in files if k.startswith("dcp/")):
@@ -164,7 +169,7 @@ def _pack_small(index: list[dict[str, Any]], tensors: list[torch.Tensor], size: 
     buf = bytearray(size)
     for entry, t in zip(index, tensors):
         if entry["file"] == SMALL and entry["nbytes"]:
-            buf[entry["offset"] : entry["offset"] + entry["nbytes"]] = _bytes_view(t)
+            buf[entry["offset"] : entry["offset"] + entry["nbytes"]] = tensor_bytes(t)
     return buf
 
 
@@ -195,13 +200,13 @@ def apply_retention(root: Path, keep: int, newest: Path) -> list[Path]:
 
 
 def persist_local(root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
-                  nice: int | None, throttle: Throttle | None = None) -> CommitInfo:
+                  nice: int | None, throttle: Throttle | None = None, writer: _Writer | None = None) -> CommitInfo:
     """The whole single-process save: write to a tmp dir, commit, apply retention."""
     tmp = root / tmp_name(meta["step"], os.getpid())
     try:
         _fs.mkdir_private(tmp)
         files, digest = write_part(tmp / "rank-0", snap, large_bytes=large_bytes, nice=nice,
-                                   throttle=throttle)
+                                   throttle=throttle, writer=writer)
         files = {f"rank-0/{k}": v for k, v in files.items()}
         meta = {**meta, "digest": digest}
         write_manifest(tmp, meta, files)

@@ -66,10 +66,10 @@ class Coordinator:
         return self.all_reduce([value], op)[0]
 
     def persist(self, root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
-                nice: int | None, throttle: Throttle | None = None) -> CommitInfo:
+                nice: int | None, throttle: Throttle | None = None, writer: Any = None) -> CommitInfo:
         """Write this rank's part and (rank 0) commit; every rank returns the same CommitInfo."""
         tmp = self._make_tmp(root, meta["step"])
-        failure = self._guard(lambda: self._write_part(tmp, snap, large_bytes, nice, throttle))
+        failure = self._guard(lambda: self._write_part(tmp, snap, large_bytes, nice, throttle, writer))
         if self.agree(int(failure is not None), "sum"):
             return self._abort(root, tmp, snap, failure, "writing its part")
         committed = self._guard(lambda: self._commit(root, tmp, meta)) if self.rank == 0 else None
@@ -103,9 +103,10 @@ class Coordinator:
         return None
 
     def _write_part(self, tmp: Path, snap: Snapshot, large_bytes: int, nice: int | None,
-                    throttle: Throttle | None) -> None:
+                    throttle: Throttle | None, writer: Any) -> None:
         part = tmp / f"rank-{self.rank}"
-        files, digest = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice, throttle=throttle)
+        files, digest = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice, throttle=throttle,
+                                          writer=writer)
         _fs.write_file(part / PART, json.dumps({"rank": self.rank, "files": files, "digest": digest}).encode())
         _fs.fsync_dir(part)
 

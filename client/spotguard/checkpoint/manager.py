@@ -28,6 +28,7 @@ import torch
 
 from spotguard.checkpoint import commit, layout
 from spotguard.checkpoint._workers import Throttle, lower_priority
+from spotguard.checkpoint.emergency import Emergency, LiveWriter, live_snapshot
 from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.checkpoint.load import check, read_entries, read_manifest, restore
@@ -44,9 +45,10 @@ class SaveStats:
 
     step: int | None = None
     blocking_seconds: float = 0.0
-    """Time ``save()`` held the training loop (wait for buffers excluded: snapshot only)."""
+    """Time ``save()`` held the training loop (wait for buffers excluded: snapshot only; an
+    emergency save's whole write and commit)."""
     persist_seconds: float = 0.0
-    """Write + hash + fsync + commit time of the background part."""
+    """Write + hash + fsync + commit time of the background part (0 for an emergency save)."""
     bytes: int = 0
     """Bytes of tensor data written."""
 
@@ -92,6 +94,9 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._last: CommitInfo | None = None
         self._stats = SaveStats()
+        self.emergency = Emergency()
+        """The emergency path's pinned chunks and measured bandwidth (see :meth:`emergency_seconds`)."""
+        self._in_flight_bytes = 0
         self._closed = False
         self.skipped: list[dict[str, str]] = []
         """Checkpoints :meth:`load_latest` passed over as corrupt: ``{"path", "reason"}`` each."""
@@ -107,31 +112,56 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any], *, epoch: int | None = None,
              blocking: bool = False) -> None:
         """Checkpoint ``state`` as ``step``. Returns once the snapshot is taken (or, with
-        ``blocking``, once committed). Raises a pending background failure first."""
+        ``blocking``, once committed). Raises a pending background failure first.
+
+        ``blocking`` is the emergency save, for when the loop is stopped (see :mod:`.emergency`): it
+        lifts the cap of the save in flight and waits for it (a failure of that one is logged, not
+        raised: the newest state still gets saved), then writes the state from its own memory, no
+        snapshot copy, at the disk's speed."""
         if self._closed:
             raise CheckpointError("Checkpointer is closed")
         if blocking:
-            self._throttle.share = None  # an emergency: let the save in flight run at full speed
+            return self._save_emergency(step, state, epoch)
         self.wait()
         started = time.perf_counter()
         snap = self._snapshot(state)
         stalled = time.perf_counter() - started
-        meta = {"step": int(step), "epoch": epoch, "created": time.time(), "job_id": self.job_id,
+        meta = self._meta(step, epoch, snap)
+        self._throttle = Throttle(self._share)
+        self._in_flight_bytes = snap.nbytes
+        job = lambda: self._persist(snap, meta, stalled, self._throttle)  # noqa: E731
+        self._thread = threading.Thread(target=self._run_background, args=(job,), name="spotguard-ckpt-persist")
+        self._thread.start()
+
+    def _save_emergency(self, step: int, state: Mapping[str, Any], epoch: int | None) -> None:
+        self._throttle.share = None  # let the save in flight run at full speed
+        try:
+            self.wait()
+        except CheckpointError as exc:  # it committed nothing; the state it held is older anyway
+            logger.error("the save in flight failed (%s); the emergency save goes on", exc)
+        started = time.perf_counter()
+        snap = self._snapshot(state, live=True)
+        meta = self._meta(step, epoch, snap)
+        stalled = time.perf_counter() - started
+        self._run(lambda: self._persist(snap, meta, stalled, None, self.emergency.writer()), nice=None)
+        self.wait()
+        self.emergency.observe(snap.nbytes, time.perf_counter() - started)
+
+    def emergency_seconds(self, nbytes: int) -> float:
+        """Expected notice-to-committed seconds of an emergency save of ``nbytes`` started now: at
+        the emergency path's measured bandwidth (seeded by periodic saves, see :class:`.Emergency`),
+        with the bytes of a save in flight added, since an emergency save waits for it."""
+        return self.emergency.seconds(nbytes + (self._in_flight_bytes if self.in_flight else 0))
+
+    def _meta(self, step: int, epoch: int | None, snap: Any) -> dict[str, Any]:
+        return {"step": int(step), "epoch": epoch, "created": time.time(), "job_id": self.job_id,
                 "world_size": self.world_size, "torch_version": torch.__version__,
                 "entries": [e[0] for e in snap.entries]}
-        self._throttle = Throttle(None if blocking else self._share)
-        job = lambda: self._persist(snap, meta, stalled, self._throttle)  # noqa: E731
-        if blocking:
-            self._run(job, nice=None)
-            self.wait()
-        else:
-            self._thread = threading.Thread(target=self._run_background, args=(job,),
-                                            name="spotguard-ckpt-persist")
-            self._thread.start()
 
-    def _snapshot(self, state: Mapping[str, Any]) -> Any:
-        """Stage ``state``; entries holding DTensors are split off to DCP (see :mod:`.sharded`) and,
-        like ``per_rank`` ones, saved by every rank."""
+    def _snapshot(self, state: Mapping[str, Any], live: bool = False) -> Any:
+        """Stage ``state`` (``live``: reference its tensors, see :mod:`.emergency`); entries holding
+        DTensors are split off to DCP (see :mod:`.sharded`) and, like ``per_rank`` ones, saved by
+        every rank."""
         dtensors: dict[str, Any] = {}
         if "torch.distributed.tensor" in sys.modules:  # no DTensor can exist before it is imported
             if self._shards is None:
@@ -140,24 +170,32 @@ class Checkpointer:
                 self._shards = ShardStager()
             state, dtensors = self._shards.split(state)
         own = self._per_rank | {key.rsplit("/", 1)[0] for key in dtensors}
-        snap = self._stager.snapshot(state, None if self.rank == 0 else [n for n in state if n in own])
+        names = None if self.rank == 0 else [n for n in state if n in own]
+        snap = live_snapshot(state, names) if live else self._stager.snapshot(state, names)
         if not dtensors:
             return snap
         from spotguard.checkpoint.sharded import mark
 
         return mark(snap, dtensors)
 
-    def _persist(self, snap: Any, meta: dict[str, Any], stalled: float, throttle: Throttle) -> CommitInfo:
-        """Write and commit; a background save is reniced and CPU-capped, a blocking one is not."""
+    def _persist(self, snap: Any, meta: dict[str, Any], stalled: float, throttle: Throttle | None,
+                 writer: LiveWriter | None = None) -> CommitInfo:
+        """Write and commit; a background save is reniced and CPU-capped, an emergency one
+        (``writer``) is not."""
         started = time.perf_counter()
         background = threading.current_thread() is self._thread
         kwargs = {"keep": self.keep, "large_bytes": self._large, "nice": self._nice if background else None,
-                  "throttle": throttle}
+                  "throttle": throttle, "writer": writer}
         if self._coord:
             info = self._coord.persist(self.root, snap, meta, **kwargs)
         else:
             info = commit.persist_local(self.root, snap, meta, **kwargs)
-        self._stats = SaveStats(meta["step"], stalled, time.perf_counter() - started, snap.nbytes)
+        persisted = time.perf_counter() - started
+        if writer is not None:  # an emergency save held the loop throughout; nothing ran behind it
+            stalled, persisted = stalled + persisted, 0.0
+        else:
+            self.emergency.seed(snap.nbytes, persisted)
+        self._stats = SaveStats(meta["step"], stalled, persisted, snap.nbytes)
         return info
 
     def _run_background(self, job: Callable[[], CommitInfo]) -> None:

@@ -114,4 +114,5 @@ def test_an_hf_job_restores_from_the_store_on_a_fresh_node_bit_identically(daemo
     assert again.returncode == 0, again.stdout[-3000:]
     assert "holds step 8: restoring it" in again.stdout
     assert digest(again.stdout) == digest(uninterrupted(tmp_path / "uninterrupted"))
-    wait_for(lambda: Durable(FileStore(bucket)).latest(JOB) == 28, "node B's last save durable")
+    wait_for(lambda: Durable(FileStore(bucket)).latest(JOB) == 30, "node B's final save durable")
+    assert "commit refused" not in node_a.output() + fresh.output()

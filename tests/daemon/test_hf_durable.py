@@ -28,6 +28,9 @@ from spotguard.storage.file import FileStore
 from test_goodput_fresh_node import node_b, wait_for  # noqa: F401 (a fixture)
 from test_goodput_integrations import JOB as JOB_SCRIPT, launch
 
+pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
+from spotguard.integrations.huggingface import latest_checkpoint  # noqa: E402
+
 JOB = "integration"  # the job id _integration_jobs.py gives the callback with a daemon
 
 
@@ -50,6 +53,15 @@ def test_a_copy_is_committed_in_spotguards_layout_and_the_two_newest_are_kept(tm
             assert manifest["files"][rel]["sha256"] == sha256_file(src / rel) == sha256_file(copy / rel)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-0000000008", "step-0000000012"]
     assert newest_committed(root, "trainer_state.json") == (12, root / "step-0000000012")
+
+
+def test_latest_checkpoint_resumes_from_a_newer_committed_copy_and_prefers_the_trainers_on_a_tie(tmp_path):
+    out = tmp_path / "out"
+    commit_copy(trainer_checkpoint(tmp_path / "restored"), out / "spotguard", 12, JOB)
+    trainer_checkpoint(out / "checkpoint-8")
+    assert latest_checkpoint(out) == str(out / "spotguard" / "step-0000000012")
+    trainer_checkpoint(out / "checkpoint-12")
+    assert latest_checkpoint(out) == str(out / "checkpoint-12")
 
 
 @pytest.mark.parametrize("hostile", ["symlink-out", "symlinked-dir", "fifo"])
@@ -100,7 +112,6 @@ def digest(output: str) -> str:
 @pytest.mark.timeout(300)  # three HF jobs: about 15 s each on an idle machine
 def test_an_hf_job_restores_from_the_store_on_a_fresh_node_bit_identically(daemon_factory, node_b,  # noqa: F811
                                                                            tmp_path):
-    pytest.importorskip("transformers")
     bucket = tmp_path / "bucket"
     env = {"SPOTGUARD_STORAGE__URL": f"file://{bucket}"}
     node_a = daemon_factory(env=env)

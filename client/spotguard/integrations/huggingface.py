@@ -17,13 +17,19 @@ make those writes atomic: a save cut off by the kill leaves a partial directory.
 the file the Trainer writes after the model, optimizer and RNG states (``None`` for a fresh start,
 where ``resume_from_checkpoint=True`` would raise).
 
+Durable copies: the daemon uploads only spotguard's committed ``step-NNNNNNNNNN`` layout, so with a
+durable store (``durable=``, else one known at ``on_train_begin``) each finished ``checkpoint-N`` is
+copied into ``<output_dir>/spotguard`` in that layout (:mod:`._hf_commit`) and the copy is reported.
+On a fresh node :func:`latest_checkpoint` restores the store's newest copy first when it is newer
+than everything local, and the Trainer resumes from it (tested end to end, bit-identical).
+
 At every step end (``on_step_end``, after the optimizer step) the callback asks its
 :class:`~spotguard.Guard` (daemon notices, SIGTERM, SIGUSR1). On a stopping notice it sets
 ``control.should_save`` when a save fits before the deadline (:func:`spotguard.run.save_fits`: the
 duration of the Trainer's last save, measured from ``on_step_end`` to ``on_save``, or before any
 save an estimate from the model and optimizer bytes), and ``control.should_training_stop``; the
 Trainer saves, then leaves its loop. An advisory notice (AWS rebalance) asks for one early save.
-Each save is reported to the daemon (``report_commit``) from ``on_save``; at ``on_train_end`` after
+Each save's committed copy is reported to the daemon (``report_commit``) from ``on_save``; at ``on_train_end`` after
 a stop the daemon is told the process is safe. For the daemon's goodput figures, as ``Run`` does: a
 train that starts past step 0 (resumed from a checkpoint) is reported as a restart from that step at
 ``on_train_begin`` (``report_resume``), and every step end notes rank 0's progress

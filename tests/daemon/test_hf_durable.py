@@ -44,6 +44,7 @@ def trainer_checkpoint(where: Path) -> Path:
 
 def test_a_copy_is_committed_in_spotguards_layout_and_the_two_newest_are_kept(tmp_path):
     root = tmp_path / "out" / "spotguard"
+    (root / ".tmp-step-0000000002-999999999").mkdir(parents=True)  # a copy cut off by a kill
     for step in (4, 8, 12):
         src = trainer_checkpoint(tmp_path / "out" / f"checkpoint-{step}")
         copy = commit_copy(src, root, step, JOB)

@@ -28,7 +28,7 @@ import stat
 import time
 from pathlib import Path
 
-from spotguard.checkpoint.layout import committed_dirs, remove_checkpoint
+from spotguard.checkpoint.layout import committed_dirs, remove_checkpoint, remove_stale
 from spotguard.storage._local import FORMAT, MANIFEST, ManifestError, commit_dir, read_manifest, step_name, tmp_dir
 
 __all__ = ["COMMITTED", "NotCommitted", "commit_copy", "newest_committed"]
@@ -80,6 +80,7 @@ def commit_copy(src: Path, root: Path, step: int, job_id: str, keep: int = 2) ->
     newest copies. Raises NotCommitted (nothing committed) or OSError."""
     files = _regular_files(src)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    remove_stale(root)  # copies cut off by a kill
     tmp = tmp_dir(root, step)
     try:
         table = {rel: _copy(src / rel, tmp / rel) for rel in files}

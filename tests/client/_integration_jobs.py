@@ -8,7 +8,8 @@ Hugging Face: the ``Trainer``'s own shuffled loader), checkpointed by the spotgu
 SIGTERM itself at the first of those steps after the step it resumed from, so relaunching the identical command until it exits 0 stops it
 at each of them. ``$JOB_DAEMON=1`` makes the callback talk to the daemon (job id ``integration``), and
 ``$JOB_KILL`` (a step) makes the job SIGKILL itself at that step once the daemon acknowledged its
-progress. The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
+progress. With ``$SPOTGUARD_STORAGE__URL`` the HF job's checkpoints are committed for the daemon's
+upload and a fresh node restores from that store. The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def hf_job(out: str) -> None:
     guard = SpotguardTrainerCallback(daemon=daemon, job_id="integration" if daemon else "")
     trainer = transformers.Trainer(Model(), args, train_dataset=dataset(), data_collator=collate,
                                    callbacks=[guard, Stopper()])
-    trainer.train(resume_from_checkpoint=latest_checkpoint(out))
+    trainer.train(resume_from_checkpoint=latest_checkpoint(out, job_id="integration" if daemon else ""))
     guard.exit_if_stopped()
     print("DIGEST", digest(trainer.model.state_dict(), trainer.optimizer.state_dict()["state"]))
 

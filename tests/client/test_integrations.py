@@ -212,12 +212,12 @@ def test_hf_daemon_notice_saves_reports_the_commit_and_safe(tmp_path, linked):
                 assert wait_for(lambda: guard.stop_requested)
             return super().forward(x, y)
 
-    callback = SpotguardTrainerCallback(guard=guard)
+    callback = SpotguardTrainerCallback(guard=guard, durable=True)
     trainer = train_hf(tmp_path / "out", Notified(), callback)
     assert callback.stopped and trainer.state.global_step == 3
     assert wait_for(lambda: daemon.requests_of("safe"))
-    commits = daemon.requests_of("commit")
-    assert [c.step for c in commits] == [3] and commits[0].path.endswith("checkpoint-3")
+    commits = daemon.requests_of("commit")  # the committed copy, in the layout the daemon uploads
+    assert [c.step for c in commits] == [3] and commits[0].path.endswith("spotguard/step-0000000003")
     assert commits[0].size_bytes > 0 and commits[0].files >= 3
     assert daemon.requests_of("safe")[0].notice_ids == [notice.id]
 
@@ -237,6 +237,8 @@ def test_hf_advisory_notice_asks_for_one_early_save(tmp_path, linked):
     assert not callback.stopped and trainer.state.global_step == MAX_STEPS
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [
         "checkpoint-20", "checkpoint-4"]  # the early save, then the Trainer's final one
+    assert daemon.requests_of("commit") == []  # no durable store known: no copies, no reports
+    assert not (tmp_path / "out" / "spotguard").exists()
 
 
 def test_latest_checkpoint_skips_partial_directories(tmp_path):

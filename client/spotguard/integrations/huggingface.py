@@ -17,13 +17,19 @@ make those writes atomic: a save cut off by the kill leaves a partial directory.
 the file the Trainer writes after the model, optimizer and RNG states (``None`` for a fresh start,
 where ``resume_from_checkpoint=True`` would raise).
 
+Durable copies: the daemon uploads only spotguard's committed ``step-NNNNNNNNNN`` layout, so with a
+durable store (``durable=``, else one known at ``on_train_begin``) each finished ``checkpoint-N`` is
+copied into ``<output_dir>/spotguard`` in that layout (:mod:`._hf_commit`) and the copy is reported.
+On a fresh node :func:`latest_checkpoint` restores the store's newest copy first when it is newer
+than everything local, and the Trainer resumes from it (tested end to end, bit-identical).
+
 At every step end (``on_step_end``, after the optimizer step) the callback asks its
 :class:`~spotguard.Guard` (daemon notices, SIGTERM, SIGUSR1). On a stopping notice it sets
 ``control.should_save`` when a save fits before the deadline (:func:`spotguard.run.save_fits`: the
 duration of the Trainer's last save, measured from ``on_step_end`` to ``on_save``, or before any
 save an estimate from the model and optimizer bytes), and ``control.should_training_stop``; the
 Trainer saves, then leaves its loop. An advisory notice (AWS rebalance) asks for one early save.
-Each save is reported to the daemon (``report_commit``) from ``on_save``; at ``on_train_end`` after
+Each save's committed copy is reported to the daemon (``report_commit``) from ``on_save``; at ``on_train_end`` after
 a stop the daemon is told the process is safe. For the daemon's goodput figures, as ``Run`` does: a
 train that starts past step 0 (resumed from a checkpoint) is reported as a restart from that step at
 ``on_train_begin`` (``report_resume``), and every step end notes rank 0's progress
@@ -57,10 +63,12 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spotguard.checkpoint.layout import CommitInfo
+from spotguard.integrations._hf_commit import COMMITTED, NotCommitted, commit_copy, newest_committed
 from spotguard.distributed import Agreement, Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
 from spotguard.run import ASSUMED_THROUGHPUT, save_fits
+from spotguard.storage import StoreError, restore_newer, store_from_env
 
 __all__ = ["SpotguardTrainerCallback", "latest_checkpoint"]
 
@@ -69,14 +77,30 @@ log = logging.getLogger(__name__)
 _STATE_FILE = "trainer_state.json"
 
 
-def latest_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
-    """The newest complete ``checkpoint-N`` directory under ``output_dir``; None if none is."""
-    found = []
-    for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+def latest_checkpoint(output_dir: str | os.PathLike[str], *, job_id: str = "",
+                      store: str | None = None) -> str | None:
+    """The newest complete checkpoint under ``output_dir``: a ``checkpoint-N`` directory or a
+    committed copy in ``output_dir/spotguard``; None if there is none.
+
+    The fresh-node case: when a durable store is known (``store``, else
+    ``$SPOTGUARD_STORAGE__URL``) and holds a newer checkpoint of ``job_id`` (the callback's) than
+    the local copies, it is restored into ``output_dir/spotguard`` first (local rank 0 only). An
+    unreachable store is logged and the local checkpoints are used."""
+    root = Path(output_dir)
+    url, options = store_from_env()
+    url = store or url
+    if url and os.environ.get("LOCAL_RANK", "0") == "0":
+        try:
+            restore_newer(root / COMMITTED, job_id, url, options)
+        except (StoreError, OSError) as exc:
+            log.warning("could not restore from %s (%s); going on with local checkpoints", url, exc)
+    copy = newest_committed(root / COMMITTED, _STATE_FILE)
+    found = [] if copy is None else [(copy[0], 0, copy[1])]  # the Trainer's own wins a tie
+    for path in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
         suffix = path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
         if suffix.isdigit() and (path / _STATE_FILE).is_file():
-            found.append((int(suffix), path))
-    return str(max(found)[1]) if found else None
+            found.append((int(suffix), 1, path))
+    return str(max(found)[2]) if found else None
 
 
 class SpotguardTrainerCallback(TrainerCallback):
@@ -85,11 +109,14 @@ class SpotguardTrainerCallback(TrainerCallback):
     ``guard``: a :class:`~spotguard.Guard` to use (the caller closes it), else one is made at
     ``on_train_begin`` from ``job_id``, ``daemon`` and ``signal_deadlines`` and closed at
     ``on_train_end``. ``save_margin``: seconds kept free between the save's end and the deadline.
+    ``durable``: commit a copy of each save in spotguard's layout and report that to the daemon
+    (which uploads it); None (default): when a durable store is known at ``on_train_begin``
+    (``$SPOTGUARD_STORAGE__URL`` or the daemon's ``status``).
     """
 
     def __init__(self, *, job_id: str = "", daemon: bool = True, save_margin: float = 2.0,
                  signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
-                 guard: Guard | None = None) -> None:
+                 guard: Guard | None = None, durable: bool | None = None) -> None:
         self._guard_kwargs = dict(job_id=job_id, daemon=daemon, signal_deadlines=signal_deadlines)
         self.guard = guard
         self._own_guard = guard is None
@@ -99,6 +126,7 @@ class SpotguardTrainerCallback(TrainerCallback):
         self.save_seconds: float | None = None
         self._save_started: float | None = None
         self._checked = False
+        self.durable = durable
 
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
@@ -112,6 +140,9 @@ class SpotguardTrainerCallback(TrainerCallback):
         self.stopped = False
         if self.guard is None:
             self.guard = Guard(rank=args.process_index, **self._guard_kwargs)
+        if self.durable is None:
+            store = ((self.guard.daemon_status() or {}).get("uploads") or {}).get("store")
+            self.durable = bool(store_from_env()[0] or store)
         if state.global_step > 0:  # the Trainer loaded a checkpoint's state before this event
             log.info("resumed from step %d", state.global_step)
             self.guard.report_resume(state.global_step)
@@ -138,8 +169,8 @@ class SpotguardTrainerCallback(TrainerCallback):
             self.save_seconds = time.monotonic() - self._save_started
             self._save_started = None
         path = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if self.guard is not None and state.is_world_process_zero and path.is_dir():
-            self.guard.report_commit(_commit_info(state, path))
+        if self.guard is not None and self.durable and state.is_world_process_zero and path.is_dir():
+            self._commit(state, path)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -151,6 +182,17 @@ class SpotguardTrainerCallback(TrainerCallback):
         if self._own_guard:
             self.guard.close(exiting=self.stopped)
             self.guard = None
+
+    def _commit(self, state: TrainerState, path: Path) -> None:
+        """Commit a copy of ``path`` in spotguard's layout and report it (the daemon uploads only
+        that layout); a checkpoint that cannot be copied safely is logged, training goes on."""
+        assert self.guard is not None
+        try:
+            copy = commit_copy(path, path.parent / COMMITTED, state.global_step, self.guard.job_id)
+        except (NotCommitted, OSError) as exc:
+            log.warning("checkpoint %s not committed for upload: %s", path, exc)
+            return
+        self.guard.report_commit(_commit_info(state, copy))
 
     # ------------------------------------------------------------------ decisions
 

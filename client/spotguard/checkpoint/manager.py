@@ -31,7 +31,7 @@ from spotguard.checkpoint._workers import Throttle, lower_priority
 from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.checkpoint.load import check, read_entries, read_manifest, restore
-from spotguard.checkpoint.staging import Stager
+from spotguard.checkpoint.staging import Stager, tensor_specs
 
 __all__ = ["Checkpointer", "SaveStats"]
 
@@ -195,6 +195,29 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint save failed: {error!r}") from error
         return self._last
 
+    def prepare(self, state: Mapping[str, Any], *, after_first_step: bool = True) -> None:
+        """Allocate and pre-fault the staging buffers for ``state`` in a background thread (reniced
+        and CPU-capped like a periodic save) so that the first save stalls no longer than later ones;
+        returns at once. :meth:`load_latest` calls it. An optimizer without state yet (a fresh
+        start) gets a one-time step hook that prepares again once its first step has created it."""
+        names = None if self.rank == 0 else [n for n in state if n in self._per_rank]
+        try:
+            specs = tensor_specs(state, names)
+        except Exception as exc:  # only an optimisation: the save itself reports what is wrong
+            logger.debug("not preparing staging buffers: %r", exc)
+            return
+        self._stager.prepare(specs, nice=self._nice, cpu_share=self._share)
+        fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
+        if after_first_step and fresh:
+            handles: list[Any] = []
+
+            def first_step(*_: Any) -> None:
+                for handle in handles:
+                    handle.remove()
+                if not self._closed:
+                    self.prepare(state, after_first_step=False)
+            handles += [opt.register_step_post_hook(first_step) for opt in fresh]
+
     def _candidates(self) -> list[Path]:
         return [p for _, p in layout.committed_dirs(self.root)]
 
@@ -221,10 +244,12 @@ class Checkpointer:
                 ok = bool(self._coord.agree(int(ok), "min"))
             if ok:
                 restore(state, entries)
+                self.prepare(state)
                 return check(candidates[i])
         if count:  # silently starting over would let retention delete the evidence
             raise CheckpointCorruptError(f"none of the {count} checkpoints under {self.root} is valid "
                                          "(see the warnings); move them away to start fresh")
+        self.prepare(state)
         return None
 
     def _try_read(self, path: Path, state: Mapping[str, Any]) -> dict[str, Any] | None:

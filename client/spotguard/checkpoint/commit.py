@@ -10,7 +10,8 @@ Large tensors (``>= large_bytes``) get a file each, written straight from the st
 unchanged tensor produces a byte-identical file (same sha256: the uploader skips it). Small tensors
 are packed, 64-byte aligned, into ``small.bin``; the structure goes to ``tree.json``; the DTensors of
 sharded entries go to ``dcp/`` through ``torch.distributed.checkpoint`` (see :mod:`.sharded`). sha256 runs in
-a thread pool beside the writes and fsyncs run in their own thread, overlapping write-back.
+a thread pool beside the writes; large files are written ``O_DIRECT`` from the page-aligned staging
+buffers (see :func:`._fs.write_all`), two at a time, each fsynced by the thread that wrote it.
 """
 
 from __future__ import annotations
@@ -63,25 +64,21 @@ def _layout(snap: Snapshot, large_bytes: int) -> tuple[list[dict[str, Any]], int
 
 
 class _Writer:
-    """Writes files in the caller's thread; hashes in a pool, fsyncs in one more thread."""
+    """Writes, fsyncs and closes files in a pool of writer threads (two uncapped: the disk works on
+    two files at once, measured 1.3x one at a time with ``O_DIRECT``); hashes in a second pool."""
 
     def __init__(self, nice: int | None, throttle: Throttle | None) -> None:
-        # Capped: one writer and one hasher share the cap. Uncapped: two hashers keep up with the disk.
-        self.hashers = Workers(1 if throttle and throttle.share else 2, "spotguard-ckpt-hash", nice)
-        self.syncer = Workers(1, "spotguard-ckpt-fsync", nice)
+        # Capped: one writer and one hasher share the cap. Uncapped: two of each keep up with the disk.
+        threads = 1 if throttle and throttle.share else 2
+        self.hashers = Workers(threads, "spotguard-ckpt-hash", nice)
+        self.writers = Workers(threads, "spotguard-ckpt-write", nice)
         self.pace = throttle.run if throttle else None
         self.pending: list[tuple[str, int, Future[str], Future[None]]] = []
 
     def write(self, directory: Path, relpath: str, data: memoryview) -> None:
         fd = _fs.open_new(directory / relpath)
         digest = self.hashers.submit(_fs.sha256_of, data, self.pace)
-        try:
-            _fs.write_all(fd, data, self.pace)
-            _fs.start_writeback(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.pending.append((relpath, len(data), digest, self.syncer.submit(_fsync_close, fd)))
+        self.pending.append((relpath, len(data), digest, self.writers.submit(_write_close, fd, data, self.pace)))
 
     def finish(self) -> dict[str, dict[str, Any]]:
         """Wait for every hash and fsync; the first failure (e.g. ENOSPC on fsync) is raised."""
@@ -93,7 +90,7 @@ class _Writer:
             return files
         finally:
             self.hashers.shutdown()
-            self.syncer.shutdown()
+            self.writers.shutdown()
 
     def abort(self) -> None:
         try:
@@ -102,8 +99,10 @@ class _Writer:
             pass
 
 
-def _fsync_close(fd: int) -> None:
+def _write_close(fd: int, data: memoryview, pace: Any) -> None:
+    """Write all of ``data`` to ``fd``, fsync and close it (closed whatever fails)."""
     try:
+        _fs.write_all(fd, data, pace)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -112,7 +111,7 @@ def _fsync_close(fd: int) -> None:
 def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None,
                throttle: Throttle | None = None) -> tuple[dict[str, dict], str]:
     """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}`` and the part's
-    :func:`part_digest`. ``nice`` applies to the hashing and fsync threads, ``throttle`` to writing
+    :func:`part_digest`. ``nice`` applies to the writer and hashing threads, ``throttle`` to writing
     and hashing."""
     index, small_size = _layout(snap, large_bytes)
     _fs.mkdir_private(dest)

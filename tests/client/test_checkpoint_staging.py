@@ -59,8 +59,8 @@ def test_save_racing_a_slow_preparation_is_consistent(tmp_path):
     assert prepare_threads()
     ck.save(1, state)
     assert not prepare_threads()  # stopped by the snapshot, not left running beside it
-    ck._throttle.share = None
     ck.wait()
+    assert ck._throttle.share is None  # the loop waits: the save's cap is lifted
     state["model"]["w0"].add_(1)  # mutated after the snapshot: must not reach the checkpoint
     fresh = make_state(2)
     Checkpointer(tmp_path).load_latest(fresh)

@@ -182,8 +182,11 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> CommitInfo | None:
         """Wait for the save in flight; the last commit, or None when none yet (or still running
-        after ``timeout``). A background failure is raised here once, as CheckpointError."""
+        after ``timeout``). A background failure is raised here once, as CheckpointError. Waiting
+        without a timeout lifts the save's CPU cap: the loop is not running, nothing to leave CPU for."""
         if self._thread is not None:
+            if timeout is None:
+                self._throttle.share = None
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return None

@@ -198,8 +198,11 @@ class _Preparation:
 
 
 def _touch(buf: torch.Tensor, throttle: Throttle, stopping: threading.Event) -> None:
-    """Write one byte of every page of ``buf`` so the kernel maps them now, not in the snapshot copy."""
-    flat = buf.reshape(-1).view(torch.uint8) if buf.numel() else buf.new_empty(0, dtype=torch.uint8)
+    """Write one byte of every page of ``buf`` so the kernel maps them now, not in the snapshot copy.
+    torch releases the GIL (numpy's fill would hold it through every page fault), and a range of
+    16384 pages stays under torch's grain size, so the fill runs serially in this (reniced, capped)
+    thread instead of fanning out to the intra-op thread pool."""
+    flat = buf.reshape(-1).view(torch.uint8)
     for start in range(0, flat.numel(), _TOUCH_BYTES):
         if stopping.is_set():
             return

@@ -133,11 +133,7 @@ class Checkpointer:
         """Stage ``state``; entries holding DTensors are split off to DCP (see :mod:`.sharded`) and,
         like ``per_rank`` ones, saved by every rank."""
         dtensors: dict[str, Any] = {}
-        if "torch.distributed.tensor" in sys.modules:  # no DTensor can exist before it is imported
-            if self._shards is None:
-                from spotguard.checkpoint.sharded import ShardStager
-
-                self._shards = ShardStager()
+        if self._shard_stager() is not None:
             state, dtensors = self._shards.split(state)
         own = self._per_rank | {key.rsplit("/", 1)[0] for key in dtensors}
         snap = self._stager.snapshot(state, None if self.rank == 0 else [n for n in state if n in own])
@@ -146,6 +142,15 @@ class Checkpointer:
         from spotguard.checkpoint.sharded import mark
 
         return mark(snap, dtensors)
+
+    def _shard_stager(self) -> Any:
+        """The DTensor stager once ``torch.distributed.tensor`` is imported (no DTensor can exist
+        before). :meth:`prepare` creates it, so that the first save does not pay the import (0.5 s)."""
+        if self._shards is None and "torch.distributed.tensor" in sys.modules:
+            from spotguard.checkpoint.sharded import ShardStager
+
+            self._shards = ShardStager()
+        return self._shards
 
     def _persist(self, snap: Any, meta: dict[str, Any], stalled: float, throttle: Throttle) -> CommitInfo:
         """Write and commit; a background save is reniced and CPU-capped, a blocking one is not."""
@@ -204,6 +209,7 @@ class Checkpointer:
         returns at once. :meth:`load_latest` calls it. An optimizer without state yet (a fresh
         start) gets a one-time step hook that prepares again once its first step has created it."""
         names = None if self.rank == 0 else [n for n in state if n in self._per_rank]
+        self._shard_stager()
         try:
             specs = tensor_specs(state, names)
         except Exception as exc:  # only an optimisation: the save itself reports what is wrong

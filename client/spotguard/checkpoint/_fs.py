@@ -2,8 +2,9 @@
 
 Every file is created ``O_EXCL`` with mode 0600 and every directory with 0700: checkpoints hold model
 weights and must stay private to their owner. Writes go straight from the caller's memory in large
-chunks (``os.write`` releases the GIL; ``O_DIRECT`` from page-aligned staging buffers), and directories are fsynced after entries change, because a
-rename is only durable once its parent directory is.
+chunks (``os.write`` releases the GIL; ``O_DIRECT`` from page-aligned staging buffers), and
+directories are fsynced after entries change, because a rename is only durable once its parent
+directory is.
 """
 
 from __future__ import annotations

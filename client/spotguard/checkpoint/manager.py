@@ -66,6 +66,9 @@ class Checkpointer:
     of the save it has to wait for. ``verify=False`` skips
     sha256 checks on load. Tensors of ``large_tensor_bytes`` or more get a file each. ``timeout``
     bounds every wait for the other ranks.
+
+    Memory: one staging copy of the state's tensors, kept for the Checkpointer's life (pinned with
+    CUDA), allocated in the background by :meth:`load_latest`/:meth:`prepare` (see :mod:`.staging`).
     """
 
     def __init__(self, root: str | Path, *, keep: int = 3, job_id: str = "", pin_memory: bool | None = None,
@@ -208,9 +211,11 @@ class Checkpointer:
         and CPU-capped like a periodic save) so that the first save stalls no longer than later ones;
         returns at once. :meth:`load_latest` calls it. An optimizer without state yet (a fresh
         start) gets a one-time step hook that prepares again once its first step has created it."""
+        if self._closed:
+            return
         names = None if self.rank == 0 else [n for n in state if n in self._per_rank]
-        self._shard_stager()
         try:
+            self._shard_stager()
             specs = tensor_specs(state, names)
         except Exception as exc:  # only an optimisation: the save itself reports what is wrong
             logger.debug("not preparing staging buffers: %r", exc)
@@ -218,14 +223,16 @@ class Checkpointer:
         self._stager.prepare(specs, nice=self._nice, cpu_share=self._share)
         fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
         if after_first_step and fresh:
-            handles: list[Any] = []
+            self._prepare_after_first_step(state, fresh)
 
-            def first_step(*_: Any) -> None:
-                for handle in handles:
-                    handle.remove()
-                if not self._closed:
-                    self.prepare(state, after_first_step=False)
-            handles += [opt.register_step_post_hook(first_step) for opt in fresh]
+    def _prepare_after_first_step(self, state: Mapping[str, Any], optimizers: list[Any]) -> None:
+        handles: list[Any] = []
+
+        def first_step(*_: Any) -> None:
+            for handle in handles:
+                handle.remove()
+            self.prepare(state, after_first_step=False)
+        handles += [opt.register_step_post_hook(first_step) for opt in optimizers]
 
     def _candidates(self) -> list[Path]:
         return [p for _, p in layout.committed_dirs(self.root)]

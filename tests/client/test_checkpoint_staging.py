@@ -63,7 +63,8 @@ def test_save_racing_a_slow_preparation_is_consistent(tmp_path):
     assert ck._throttle.share is None  # the loop waits: the save's cap is lifted
     state["model"]["w0"].add_(1)  # mutated after the snapshot: must not reach the checkpoint
     fresh = make_state(2)
-    Checkpointer(tmp_path).load_latest(fresh)
+    with Checkpointer(tmp_path) as loader:
+        loader.load_latest(fresh)
     expected = make_state(1)
     for k, v in expected["model"].items():
         assert torch.equal(fresh["model"][k], v), k
@@ -116,3 +117,28 @@ def test_load_latest_prepares_and_the_optimizer_first_step_prepares_again(tmp_pa
     ck.close()
     opt.step()  # the hook removed itself: nothing runs after the first step
     assert not prepare_threads()
+
+
+class SaveCounter:
+    """A stateful entry whose state_dict() counts saves (side effects a prepare must not trigger)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def state_dict(self) -> dict:
+        self.calls += 1
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_prepare_calls_state_dict_only_on_modules_and_optimizers(tmp_path):
+    counter = SaveCounter()
+    state = {"model": torch.nn.Linear(512, 1024), "counter": counter}
+    with Checkpointer(tmp_path, background_nice=None, background_cpu_share=None) as ck:
+        ck.load_latest(state)
+        assert ck._stager.wait_prepared(timeout=30)
+        assert counter.calls == 0 and len(ck._stager.buffers) == 2
+        ck.save(1, state)
+        assert counter.calls == 1

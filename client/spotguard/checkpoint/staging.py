@@ -81,10 +81,16 @@ def _collect(state: Mapping[str, Any], names: Iterable[str] | None, sources: lis
 
 def tensor_specs(state: Mapping[str, Any], names: Iterable[str] | None = None) -> list[Spec]:
     """The ``(shape, dtype)`` of every tensor a snapshot of ``state`` would stage, in order. Entries
-    that cannot be staged here (DTensors) are left out: a wrong guess costs an allocation, no more."""
+    that cannot be staged here (DTensors) are left out: a wrong guess costs an allocation, no more.
+    So are stateful entries other than modules and optimizers: their ``state_dict()`` may have side
+    effects meant for a save (a data module's one-time checks), and it is not called before one."""
+    pure = {k: v for k, v in state.items() if entry_kind(v) != "stateful" or isinstance(v, _PURE_STATEFUL)}
     sources: list[torch.Tensor] = []
-    _collect(state, names, sources, skip_unsupported=True)
+    _collect(pure, names, sources, skip_unsupported=True)
     return [(t.shape, t.dtype) for t in sources]
+
+
+_PURE_STATEFUL = (torch.nn.Module, torch.optim.Optimizer)
 
 
 class Stager:

@@ -10,7 +10,8 @@ Large tensors (``>= large_bytes``) get a file each, written straight from the st
 unchanged tensor produces a byte-identical file (same sha256: the uploader skips it). Small tensors
 are packed, 64-byte aligned, into ``small.bin``; the structure goes to ``tree.json``; the DTensors of
 sharded entries go to ``dcp/`` through ``torch.distributed.checkpoint`` (see :mod:`.sharded`). sha256 runs in
-a thread pool beside the writes and fsyncs run in their own thread, overlapping write-back.
+a thread pool beside the writes; large files are written ``O_DIRECT`` from the page-aligned staging
+buffers (see :func:`._fs.write_all`), two at a time, and fsynced in one more thread in the order written.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -64,26 +66,34 @@ def _layout(snap: Snapshot, large_bytes: int) -> tuple[list[dict[str, Any]], int
 
 
 class _Writer:
-    """Writes files in the caller's thread; hashes in a pool, fsyncs in one more thread (the
-    emergency path's :class:`~.emergency.LiveWriter` is a variant)."""
+    """Writes files in a pool of writer threads (two uncapped: the disk works on two files at once,
+    measured 1.3x one at a time with ``O_DIRECT``), fsyncs them in one more thread in the order
+    written (an fsync commits the metadata of every file written before it in one journal commit:
+    the later fsyncs find little to do), and hashes them in a third pool. The emergency path's
+    :class:`~.emergency.LiveWriter` is a variant with pools of its own."""
 
     def __init__(self, nice: int | None, throttle: Throttle | None) -> None:
-        # Capped: one writer and one hasher share the cap. Uncapped: two hashers keep up with the disk.
-        self.hashers = Workers(1 if throttle and throttle.share else 2, "spotguard-ckpt-hash", nice)
+        # Capped: one writer and one hasher share the cap. Uncapped: two of each keep up with the disk.
+        threads = 1 if throttle and throttle.share else 2
+        self.hashers = Workers(threads, "spotguard-ckpt-hash", nice)
+        self.writers = Workers(threads, "spotguard-ckpt-write", nice)
         self.syncer = Workers(1, "spotguard-ckpt-fsync", nice)
         self.pace = throttle.run if throttle else None
-        self.pending: list[tuple[str, int, Future[str], Future[None]]] = []
+        self.pools = (self.hashers, self.writers, self.syncer)
+        self.pending: list[tuple[str, int, Future[str], Future[Any]]] = []
 
     def write(self, directory: Path, relpath: str, data: memoryview) -> None:
         fd = _fs.open_new(directory / relpath)
         digest = self.hashers.submit(_fs.sha256_of, data, self.pace)
+        self.pending.append((relpath, len(data), digest, self.writers.submit(self._write, fd, data)))
+
+    def _write(self, fd: int, data: memoryview) -> Future[None]:
         try:
             _fs.write_all(fd, data, self.pace)
-            _fs.start_writeback(fd)
         except BaseException:
             os.close(fd)
             raise
-        self.pending.append((relpath, len(data), digest, self.syncer.submit(_fsync_close, fd)))
+        return self.syncer.submit(_fsync_close, fd)
 
     def write_tensor(self, directory: Path, relpath: str, t: torch.Tensor) -> None:
         self.write(directory, relpath, tensor_bytes(t))
@@ -91,14 +101,18 @@ class _Writer:
     def finish(self) -> dict[str, dict[str, Any]]:
         """Wait for every hash and fsync; the first failure (e.g. ENOSPC on fsync) is raised."""
         try:
+            futures.wait([written for *_, written in self.pending])  # every fsync queued before shutdown
             files = {}
-            for relpath, size, digest, synced in self.pending:
-                synced.result()
+            for relpath, size, digest, written in self.pending:
+                self._wait(written)
                 files[relpath] = {"size": size, "sha256": digest.result()}
             return files
         finally:
-            self.hashers.shutdown()
-            self.syncer.shutdown()
+            for pool in self.pools:
+                pool.shutdown()
+
+    def _wait(self, written: Future[Future[None]]) -> None:
+        written.result().result()  # the write, then the fsync it queued
 
     def abort(self) -> None:
         try:
@@ -117,8 +131,8 @@ def _fsync_close(fd: int) -> None:
 def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None,
                throttle: Throttle | None = None, writer: _Writer | None = None) -> tuple[dict[str, dict], str]:
     """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}`` and the part's
-    :func:`part_digest`. ``nice`` applies to the hashing and fsync threads, ``throttle`` to writing
-    and hashing; an emergency save passes its ``writer`` (see :mod:`.emergency`), same files."""
+    :func:`part_digest`. ``nice`` applies to the writer, hashing and fsync threads, ``throttle`` to
+    writing and hashing; an emergency save passes its ``writer`` (see :mod:`.emergency`), same files."""
     index, small_size = _layout(snap, large_bytes)
     _fs.mkdir_private(dest)
     writer = writer or _Writer(nice, throttle)

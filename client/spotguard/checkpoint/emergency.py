@@ -169,6 +169,7 @@ class LiveWriter(_Writer):
         self.emergency = emergency
         self.syncer = Workers(WRITE_THREADS, "spotguard-emergency-write")  # writes, then fsyncs
         self.hashers = Workers(2, "spotguard-emergency-hash")
+        self.pools = (self.syncer, self.hashers)
         self.pending: list[tuple[str, int, Future[str], Future[None]]] = []
 
     def write(self, directory: Path, relpath: str, data: memoryview) -> None:
@@ -179,6 +180,9 @@ class LiveWriter(_Writer):
         for offset in offsets:
             self.syncer.submit(file.write, view[offset : offset + SEGMENT_BYTES], offset)
         self.pending.append((relpath, len(view), digest, file.done))
+
+    def _wait(self, written: Future[None]) -> None:
+        written.result()  # a file's done: every segment written, then fsynced
 
     def write_tensor(self, directory: Path, relpath: str, t: torch.Tensor) -> None:
         if not t.is_cuda:

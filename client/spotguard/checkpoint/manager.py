@@ -32,7 +32,7 @@ from spotguard.checkpoint.emergency import Emergency, LiveWriter, live_snapshot
 from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.checkpoint.load import check, read_entries, read_manifest, restore
-from spotguard.checkpoint.staging import Stager
+from spotguard.checkpoint.staging import Stager, tensor_specs
 
 __all__ = ["Checkpointer", "SaveStats"]
 
@@ -68,6 +68,9 @@ class Checkpointer:
     of the save it has to wait for. ``verify=False`` skips
     sha256 checks on load. Tensors of ``large_tensor_bytes`` or more get a file each. ``timeout``
     bounds every wait for the other ranks.
+
+    Memory: one staging copy of the state's tensors, kept for the Checkpointer's life (pinned with
+    CUDA), allocated in the background by :meth:`load_latest`/:meth:`prepare` (see :mod:`.staging`).
     """
 
     def __init__(self, root: str | Path, *, keep: int = 3, job_id: str = "", pin_memory: bool | None = None,
@@ -163,11 +166,7 @@ class Checkpointer:
         DTensors are split off to DCP (see :mod:`.sharded`) and, like ``per_rank`` ones, saved by
         every rank."""
         dtensors: dict[str, Any] = {}
-        if "torch.distributed.tensor" in sys.modules:  # no DTensor can exist before it is imported
-            if self._shards is None:
-                from spotguard.checkpoint.sharded import ShardStager
-
-                self._shards = ShardStager()
+        if self._shard_stager() is not None:
             state, dtensors = self._shards.split(state)
         own = self._per_rank | {key.rsplit("/", 1)[0] for key in dtensors}
         names = None if self.rank == 0 else [n for n in state if n in own]
@@ -177,6 +176,15 @@ class Checkpointer:
         from spotguard.checkpoint.sharded import mark
 
         return mark(snap, dtensors)
+
+    def _shard_stager(self) -> Any:
+        """The DTensor stager once ``torch.distributed.tensor`` is imported (no DTensor can exist
+        before). :meth:`prepare` creates it, so that the first save does not pay the import (0.5 s)."""
+        if self._shards is None and "torch.distributed.tensor" in sys.modules:
+            from spotguard.checkpoint.sharded import ShardStager
+
+            self._shards = ShardStager()
+        return self._shards
 
     def _persist(self, snap: Any, meta: dict[str, Any], stalled: float, throttle: Throttle | None,
                  writer: LiveWriter | None = None) -> CommitInfo:
@@ -220,8 +228,11 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> CommitInfo | None:
         """Wait for the save in flight; the last commit, or None when none yet (or still running
-        after ``timeout``). A background failure is raised here once, as CheckpointError."""
+        after ``timeout``). A background failure is raised here once, as CheckpointError. Waiting
+        without a timeout lifts the save's CPU cap: the loop is not running, nothing to leave CPU for."""
         if self._thread is not None:
+            if timeout is None:
+                self._throttle.share = None
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return None
@@ -232,6 +243,34 @@ class Checkpointer:
         if error is not None:
             raise CheckpointError(f"checkpoint save failed: {error!r}") from error
         return self._last
+
+    def prepare(self, state: Mapping[str, Any], *, after_first_step: bool = True) -> None:
+        """Allocate and pre-fault the staging buffers for ``state`` in a background thread (reniced
+        and CPU-capped like a periodic save) so that the first save stalls no longer than later ones;
+        returns at once. :meth:`load_latest` calls it. An optimizer without state yet (a fresh
+        start) gets a one-time step hook that prepares again once its first step has created it."""
+        if self._closed:
+            return
+        names = None if self.rank == 0 else [n for n in state if n in self._per_rank]
+        try:
+            self._shard_stager()
+            specs = tensor_specs(state, names)
+        except Exception as exc:  # only an optimisation: the save itself reports what is wrong
+            logger.debug("not preparing staging buffers: %r", exc)
+            return
+        self._stager.prepare(specs, nice=self._nice, cpu_share=self._share)
+        fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
+        if after_first_step and fresh:
+            self._prepare_after_first_step(state, fresh)
+
+    def _prepare_after_first_step(self, state: Mapping[str, Any], optimizers: list[Any]) -> None:
+        handles: list[Any] = []
+
+        def first_step(*_: Any) -> None:
+            for handle in handles:
+                handle.remove()
+            self.prepare(state, after_first_step=False)
+        handles += [opt.register_step_post_hook(first_step) for opt in optimizers]
 
     def _candidates(self) -> list[Path]:
         return [p for _, p in layout.committed_dirs(self.root)]
@@ -259,10 +298,12 @@ class Checkpointer:
                 ok = bool(self._coord.agree(int(ok), "min"))
             if ok:
                 restore(state, entries)
+                self.prepare(state)
                 return check(candidates[i])
         if count:  # silently starting over would let retention delete the evidence
             raise CheckpointCorruptError(f"none of the {count} checkpoints under {self.root} is valid "
                                          "(see the warnings); move them away to start fresh")
+        self.prepare(state)
         return None
 
     def _try_read(self, path: Path, state: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -2,23 +2,42 @@
 
 :meth:`Stager.snapshot` calls ``state_dict()`` on stateful entries, encodes the non-tensor tree to
 JSON-able values at once (so later mutation of Python values cannot leak into the checkpoint), and
-copies every tensor into a staging buffer with one ``copy_``. Buffers are allocated on the first save
-and reused while the tensor's dtype and shape stay the same, so a steady-state save is a memcpy with
-no allocation or page faults; they are pinned when CUDA is available so device-to-host copies are
-asynchronous. The caller must not snapshot again before the previous snapshot has been written.
+copies every tensor into a staging buffer with one ``copy_``. Buffers are reused while the tensor's
+dtype and shape stay the same, so a steady-state save is a memcpy with no allocation or page faults;
+they are pinned when CUDA is available so device-to-host copies are asynchronous. The caller must not
+snapshot again before the previous snapshot has been written.
+
+Memory: one staging copy of the state's tensors, whether allocated by :meth:`Stager.prepare` or by
+the first snapshot. :meth:`~Stager.prepare` allocates and pre-faults the buffers in a background
+thread once the shapes are known, so the first save is a plain memcpy too. A snapshot that comes
+while the preparation runs stops it after the page range in progress, keeps what is ready and
+allocates the rest itself: the snapshot never depends on the preparation, only its speed does.
+Large buffers start on a page boundary so that the writer can hand them to ``O_DIRECT`` writes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from spotguard.checkpoint._workers import Throttle, lower_priority
+from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import encode
 
-__all__ = ["Snapshot", "Stager", "entry_kind"]
+__all__ = ["Snapshot", "Stager", "entry_kind", "tensor_specs", "PAGE", "ALIGNED_MIN_BYTES"]
+
+PAGE = 4096
+"""Alignment of large staging buffers (the ``O_DIRECT`` requirement of common file systems)."""
+ALIGNED_MIN_BYTES = 1 << 20
+"""Buffers this large or larger are page aligned (4 KiB of slack each); smaller ones go to small.bin."""
+_TOUCH_BYTES = 64 << 20
+"""Pre-faulting works in ranges of this size: the most a racing snapshot waits for it."""
+
+Spec = tuple[torch.Size, torch.dtype]
 
 
 @dataclass
@@ -40,44 +59,157 @@ def entry_kind(value: Any) -> str:
     return "mapping" if isinstance(value, Mapping) else "value"
 
 
+def _collect(state: Mapping[str, Any], names: Iterable[str] | None, sources: list[torch.Tensor],
+             skip_unsupported: bool = False) -> tuple[list[list[Any]], list[int]]:
+    """Encode the entries of ``state`` (all, or only ``names``), appending their tensors to ``sources``."""
+    wanted = None if names is None else set(names)
+    entries, ends = [], []
+    for name, value in state.items():
+        if wanted is None or name in wanted:
+            kind = entry_kind(value)
+            tree = value.state_dict() if kind == "stateful" else value
+            start = len(sources)
+            try:
+                entries.append([str(name), kind, encode(tree, sources, str(name))])
+            except UnsupportedStateError:
+                if not skip_unsupported:
+                    raise
+                del sources[start:]  # e.g. a sharded entry: its DTensors are staged elsewhere
+            ends.append(len(sources))
+    return entries, ends
+
+
+def tensor_specs(state: Mapping[str, Any], names: Iterable[str] | None = None) -> list[Spec]:
+    """The ``(shape, dtype)`` of every tensor a snapshot of ``state`` would stage, in order. Entries
+    that cannot be staged here (DTensors) are left out: a wrong guess costs an allocation, no more.
+    So are stateful entries other than modules and optimizers: their ``state_dict()`` may have side
+    effects meant for a save (a data module's one-time checks), and it is not called before one."""
+    pure = {k: v for k, v in state.items() if entry_kind(v) != "stateful" or isinstance(v, _PURE_STATEFUL)}
+    sources: list[torch.Tensor] = []
+    _collect(pure, names, sources, skip_unsupported=True)
+    return [(t.shape, t.dtype) for t in sources]
+
+
+_PURE_STATEFUL = (torch.nn.Module, torch.optim.Optimizer)
+
+
 class Stager:
     """Owns the staging buffers; one instance per :class:`~spotguard.checkpoint.Checkpointer`."""
 
     def __init__(self, pin_memory: bool | None = None) -> None:
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._buffers: list[torch.Tensor] = []
+        self._prep: _Preparation | None = None
+
+    def prepare(self, specs: list[Spec], *, nice: int | None = None, cpu_share: float | None = None) -> None:
+        """Allocate and pre-fault buffers for tensors of ``specs`` in a background thread (reniced to
+        ``nice``, capped at ``cpu_share`` of a CPU); returns at once. Matching buffers are kept."""
+        self._settle()
+        self._prep = _Preparation(specs, self._buffers, self._new_buffer, nice, cpu_share)
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Wait for :meth:`prepare` to finish and adopt its buffers; False if still running."""
+        if self._prep is not None and not self._prep.join(timeout):
+            return False
+        self._settle()
+        return True
+
+    def _settle(self) -> None:
+        """Stop a running preparation (after its current page range) and adopt its buffers."""
+        if self._prep is not None:
+            self._buffers, self._prep = self._prep.stop(), None
 
     def snapshot(self, state: Mapping[str, Any], names: Iterable[str] | None = None) -> Snapshot:
         """Copy the entries of ``state`` (all, or only ``names``) into the staging buffers."""
-        wanted = None if names is None else set(names)
+        self._settle()
         sources: list[torch.Tensor] = []
-        entries, ends = [], []
-        for name, value in state.items():
-            if wanted is None or name in wanted:
-                kind = entry_kind(value)
-                tree = value.state_dict() if kind == "stateful" else value
-                entries.append([str(name), kind, encode(tree, sources, str(name))])
-                ends.append(len(sources))
+        entries, ends = _collect(state, names, sources)
         staged = [self._stage(i, t) for i, t in enumerate(sources)]
         del self._buffers[len(sources) :]
         if any(t.is_cuda for t in sources):
             torch.cuda.synchronize()
         return Snapshot(entries, staged, sum(t.numel() * t.element_size() for t in staged), ends)
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The staging buffers after the last snapshot (a prepared set is adopted by the next one)."""
+        return list(self._buffers)
+
     def _stage(self, index: int, src: torch.Tensor) -> torch.Tensor:
         if index < len(self._buffers):
             buf = self._buffers[index]
-            if buf.dtype != src.dtype or buf.shape != src.shape:
-                buf = self._buffers[index] = self._new_buffer(src)
+            if not _fits(buf, (src.shape, src.dtype)):
+                buf = self._buffers[index] = self._new_buffer((src.shape, src.dtype))
         else:
-            buf = self._new_buffer(src)
+            buf = self._new_buffer((src.shape, src.dtype))
             self._buffers.append(buf)
         buf.copy_(src, non_blocking=src.is_cuda)
         return buf
 
-    def _new_buffer(self, src: torch.Tensor) -> torch.Tensor:
-        return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self._pin)
+    def _new_buffer(self, spec: Spec) -> torch.Tensor:
+        shape, dtype = spec
+        nbytes = shape.numel() * dtype.itemsize
+        if self._pin or nbytes < ALIGNED_MIN_BYTES:  # pinned memory is page aligned already
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        return raw[start : start + nbytes].view(dtype).view(shape)
 
     def release(self) -> None:
         """Drop the staging buffers (the next snapshot allocates again)."""
+        self._settle()
         self._buffers = []
+
+
+def _fits(buf: torch.Tensor, spec: Spec) -> bool:
+    return buf.shape == spec[0] and buf.dtype == spec[1]
+
+
+class _Preparation:
+    """The background thread of :meth:`Stager.prepare`: builds a new buffer list, reusing ``old``
+    buffers that fit, allocating and touching every page of the others."""
+
+    def __init__(self, specs: list[Spec], old: list[torch.Tensor], new_buffer: Any, nice: int | None,
+                 share: float | None) -> None:
+        self._specs, self._old, self._new_buffer = specs, list(old), new_buffer
+        self._ready: list[torch.Tensor] = []
+        self._stopping = threading.Event()
+        throttle = Throttle(None if share is None or share >= 1 else share, threads=1)
+        self._thread = threading.Thread(target=self._run, args=(nice, throttle),
+                                        name="spotguard-ckpt-prepare", daemon=True)
+        self._thread.start()
+
+    def _run(self, nice: int | None, throttle: Throttle) -> None:
+        lower_priority(nice)
+        for i, spec in enumerate(self._specs):
+            if self._stopping.is_set():
+                return
+            if i < len(self._old) and _fits(self._old[i], spec):
+                self._ready.append(self._old[i])
+                continue
+            buf = throttle.run(self._new_buffer, spec)
+            self._ready.append(buf)
+            _touch(buf, throttle, self._stopping)
+
+    def join(self, timeout: float | None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> list[torch.Tensor]:
+        """Stop, wait for the range in progress, and return the buffers: the ready ones first, then
+        the old ones at the positions not reached (positional reuse stays right for what is left)."""
+        self._stopping.set()
+        self._thread.join()
+        return self._ready + self._old[len(self._ready) :]
+
+
+def _touch(buf: torch.Tensor, throttle: Throttle, stopping: threading.Event) -> None:
+    """Write one byte of every page of ``buf`` so the kernel maps them now, not in the snapshot copy.
+    torch releases the GIL (numpy's fill would hold it through every page fault), and a range of
+    16384 pages stays under torch's grain size, so the fill runs serially in this (reniced, capped)
+    thread instead of fanning out to the intra-op thread pool."""
+    flat = buf.reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), _TOUCH_BYTES):
+        if stopping.is_set():
+            return
+        throttle.run(flat[start : start + _TOUCH_BYTES : PAGE].zero_)

@@ -1,0 +1,144 @@
+"""Staging buffers prepared in the background: same checkpoint, races, reuse, alignment."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+from spotguard.checkpoint import Checkpointer
+from spotguard.checkpoint.staging import PAGE, Stager, tensor_specs
+
+
+def make_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    big = {f"w{i}": torch.randn(1 << 19, generator=g) for i in range(6)}  # 2 MiB each: a file each
+    small = {f"b{i}": torch.randn(64, generator=g) for i in range(4)}
+    return {"model": {**big, **small}, "extras": {"step": 7, "half": torch.ones(3, dtype=torch.bfloat16)}}
+
+
+def manifest(info) -> dict:
+    return json.loads((info.path / "manifest.json").read_text())
+
+
+def committed(root, state, prepare: bool, share: float | None = None):
+    ck = Checkpointer(root, background_nice=None, background_cpu_share=share)
+    if prepare:
+        ck.prepare(state)
+    ck.save(1, state)
+    info = ck.wait()
+    return ck, info
+
+
+def prepare_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "spotguard-ckpt-prepare"]
+
+
+def test_prepared_save_commits_the_same_bytes_and_digest(tmp_path):
+    state = make_state()
+    plain_ck, plain = committed(tmp_path / "plain", state, prepare=False)
+    ck = Checkpointer(tmp_path / "prep", background_nice=None, background_cpu_share=None)
+    ck.prepare(state)
+    assert ck._stager.wait_prepared(timeout=30)
+    prepared = [b.data_ptr() for b in ck._stager.buffers]
+    ck.save(1, state)
+    info = ck.wait()
+    assert [b.data_ptr() for b in ck._stager.buffers] == prepared  # the save used the prepared memory
+    a, b = manifest(plain), manifest(info)
+    assert a["digest"] == b["digest"] and a["files"] == b["files"]
+    plain_ck.close()
+    ck.close()
+
+
+def test_save_racing_a_slow_preparation_is_consistent(tmp_path):
+    state = make_state(1)
+    # A CPU share of 1 % makes the preparation crawl: the save arrives while it runs.
+    ck = Checkpointer(tmp_path, background_nice=None, background_cpu_share=0.01)
+    ck.prepare(state)
+    assert prepare_threads()
+    ck.save(1, state)
+    assert not prepare_threads()  # stopped by the snapshot, not left running beside it
+    ck.wait()
+    assert ck._throttle.share is None  # the loop waits: the save's cap is lifted
+    state["model"]["w0"].add_(1)  # mutated after the snapshot: must not reach the checkpoint
+    fresh = make_state(2)
+    with Checkpointer(tmp_path) as loader:
+        loader.load_latest(fresh)
+    expected = make_state(1)
+    for k, v in expected["model"].items():
+        assert torch.equal(fresh["model"][k], v), k
+    assert torch.equal(fresh["extras"]["half"], expected["extras"]["half"])
+    ck.close()
+
+
+def test_buffers_are_reused_across_saves_and_replaced_only_where_shapes_change(tmp_path):
+    state = make_state()
+    with Checkpointer(tmp_path, keep=1, background_nice=None, background_cpu_share=None) as ck:
+        ptrs = []
+        for step in range(3):
+            ck.save(step, state)
+            ck.wait()
+            ptrs.append([b.data_ptr() for b in ck._stager.buffers])
+        assert ptrs[0] == ptrs[1] == ptrs[2]
+        state["model"]["w1"] = torch.zeros(1 << 18)
+        ck.save(3, state)
+        now = [b.data_ptr() for b in ck._stager.buffers]
+        changed = [i for i, (a, b) in enumerate(zip(ptrs[0], now)) if a != b]
+        assert changed == [1]
+
+
+def test_large_buffers_are_page_aligned():
+    state = make_state()
+    stager = Stager(pin_memory=False)
+    stager.prepare(tensor_specs(state))
+    assert stager.wait_prepared(timeout=30)
+    large = [b for b in stager.buffers if b.numel() * b.element_size() >= 1 << 20]
+    assert len(large) == 6 and all(b.data_ptr() % PAGE == 0 for b in large)
+    snap = stager.snapshot(state)
+    assert all(torch.equal(a, b) for a, b in zip(snap.tensors, state["model"].values()))
+
+
+def test_load_latest_prepares_and_the_optimizer_first_step_prepares_again(tmp_path):
+    model = torch.nn.Linear(256, 1024)
+    opt = torch.optim.Adam(model.parameters())
+    state = {"model": model, "optim": opt}
+    ck = Checkpointer(tmp_path, background_nice=None, background_cpu_share=None)
+    assert ck.load_latest(state) is None  # fresh start: buffers for the model only
+    assert ck._stager.wait_prepared(timeout=30)
+    assert len(ck._stager.buffers) == 2
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()  # creates exp_avg / exp_avg_sq / step: the hook prepares their buffers
+    assert ck._stager.wait_prepared(timeout=30)
+    prepared = [b.data_ptr() for b in ck._stager.buffers]
+    assert len(prepared) == len(tensor_specs(state)) > 2
+    ck.save(1, state)
+    assert [b.data_ptr() for b in ck._stager.buffers] == prepared
+    ck.close()
+    opt.step()  # the hook removed itself: nothing runs after the first step
+    assert not prepare_threads()
+
+
+class SaveCounter:
+    """A stateful entry whose state_dict() counts saves (side effects a prepare must not trigger)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def state_dict(self) -> dict:
+        self.calls += 1
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_prepare_calls_state_dict_only_on_modules_and_optimizers(tmp_path):
+    counter = SaveCounter()
+    state = {"model": torch.nn.Linear(512, 1024), "counter": counter}
+    with Checkpointer(tmp_path, background_nice=None, background_cpu_share=None) as ck:
+        ck.load_latest(state)
+        assert ck._stager.wait_prepared(timeout=30)
+        assert counter.calls == 0 and len(ck._stager.buffers) == 2
+        ck.save(1, state)
+        assert counter.calls == 1

@@ -7,25 +7,24 @@ a loaded machine) runs before the status reaches the platform. RunPod's 5 s grac
 Kubernetes ``terminationGracePeriodSeconds`` then kills a process that had stopped cleanly, and the
 scheduler sees a death by signal instead of 75.
 
-:func:`arm` (called by ``Run`` just before it raises ``SystemExit(75)``) keeps everything a user
-expects of ``sys.exit`` and skips only that finalisation:
+The prompt exit keeps everything a user expects of ``sys.exit(75)`` and skips only that
+finalisation. ``Run`` raises :func:`stop_exit`'s ``SystemExit(75)`` (a subclass):
 
-* the ``SystemExit`` propagates as usual: ``finally`` blocks and context managers run, non-daemon
-  threads are joined, and every ``atexit`` handler runs (logging's flush, wandb's, torch's);
-* then, first thing at interpreter exit, spotguard runs the other ``atexit`` handlers itself (among
-  them :func:`spotguard.data.stop_workers`, for loader iterators still referenced), kills child
-  processes still alive after :data:`CHILD_GRACE`, flushes every writable file object still open
-  (what finalisation would have done for a file left open in a global: a scan of the objects,
-  ~0.1-0.4 s with torch loaded) and ends with ``os._exit(75)``.
+* it propagates as usual: ``finally`` blocks and context managers run (bounded, as before, by the
+  forced-exit watchdog at the notice's deadline minus its margin: status 76);
+* only when it reaches the top level and ends the program (the interpreter reads its ``code`` with
+  no Python frame left; a handler that catches it, pytest's or a user's ``except SystemExit``, keeps
+  its own status and the full teardown), non-daemon threads are joined as usual, then the first
+  ``atexit`` handler (registered at the stop, so it runs first) runs the others itself, newest first
+  (logging's flush, wandb's, torch's, :func:`spotguard.data.stop_workers` for loader iterators still
+  referenced), kills child processes still alive :data:`CHILD_GRACE` later, flushes every writable
+  file object still open (what finalisation does for a file left open in a global: a scan of the
+  objects, 0.1-0.4 s with torch loaded) and ends with ``os._exit(75)``. The ``atexit`` handlers
+  get :data:`EXIT_GRACE` seconds, then the process exits 75 anyway (every thread's stack on stderr).
 
-What is skipped: object finalizers (``__del__``) that would only run during module teardown, and
-C++ static destructors (a process group or CUDA context not destroyed explicitly is released by the
-kernel and the driver, as after any kill). A program that catches the ``SystemExit`` and then fails
-with another exception keeps its own status (the fast path stands down when ``sys.excepthook``
-reports an uncaught exception); one that catches it and exits with another status still exits 75.
-The teardown is bounded: a ``finally`` block or ``atexit`` handler still busy :data:`EXIT_GRACE`
-seconds after the stop ends the process with 75 (and every thread's stack on stderr), as well as
-the forced-exit watchdog's earlier deadline (76). ``$SPOTGUARD_FAST_EXIT=0`` turns all this off.
+Skipped: finalizers (``__del__``) that only module teardown would run, and C++ static destructors
+(a process group or CUDA context not destroyed explicitly is released by the kernel and the driver,
+as after any kill). ``$SPOTGUARD_FAST_EXIT=0`` turns the prompt exit off.
 """
 
 from __future__ import annotations
@@ -42,49 +41,56 @@ from typing import Any
 
 from spotguard._watchdog import Watchdog
 
-__all__ = ["ENV", "EXIT_GRACE", "arm", "enabled"]
+__all__ = ["ENV", "EXIT_GRACE", "enabled", "stop_exit"]
 
 ENV = "SPOTGUARD_FAST_EXIT"
-EXIT_GRACE = 30.0
-"""Seconds after the committed stop that ``finally`` blocks and ``atexit`` handlers may take."""
+EXIT_GRACE = 10.0
+"""Seconds the ``atexit`` handlers may take before the prompt exit happens anyway."""
 CHILD_GRACE = 2.0
 """Seconds child processes still alive after the ``atexit`` handlers get before SIGKILL."""
 
 _FILES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-_armed: dict[str, Any] = {}
+_state: dict[str, Any] = {}
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def arm(code: int, grace: float = EXIT_GRACE) -> None:
-    """Make the coming interpreter exit a prompt ``os._exit(code)`` (see the module docstring)."""
-    if not enabled() or _armed:
-        return
-    watchdog = Watchdog(code, f"teardown after the committed stop took over {grace:.0f} s")
-    watchdog.arm(time.monotonic() + grace)
-    _armed.update(code=code, failed=False, watchdog=watchdog, excepthook=sys.excepthook)
-    sys.excepthook = _excepthook
+class _StopExit(SystemExit):
+    """``SystemExit(code)`` that notes when the interpreter's top level reads its ``code``: that
+    read, with no Python frame calling, is what tells it ended the program (not caught)."""
+
+    @property  # type: ignore[override]
+    def code(self) -> Any:
+        if sys._getframe().f_back is None:
+            _state["top"] = True
+        return SystemExit.code.__get__(self)  # type: ignore[attr-defined]
+
+
+def stop_exit(code: int) -> SystemExit:
+    """The ``SystemExit(code)`` to raise after a committed stop (see the module docstring)."""
+    if not enabled():
+        return SystemExit(code)
+    _state.update(code=code, top=False)
+    atexit.unregister(_exit_now)
     atexit.register(_exit_now)
-
-
-def _excepthook(*exc_info: Any) -> None:
-    """An exception ended the program after the stop: its status (1) stands, not 75."""
-    _armed["failed"] = True
-    _armed["watchdog"].disarm()
-    _armed["excepthook"](*exc_info)
+    return _StopExit(code)
 
 
 def _exit_now() -> None:
-    """The first ``atexit`` handler to run (registered last): do the rest, then leave."""
-    atexit.unregister(_exit_now)
-    if _armed.get("failed"):
+    """The first ``atexit`` handler to run: when the stop ended the program, run the others,
+    reap the children, flush and leave; else (it was caught) do nothing."""
+    if not _state.get("top"):
         return
+    atexit.unregister(_exit_now)
+    code = _state["code"]
+    Watchdog(code, f"atexit handlers after the committed stop took over {EXIT_GRACE:.0f} s").arm(
+        time.monotonic() + EXIT_GRACE)
     atexit._run_exitfuncs()  # the other handlers, newest first, as the interpreter would
     _reap_children(CHILD_GRACE)
     _flush_files()
-    os._exit(_armed["code"])
+    os._exit(code)
 
 
 def _reap_children(grace: float) -> None:

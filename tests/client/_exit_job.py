@@ -1,10 +1,10 @@
 """A job that stops itself (SIGTERM at step 3) inside every kind of teardown a user writes.
 
-``python _exit_job.py OUT [raise]``: a ``spotguard.DataLoader`` with 2 workers (their pids go to
+``python _exit_job.py OUT [raise|catch]``: a ``spotguard.DataLoader`` with 2 workers (their pids go to
 ``OUT/workers``), ``with spotguard.Run(...)`` inside ``try/finally`` inside a user context manager,
 an ``atexit`` handler, a file left open in a global and an unflushed ``print``. Each teardown step
-appends its name to ``OUT/teardown``. With ``raise``, the ``finally`` block raises after the stop; with ``catch``,
-``main`` catches the ``SystemExit`` and the program ends normally (status 0).
+appends its name to ``OUT/teardown``. With ``raise``, the ``finally`` block raises after the
+stop; with ``catch``, ``main`` catches the ``SystemExit`` and the program ends normally (status 0).
 """
 
 from __future__ import annotations

@@ -38,10 +38,12 @@ generators, which the checkpoint holds. A stream read by workers needs torchdata
 
 from __future__ import annotations
 
+import atexit
 import functools
 import random
 import signal
 import sys
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -50,9 +52,26 @@ import torch.utils.data as tud
 
 from spotguard.sampler import ResumableSampler, SamplerStateError
 
-__all__ = ["DataLoader", "sample_seed"]
+__all__ = ["DataLoader", "sample_seed", "stop_workers"]
 
 _MASK64 = (1 << 64) - 1
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""The torch iterators of every spotguard.DataLoader, for :func:`stop_workers`."""
+
+
+def stop_workers() -> None:
+    """Shut down the worker processes of every spotguard.DataLoader iterator still alive.
+
+    An ``atexit`` handler, registered when the first iterator starts (so it runs before torch's
+    and ``multiprocessing``'s, registered earlier): an iterator still referenced at exit (a global,
+    a generator in one) is not shut down by torch once its exit flag is set, and ``multiprocessing``
+    then terminates the workers, which ignore SIGTERM, and joins them without a timeout: the
+    process would hang at exit (until the forced-exit watchdog, after a stop). Torch's own
+    shutdown tells them to stop."""
+    for it in list(_LIVE):
+        shutdown = getattr(it, "_shutdown_workers", None)  # only the multiprocessing iterator has it
+        if shutdown is not None:
+            shutdown()
 
 
 def sample_seed(*parts: int) -> int:
@@ -215,6 +234,10 @@ class _Batches:
         if self._it is None or self._restored != self.loader._restored():
             self._restored = self.loader._restored()
             self._it = self.loader._torch_iter()
+            if not _LIVE:
+                atexit.unregister(stop_workers)  # registered again: newest, so it runs first
+                atexit.register(stop_workers)
+            _LIVE.add(self._it)
         batch = next(self._it)
         self.loader._handed_out()
         return batch

@@ -28,7 +28,10 @@ At each step boundary (after the loop body, before the next step):
    from live memory at the disk's speed (:mod:`spotguard.checkpoint.emergency`). The
    pending save is awaited, the daemon is told the process is safe, and the loop raises
    ``SystemExit(EXIT_PREEMPTED)`` (75) so the caller's ``finally`` blocks and context managers
-   run. ``exit_on_stop=False`` ends the iteration instead and sets :attr:`Run.stopped`. Either
+   run; when it ends the program, the interpreter's own teardown (seconds of CPU with torch
+   loaded, past a short platform grace) is skipped by an ``os._exit(75)`` once the ``atexit``
+   handlers ran (:mod:`spotguard._exit`: what runs, what is skipped, ``$SPOTGUARD_FAST_EXIT=0``).
+   ``exit_on_stop=False`` ends the iteration instead and sets :attr:`Run.stopped`. Either
    way the process is expected to exit: the forced-exit watchdog stays armed and SIGTERM/SIGUSR1
    stay ignored (:meth:`Guard.close` with ``exiting=True``).
 
@@ -72,7 +75,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
-from spotguard import _jobid, rng
+from spotguard import _exit, _jobid, rng
 from spotguard._record import Recorder
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
@@ -415,7 +418,7 @@ class Run:
                          notice=None if notice is None else {"id": notice.id, "kind": notice.kind.value})
         self.close(exiting=True)
         if self.exit_on_stop:
-            raise SystemExit(EXIT_PREEMPTED)
+            raise _exit.stop_exit(EXIT_PREEMPTED)
         return True
 
     def _save_emergency(self, done: int) -> bool:

@@ -62,6 +62,7 @@ from typing import Any, Mapping
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from spotguard import _exit
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.integrations._hf_commit import COMMITTED, NotCommitted, commit_copy, newest_committed
 from spotguard.distributed import Agreement, Decision
@@ -131,7 +132,7 @@ class SpotguardTrainerCallback(TrainerCallback):
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
         if self.stopped:
-            raise SystemExit(EXIT_PREEMPTED)
+            raise _exit.stop_exit(EXIT_PREEMPTED)  # a SystemExit that also exits promptly
 
     # ------------------------------------------------------------------ Trainer events
 

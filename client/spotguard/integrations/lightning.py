@@ -69,6 +69,7 @@ from typing import Any, Callable, Mapping
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
+from spotguard import _exit
 from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import encode
 from spotguard.exit_codes import EXIT_PREEMPTED
@@ -123,7 +124,7 @@ class SpotguardCallback(pl.Callback):
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
         if self.stopped:
-            raise SystemExit(EXIT_PREEMPTED)
+            raise _exit.stop_exit(EXIT_PREEMPTED)  # a SystemExit that also exits promptly
 
     # ------------------------------------------------------------------ Lightning hooks
 

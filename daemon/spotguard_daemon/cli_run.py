@@ -53,8 +53,8 @@ from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
 
 from spotguard_daemon.run_summary import PREEMPTED, Launch, human, summary
-from spotguard_daemon.supervise import (CommandNotFound, LaunchError, Registrar, daemon_status,
-                                        killpg, reap, spawn, start_daemon, stop)
+from spotguard_daemon.supervise import (CommandNotFound, LaunchError, Registrar, command_after_options,
+                                        daemon_status, killpg, reap, spawn, start_daemon, stop)
 
 __all__ = ["run", "Supervisor"]
 
@@ -308,11 +308,7 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
     After any other failure only with --max-restarts. Exits with the last
     status of the command (127: not found; 128+N: killed by signal N).
     """
-    if not command:
-        raise click.UsageError("no command given (spotguard run [OPTIONS] -- COMMAND [ARGS]...)")
-    if command[0].startswith("-") and command[0] != "--":
-        raise click.UsageError(f"no such option: {command[0]}")
-    command = command[1:] if command[0] == "--" else command
+    command = command_after_options(command, "spotguard run [OPTIONS] -- COMMAND [ARGS]...")
     from spotguard_daemon.cli import _settings
 
     settings = _settings(config)

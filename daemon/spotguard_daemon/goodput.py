@@ -11,10 +11,10 @@ saved), and restarts (``register`` with ``resumed_from_step`` R from rank 0). Wh
   trained again by the restart. Committed steps not resumed (C - R) are counted apart, as steps
   re-run (:meth:`~spotguard_daemon.metrics.Metrics.resumed`);
 * ``seconds``: the training time those steps took: the newest report's time minus the time step C was
-  reached (the client's stamp on the commit, ``reached_at``; from a client that sends none, the
-  earliest of the commit's arrival and the newest report when it arrives, or of a later report at or
-  past C: the write takes a while, so that is an upper bound; for C = R not committed since, the
-  previous restart's time). None when it is not known (a daemon without state);
+  reached (the time the client stamped on the commit, ``reached_at``: a commit is reported after
+  its write, often behind reports of later steps; a client that stamps none leaves an upper bound,
+  the earlier of the commit's arrival and the newest report at or past C by then; for C = R not
+  committed since, the previous restart's time). None when it is not known (a daemon without state);
 * ``downtime``: the restart's registration minus the newest report's time: from the last report
   before the stop to the relaunched process having loaded its checkpoint.
 

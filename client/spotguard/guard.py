@@ -217,12 +217,14 @@ class Guard:
         return self._request(RegisterRequest(pid=os.getpid(), rank=self.rank, job_id=self.job_id,
                                              resumed_from_step=step))
 
-    def report_commit(self, info: Any, save_seconds: float | None = None) -> bool:
-        """Tell the daemon a checkpoint was committed (a ``CommitInfo``) and how long the loop was
-        blocked saving it; False if none answered."""
+    def report_commit(self, info: Any, save_seconds: float | None = None,
+                      reached_at: datetime | None = None) -> bool:
+        """Tell the daemon a checkpoint was committed (a ``CommitInfo``), how long the loop was
+        blocked saving it and when the loop reached its step (aware); False if none answered."""
         files = info.files if isinstance(info.files, int) else len(info.files)
         message = CommitRequest(pid=os.getpid(), job_id=self.job_id, path=str(info.path), step=info.step,
-                                size_bytes=int(info.size_bytes or 0), files=files, save_seconds=save_seconds)
+                                size_bytes=int(info.size_bytes or 0), files=files, save_seconds=save_seconds,
+                                reached_at=reached_at)
         if self._link is None:
             return False
         reply = self._link.request(message) if self._link.alive else None

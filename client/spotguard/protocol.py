@@ -210,6 +210,10 @@ class CommitRequest(_Message):
     files: int = Field(default=0, ge=0)
     save_seconds: float | None = Field(default=None, ge=0, le=7 * 24 * 3600)
     """How long the training loop was blocked by this save (optional; for the goodput metrics)."""
+    reached_at: AwareDatetime | None = None
+    """When the training loop reached ``step`` (optional; for the goodput metrics). A commit is
+    reported after its write, by then later steps may have been reported: without this stamp the
+    daemon can only bound the time from above, by the commit's arrival."""
 
 
 class NotifyRequest(_Message):

@@ -73,6 +73,7 @@ import logging
 import os
 import sys
 import time
+from datetime import datetime
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 from spotguard import _exit, _jobid, rng
@@ -84,6 +85,7 @@ from spotguard.checkpoint.load import read_manifest
 from spotguard.distributed import Agreement, Decision, PeerLostError
 from spotguard.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
+from spotguard.protocol import utcnow
 from spotguard.storage import StoreError, restore_newer, store_from_env
 
 __all__ = ["Run", "save_fits"]
@@ -173,6 +175,8 @@ class Run:
         self._job_id, self._durable = job_id, durable
         self.record = Recorder(rank=_rank(), job=job_id)
         self._save_kinds: dict[int, str] = {}
+        self._save_reached: dict[int, datetime] = {}
+        """Step saved -> when the loop reached it, for the daemon's goodput (the commit comes later)."""
         self._fixed_cadence = save_every is not None
         self._due_latched = False
         self.step = self.start_step = 0
@@ -432,6 +436,7 @@ class Run:
 
     def _save(self, done: int, kind: str = "periodic") -> None:
         self._save_kinds[done] = kind
+        self._save_reached[done] = utcnow()
         self.checkpointer.save(done, self.state, blocking=kind == "emergency")
         self._saved_step = done
         self.cadence.mark_saved(done)
@@ -443,7 +448,8 @@ class Run:
         self.record.emit("commit", step=info.step, kind=self._save_kinds.pop(info.step, "periodic"),
                          digest=info.digest, path=str(info.path), bytes=stats.bytes,
                          blocking_s=round(stats.blocking_seconds, 6), persist_s=round(stats.persist_seconds, 6))
-        self.guard.report_commit(info, save_seconds=max(0.0, stats.blocking_seconds or 0.0))
+        self.guard.report_commit(info, save_seconds=max(0.0, stats.blocking_seconds or 0.0),
+                                 reached_at=self._save_reached.pop(info.step, None))
         if self._user_on_commit is not None:
             self._user_on_commit(info)
 

@@ -44,8 +44,8 @@ from spotguard._record import read_new
 from spotguard_daemon.cli_demo import guarded
 from spotguard_daemon.drill_checks import Launch, judge
 from spotguard_daemon.drill_report import Live, write_report
-from spotguard_daemon.supervise import (LaunchError, descendants, killpg, signal_each, spawn,
-                                         start_daemon, stop)
+from spotguard_daemon.supervise import (LaunchError, command_after_options, descendants, killpg,
+                                         signal_each, spawn, start_daemon, stop)
 
 __all__ = ["drill", "KINDS"]
 
@@ -245,10 +245,11 @@ def _notify(endpoint: str | None, deadline: float) -> None:
                    "(default ./spotguard-drill-<time>).")
 @click.option("--launch-timeout", default=3600.0, show_default=True, type=click.FloatRange(1),
               help="Seconds one launch may run before the drill kills it and fails.")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def drill(preemptions: int, no_reference: bool, seed: int | None, report_dir: Path | None,
           launch_timeout: float, command: tuple[str, ...]) -> None:
     """Run COMMAND under random preemptions and prove it resumes exactly (spotguard drill -- CMD)."""
+    command = tuple(command_after_options(command, "spotguard drill [OPTIONS] -- COMMAND [ARGS]..."))
     report = report_dir or Path(f"spotguard-drill-{time.strftime('%Y%m%d-%H%M%S')}")
     if report.exists() and any(report.iterdir()):
         raise click.BadParameter(f"{report} is not empty", param_hint="'--report-dir'")

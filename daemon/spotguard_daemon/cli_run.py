@@ -4,14 +4,14 @@ The command (``python train.py``, ``torchrun ...``, a shell script) runs in a se
 with the supervisor's stdin, stdout and stderr. When it ends:
 
 * status 0 ends the run;
-* status 75 (a clean stop after a notice) or 76 (the forced-exit watchdog) relaunches the identical
-  command, unless the node is going away: a *terminating* notice from the platform (or the daemon's
+* status 75 (a clean stop after a notice), 76 (the forced-exit watchdog) or 77 (a peer rank or node
+  of a multi-node job was lost) relaunches the identical command, unless the node is going away: a *terminating* notice from the platform (or the daemon's
   own SIGTERM) is pending and due within ``--useful-seconds``. Then the supervisor exits 75, so that
   the scheduler places the job elsewhere. A drill or manual notice (``spotguard notify``), a
   cancelled notice, or one due further away does not stop the relaunch; the ids of the manual ones
   are passed to the job (``$SPOTGUARD_HANDLED_NOTICES``), which the earlier launch already obeyed.
-  A launcher's failure status after the job recorded a clean stop and no finish counts as 75
-  (``torchrun`` exits 1 when its workers exit 75);
+  A launcher's failure status after the job recorded a clean stop or a lost peer and no finish
+  counts as 75 (``torchrun`` exits 1 when its workers exit 75 or 77);
 * any other status ends the run, unless ``--max-restarts N``: then up to N relaunches, after
   ``--backoff`` seconds doubled each time up to ``--backoff-max``.
 
@@ -53,8 +53,8 @@ from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
 
 from spotguard_daemon.run_summary import PREEMPTED, Launch, human, summary
-from spotguard_daemon.supervise import (CommandNotFound, LaunchError, Registrar, daemon_status,
-                                        killpg, reap, spawn, start_daemon, stop)
+from spotguard_daemon.supervise import (CommandNotFound, LaunchError, Registrar, command_after_options,
+                                        daemon_status, killpg, reap, spawn, start_daemon, stop)
 
 __all__ = ["run", "Supervisor"]
 
@@ -149,7 +149,8 @@ class Supervisor:
                  + f") is pending for this node: exiting {EXIT_PREEMPTED} so that the scheduler "
                  "places the job elsewhere")
         else:
-            _say(f"the command stopped with status {status} after a notice; relaunching it")
+            why = "a peer was lost" if self.launches[-1].peer_lost else "a notice"
+            _say(f"the command stopped with status {status} after {why}; relaunching it")
             return 0.0
         return None
 
@@ -286,13 +287,13 @@ def _delivery_signal(settings) -> int | None:
 @click.option("--no-daemon", is_flag=True,
               help="Do not start a daemon when none answers (signals and exit statuses only).")
 @click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(0),
-              help="Relaunches after a failure (a status other than 0, 75, 76).")
+              help="Relaunches after a failure (a status other than 0, 75, 76, 77).")
 @click.option("--backoff", default=1.0, show_default=True, type=click.FloatRange(0),
               help="Seconds before the first relaunch after a failure; doubled each time.")
 @click.option("--backoff-max", default=60.0, show_default=True, type=click.FloatRange(0),
               help="Longest wait before a relaunch after a failure.")
 @click.option("--max-preemptions", default=1000, show_default=True, type=click.IntRange(0),
-              help="Relaunches after a preemption (75, 76) at most.")
+              help="Relaunches after a preemption (75, 76, 77) at most.")
 @click.option("--useful-seconds", default=600.0, show_default=True, type=click.FloatRange(0),
               help="A pending platform notice due further away than this still gets a relaunch.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout too.")
@@ -302,16 +303,12 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
     """Run COMMAND; relaunch it after preemptions (spotguard run [OPTIONS] -- COMMAND...).
 
     \b
-    After status 75 or 76 the identical command runs again, unless a platform
+    After status 75, 76 or 77 the identical command runs again, unless a platform
     notice for this node is pending (then it exits 75: place the job elsewhere).
     After any other failure only with --max-restarts. Exits with the last
     status of the command (127: not found; 128+N: killed by signal N).
     """
-    if not command:
-        raise click.UsageError("no command given (spotguard run [OPTIONS] -- COMMAND [ARGS]...)")
-    if command[0].startswith("-") and command[0] != "--":
-        raise click.UsageError(f"no such option: {command[0]}")
-    command = command[1:] if command[0] == "--" else command
+    command = command_after_options(command, "spotguard run [OPTIONS] -- COMMAND [ARGS]...")
     from spotguard_daemon.cli import _settings
 
     settings = _settings(config)

@@ -11,7 +11,9 @@ saved), and restarts (``register`` with ``resumed_from_step`` R from rank 0). Wh
   trained again by the restart. Committed steps not resumed (C - R) are counted apart, as steps
   re-run (:meth:`~spotguard_daemon.metrics.Metrics.resumed`);
 * ``seconds``: the training time those steps took: the newest report's time minus the time step C was
-  reached (the earliest of the commit's arrival and the first report at or past C; for C = R not
+  reached (the time the client stamped on the commit, ``reached_at``: a commit is reported after
+  its write, often behind reports of later steps; a client that stamps none leaves an upper bound,
+  the earlier of the commit's arrival and the newest report at or past C by then; for C = R not
   committed since, the previous restart's time). None when it is not known (a daemon without state);
 * ``downtime``: the restart's registration minus the newest report's time: from the last report
   before the stop to the relaunched process having loaded its checkpoint.
@@ -120,11 +122,17 @@ class GoodputLedger:
         self._touch(job, record)
         return max(0.0, trained)
 
-    def committed(self, job: str, step: int) -> None:
-        """Record a commit's arrival (or the earlier report that showed the step reached)."""
+    def committed(self, job: str, step: int, reached_at: datetime | None = None) -> None:
+        """Record a commit of ``step``, reached at ``reached_at`` (the client's stamp: one from the
+        future counts as now, one older than ``MAX_REPORT_AGE`` is not trusted) or else by its
+        arrival (or the newest report, when that showed the step reached)."""
         now = self._clock()
         record = self._jobs.get(job) or JobRecord(step, now)
-        record.reached[step] = min(now, record.at) if record.step >= step else now
+        stamp = None if reached_at is None else min(reached_at.timestamp(), now)
+        if stamp is not None and stamp >= now - MAX_REPORT_AGE:
+            record.reached[step] = stamp
+        else:
+            record.reached[step] = min(now, record.at) if record.step >= step else now
         while len(record.reached) > MAX_COMMITS:
             record.reached.pop(min(record.reached))
         self._touch(job, record)

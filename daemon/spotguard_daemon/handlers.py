@@ -282,7 +282,7 @@ class RequestHandler:
             self._refused("commit", exc)
             return Reply(ok=False, error=f"commit refused: {exc}")
         self.on_commit(request, path)
-        self.ledger.committed(request.job_id or DEFAULT_JOB, request.step)
+        self.ledger.committed(request.job_id or DEFAULT_JOB, request.step, request.reached_at)
         self.metrics.save_reported(request.save_seconds)
         return Reply(ok=True, data={"path": str(path)})
 

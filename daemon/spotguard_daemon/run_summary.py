@@ -20,11 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotguard.exit_codes import EXIT_FORCED, EXIT_PREEMPTED
+from spotguard.exit_codes import EXIT_FORCED, EXIT_PEER_LOST, EXIT_PREEMPTED
 
 __all__ = ["Launch", "summary", "human"]
 
-PREEMPTED = (EXIT_PREEMPTED, EXIT_FORCED)
+PREEMPTED = (EXIT_PREEMPTED, EXIT_FORCED, EXIT_PEER_LOST)
+"""Statuses of a launch that stopped for an interruption (its own node's, or a peer's): relaunched."""
 
 
 @dataclass
@@ -40,10 +41,16 @@ class Launch:
 
     @property
     def preempted(self) -> bool:
-        """Stopped for a notice: status 75 or 76, or any other failure after the job recorded a
-        clean stop and no finish (``torchrun`` exits 1 when its workers exit 75)."""
-        stopped = self.first("stop") is not None and self.first("finish") is None
+        """Stopped for an interruption: status 75, 76 or 77 (a peer lost), or any other failure
+        after the job recorded a clean stop or a lost peer and no finish (``torchrun`` exits 1 when
+        its workers exit 75 or 77)."""
+        stopped = (self.first("stop") or self.first("peer_lost")) is not None and self.first("finish") is None
         return self.status in PREEMPTED or (self.status not in (0, None) and stopped)
+
+    @property
+    def peer_lost(self) -> bool:
+        """Stopped because another rank or node of the job was lost (77, or its record says so)."""
+        return self.status == EXIT_PEER_LOST or self.first("peer_lost") is not None
 
     @property
     def failed(self) -> bool:

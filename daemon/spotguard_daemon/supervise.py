@@ -27,7 +27,7 @@ from typing import IO, Callable, Iterable
 
 __all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "daemon_status", "killpg",
            "signal_each", "stop", "reap", "descendants", "descends", "parent_of", "catches",
-           "Registrar", "STOP_S"]
+           "Registrar", "STOP_S", "command_after_options"]
 
 STOP_S = 10.0
 """Seconds a process gets after SIGTERM before SIGKILL when a supervisor stops it."""
@@ -39,6 +39,20 @@ class LaunchError(RuntimeError):
 
 class CommandNotFound(LaunchError):
     """The command's executable does not exist."""
+
+
+def command_after_options(command: tuple[str, ...], usage: str) -> list[str]:
+    """The command given after a supervising CLI's options (``usage``: its synopsis); else
+    ``click.UsageError``. Such a CLI leaves unknown options to the command, so click hands a
+    mistyped option of its own over as the command's first word: that is refused, never run."""
+    import click
+
+    if command and command[0].startswith("-") and command[0] != "--":
+        raise click.UsageError(f"no such option: {command[0]}")
+    command = command[1:] if command and command[0] == "--" else command
+    if not command:
+        raise click.UsageError(f"no command given ({usage})")
+    return list(command)
 
 
 def spawn(argv: list[str], env: dict[str, str], out: IO | int | None = None,

@@ -124,3 +124,16 @@ def test_a_torchrun_job_is_preempted_whole(tmp_path):
     assert len(report["preemptions"]) == 4 and report["passed"]
     # one timeline line each for the reference and the last launch: rank 0's, not every rank's
     assert len(re.findall(r": finished at step 150 \(digest", done.stdout)) == 2
+
+
+@pytest.mark.parametrize("options, error", [
+    (["--bogus", "--", "true"], "no such option: --bogus"),
+    (["-n", "2", "--bogus", "true"], "no such option: --bogus"),
+    (["--"], "no command given (spotguard drill [OPTIONS] -- COMMAND [ARGS]...)")])
+def test_an_unknown_option_or_no_command_is_a_usage_error_and_nothing_runs(tmp_path, options, error):
+    report = tmp_path / "report"
+    done = subprocess.run([*DRILL, "--report-dir", str(report), *options], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"spotguard: spotguard drill: {error}"
+    assert not report.exists()  # the drill never started

@@ -93,3 +93,36 @@ def test_a_record_older_than_the_step_resumed_from_means_the_job_ran_elsewhere()
     clock.now += 5
     ledger.progress("j", 23, at(clock.now), pid=2)
     assert ledger.restarted("j", 20, pid=3) == Loss(steps=3, seconds=5.0, downtime=0.0)
+
+
+def test_a_commit_reported_after_later_progress_counts_from_when_its_step_was_reached():
+    """The commit of step 4 is written in the background and arrives after the reports of steps 5-7:
+    the client's stamp, not its arrival or the newest report, says when step 4 was reached."""
+    clock = Clock()
+    ledger = GoodputLedger(clock=clock)
+    reached_4 = clock.now
+    for step in (5, 6, 7):
+        clock.now += 1
+        ledger.progress("j", step, at(clock.now), pid=1)
+    clock.now += 2
+    ledger.committed("j", 4, at(reached_4))
+    assert ledger.restarted("j", 4, pid=2) == Loss(steps=3, seconds=3.0, downtime=2.0)
+    # Without the stamp (an older client) the newest report bounds it: no second is known lost.
+    for step in (5, 6, 7):
+        clock.now += 1
+        ledger.progress("j", step, at(clock.now), pid=2)
+    ledger.committed("j", 4)
+    assert ledger.restarted("j", 4, pid=3) == Loss(steps=3, seconds=0.0, downtime=0.0)
+
+
+@pytest.mark.parametrize("offset", [3600.0, -MAX_REPORT_AGE - 1], ids=["future", "too-old"])
+def test_a_commit_stamp_from_the_future_counts_as_now_and_a_too_old_one_as_unknown(offset):
+    clock = Clock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.progress("j", 6, at(clock.now), pid=1)
+    clock.now += 2
+    ledger.committed("j", 4, at(clock.now + offset))  # untrusted: bounded by the newest report
+    clock.now += 1
+    ledger.progress("j", 7, at(clock.now), pid=1)
+    expected = 1.0 if offset > 0 else 3.0  # from now (the arrival), or from the report of step 6
+    assert ledger.restarted("j", 4, pid=2) == Loss(steps=3, seconds=expected, downtime=0.0)

@@ -90,3 +90,14 @@ def test_out_of_bounds_goodput_fields_are_refused(daemon):
     reply = daemon.request(RegisterRequest.model_construct(pid=os.getpid(), resumed_from_step=-1))
     assert not reply.ok and "resumed_from_step" in reply.error
     assert samples(daemon)["spotguard_job_restarts_total"] == 0
+
+
+def test_a_commit_stamped_with_a_naive_or_unparsable_time_is_refused_and_loses_nothing(daemon):
+    path = daemon.checkpoint_root / "n" / f"step-{3:010d}"
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps({"step": 3}))
+    good = {"v": 1, "type": "commit", "pid": os.getpid(), "job_id": "n", "path": str(path), "step": 3}
+    for stamp in ("2026-01-01T00:00:00", "yesterday", "2026-13-01T00:00:00Z"):
+        reply = daemon.request(json.dumps({**good, "reached_at": stamp}).encode())
+        assert not reply.ok and "reached_at" in reply.error, stamp
+    assert daemon.request(json.dumps({**good, "reached_at": "2026-01-01T00:00:00Z"}).encode()).ok  # too old: unused

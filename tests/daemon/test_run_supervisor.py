@@ -255,3 +255,34 @@ def test_sigterm_during_the_backoff_ends_the_run_with_the_failure_status(tmp_pat
     status, figures = run.finish()
     assert status == 3 and figures["launches"] == 1
     assert figures["reason"] == "SIGTERM received before the relaunch"
+
+
+PEER_LOST_ONCE = """\
+import json, os, sys, time
+from pathlib import Path
+launches = Path(sys.argv[1])
+launches.write_text(launches.read_text() + "x" if launches.exists() else "x")
+if len(launches.read_text()) > 1:
+    sys.exit(0)
+if sys.argv[2] == "record":  # as spotguard.Run records a lost peer before its exit 77
+    line = dict(v=1, event="peer_lost", t=time.time(), pid=os.getpid(), rank=0, job="", step=3)
+    open(os.environ["SPOTGUARD_RECORD"], "a").write(json.dumps(line) + "\\n")
+sys.exit(int(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("how, status", [("plain", 77), ("record", 1)], ids=["exit-77", "torchrun-1"])
+def test_a_lost_peer_relaunches_the_command_like_a_preemption(tmp_path, how, status):
+    """Exit 77, or a launcher's 1 after the job recorded a lost peer: relaunched without
+    ``--max-restarts``, counted as a preemption, not a failure."""
+    job = tmp_path / "job.py"
+    job.write_text(PEER_LOST_ONCE)
+    done = subprocess.run([*RUN, "--json", "--no-daemon", "--", sys.executable, str(job),
+                           str(tmp_path / "launches"), how, str(status)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    figures = json.loads(done.stdout.splitlines()[-1])
+    assert done.returncode == 0, done.stderr
+    assert figures["launches"] == 2 and figures["preemptions"] == 1 and figures["failures"] == 0
+    assert [r["status"] for r in figures["runs"]] == [status, 0]
+    assert f"stopped with status {status} after a peer was lost; relaunching it" in done.stderr

@@ -106,3 +106,60 @@ def test_workers_survive_sigterm_and_the_users_worker_init_still_runs():
     batches = list(loader)
     assert torch.cat(batches)[:, 0].sort().values.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert torch.cat(batches)[:, 1].tolist() == [0.0] * 4
+
+
+ORPHAN_JOB = """
+import os, sys, time
+import torch
+import spotguard
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+def init(worker_id):
+    with open(os.path.join(sys.argv[1], f"worker-{worker_id}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(1.0)  # the main process is SIGKILLed here, before torch's loop reads its parent pid
+
+loader = spotguard.DataLoader(Items(), batch_size=4, shuffle=True, num_workers=2, worker_init_fn=init)
+for batch in loader:
+    time.sleep(0.1)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_exit_when_the_main_process_is_killed_while_they_start(tmp_path):
+    """torch's own orphan check reads the parent pid after the init functions: without spotguard's
+    watch, workers orphaned during start-up would wait on their queue forever."""
+    import subprocess
+    import sys
+    import time
+
+    job = subprocess.Popen([sys.executable, "-c", ORPHAN_JOB, str(tmp_path)])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+            pids = [int(p.read_text()) for p in tmp_path.glob("worker-*") if p.read_text()]
+        assert len(pids) == 2, "the workers did not start"
+    finally:
+        job.kill()
+        job.wait(10)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leaked = [pid for pid in pids if _alive(pid)]
+    for pid in leaked:
+        os.kill(pid, signal.SIGKILL)
+    assert not leaked, "workers outlived their SIGKILLed main process"

@@ -113,7 +113,7 @@ def test_a_client_in_a_container_cannot_name_a_host_process(tmp_path, daemon_fac
         victim.wait(10)
 
 
-def test_a_user_registers_its_own_job_and_no_other_process_of_its_own(other_user, sock_dir, tmp_path):
+def test_a_user_registers_its_own_job_and_no_other_process_of_its_own(other_user, sock_dir, tmp_path, ask):
     """The systemd unit's set-up (the daemon as a user with CAP_KILL): ``spotguard run`` as that
     user gets its job registered and signalled; a process of the same user that is not below the
     sender is refused and never signalled."""
@@ -129,7 +129,6 @@ def test_a_user_registers_its_own_job_and_no_other_process_of_its_own(other_user
                                "spotguard_daemon", "daemon", "--platform", "none"], env=env,
                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "daemon.log", "w"))]
     try:
-        from conftest import ask  # noqa: PLC0415 (tests/ is on the path; the fixture cannot reach here)
         wait_for(lambda: ask(endpoint, StatusRequest(), 0.5), why=(tmp_path / "daemon.log").read_text())
         stranger = subprocess.Popen([*as_user, sys.executable, "-c", WATCHED, f"{sock_dir}/stranger-got"],
                                     env=env, stdout=subprocess.PIPE)

@@ -5,16 +5,16 @@ Parts and their wiring (sources produce, the store decides, actions act)::
     Runner(watcher) --snapshot--> NoticeStore --announce/cancel--> Server.publish (PUB)
     signal / notify --add-------->            +--announce---------> Delivery (signal, hook, webhook)
     Server (ROUTER) --> RequestHandler --> store (safe), on_commit hook (storage engine)
-                                      \--> GoodputLedger <--> DurableProgress (the store's copy)
+                                      +--> GoodputLedger <--> DurableProgress (the store's copy)
 
 Life cycle: lock the runtime directory, serve metrics, bind the sockets, load the notices a previous
 run left pending (``status`` lists them at once; they are published on PUB and delivered again once,
 ``RESTORE_HEARTBEATS`` heartbeats later, when the clients that stayed connected have seen the new
-daemon id and registered again, so the signal fallback reaches them), start one task per runner plus the request, heartbeat and housekeeping
-loops, then tell systemd ``READY=1``. The first SIGTERM/SIGINT means the node is going or only the
-daemon is (:meth:`Daemon.node_stops`, setting ``signal.means``). A node stop raises a ``signal``
-notice due in ``signal.grace`` seconds; the daemon keeps serving until every registered client
-reported safe for it (or unregistered, or died) or the grace passed, then exits 0. A daemon stop (a
+daemon id and registered again, so the signal fallback reaches them), start one task per runner
+plus the request, heartbeat and housekeeping loops, then tell systemd ``READY=1``. The first
+SIGTERM/SIGINT means the node is going or only the daemon is (:meth:`Daemon.node_stops`, setting
+``signal.means``). A node stop raises a ``signal`` notice due in ``signal.grace`` seconds; the
+daemon keeps serving until every registered client reported safe for it (or unregistered, or died) or the grace passed, then exits 0. A daemon stop (a
 ``systemctl restart`` for an upgrade) raises nothing: training goes on, pending notices stay in the
 state file for the next run, clients reconnect to it. A second signal exits at once.
 

@@ -66,8 +66,10 @@ def test_idle_quick(tmp_path):
     data, stdout = run_script("bench_idle.py", tmp_path / "idle.json", "--seconds", "2.5", "--warmup", "1.5")
     assert list(data["results"]) == ["aws", "aws_spot_only", "no_watcher"]
     aws, spot_only, none = data["results"].values()
-    # The advisory paths poll every aws.advisory_interval (5 s): a 2.5 s window may see none of them.
-    assert aws["metadata_requests"] >= spot_only["metadata_requests"] >= 2, "the watchers must have polled"
+    # Each watcher polls the spot path every second, the advisory paths every 5 s: a 2.5 s window on a
+    # loaded machine may see as few as one poll of each, and the two runs are separate daemons, so their
+    # counts are not ordered.
+    assert aws["metadata_requests"] >= 1 and spot_only["metadata_requests"] >= 1, "the watchers must have polled"
     assert none["metadata_requests"] == 0
     for results in (aws, spot_only, none):
         assert 5 < results["rss_mb_min"] <= results["rss_mb_max"] < 1000

@@ -22,6 +22,9 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
 * ``stop``: ``step``, ``saved`` (an emergency save was taken), ``seconds_left``, ``notice`` (its
   ``id`` and ``kind``); every rank, before it exits 75.
 * ``finish``: ``step`` and ``digest`` of the final training state; rank 0, at the normal end.
+* ``peer_lost``: ``step``, ``error``; a rank that exits 77 (``EXIT_PEER_LOST``) because a peer is
+  gone, whether the agreement timed out or the progress watchdog found no step boundary for
+  ``Run(peer_timeout=)`` seconds.
 * ``load_failed``: ``error``; every rank whose load of the latest checkpoint raised (the process
   then exits with that error). Corrupt checkpoints passed over are ``start``'s ``skipped``.
 

@@ -9,6 +9,10 @@ armed, calls ``os._exit(code)`` at the armed instant unless disarmed first. ``os
 dumps every thread's stack to stderr (:func:`faulthandler.dump_traceback`, which writes to the file
 descriptor without taking any Python lock), so the user sees where the process hung.
 
+``before_exit``, when given, runs in the watchdog's thread just before the exit (errors ignored): it
+must take no lock the main thread may hold; :class:`spotguard.run.Run` appends the run record's
+``peer_lost`` line there (one ``os.write``), so that tools tell a lost peer from a crash.
+
 Arming again keeps the earlier instant (a later notice never postpones an earlier deadline).
 :meth:`Watchdog.reset` moves the instant either way, quietly: the progress bound of a distributed
 run (:class:`spotguard.run.Run`'s ``peer_timeout``) pushes it forward at every step boundary, so it
@@ -22,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["Watchdog"]
 
@@ -31,8 +36,9 @@ log = logging.getLogger(__name__)
 class Watchdog:
     """Calls ``os._exit(code)`` at the armed ``time.monotonic()`` instant unless disarmed."""
 
-    def __init__(self, code: int, reason: str = "clean stop overran its deadline") -> None:
-        self._code, self._reason = code, reason
+    def __init__(self, code: int, reason: str = "clean stop overran its deadline",
+                 before_exit: Callable[[], object] | None = None) -> None:
+        self._code, self._reason, self._before_exit = code, reason, before_exit
         self._cond = threading.Condition()
         self._at: float | None = None
         self._thread: threading.Thread | None = None
@@ -91,5 +97,9 @@ class Watchdog:
         try:
             os.write(2, message.encode())
             faulthandler.dump_traceback(file=2, all_threads=True)
+            if self._before_exit is not None:
+                self._before_exit()
+        except BaseException:  # noqa: BLE001 - nothing may keep the exit from happening
+            pass
         finally:
             os._exit(self._code)

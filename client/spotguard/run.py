@@ -158,8 +158,9 @@ class Run:
         process_group = _default_group(process_group)
         self.agreement = Agreement(process_group, timeout=peer_timeout)
         self.peer_timeout = peer_timeout
-        self._progress = (Watchdog(EXIT_PEER_LOST, f"no step boundary for {peer_timeout} s "
-                                   "(Run(peer_timeout=)): a peer rank is probably gone")
+        stalled = f"no step boundary for {peer_timeout} s (Run(peer_timeout=)): a peer rank is probably gone"
+        self._progress = (Watchdog(EXIT_PEER_LOST, stalled,
+                                   before_exit=lambda: self.record.emit("peer_lost", step=self.step, error=stalled))
                           if peer_timeout and self.agreement.enabled else None)
         self.cadence = _make_cadence(save_every, cadence)
         self._user_on_commit = on_commit

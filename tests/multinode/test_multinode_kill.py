@@ -50,6 +50,9 @@ def test_a_node_killed_outright_leaves_the_other_nodes_ranks_exiting_77_within_t
     out = job.launches[0].output()
     assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", out, re.MULTILINE) == ["77"], out
     assert "a peer rank is gone" in out or f"no step boundary for {PEER_TIMEOUT} s" in out, out
+    # Either path (the agreement's timeout or the progress watchdog) records why, so `spotguard run`
+    # tells torchrun's status 1 here from a crash and relaunches.
+    assert job.events("peer_lost"), out
     assert a.pids() == [a.daemon.pid], f"node a still runs more than its daemon after {took:.1f} s"
     latest = Checkpointer(cluster.checkpoint_root / "job").latest()
     assert latest is not None and latest.step >= 10  # what the relaunch resumes from

@@ -156,6 +156,7 @@ FORCED = textwrap.dedent("""
     from spotguard.guard import Guard
     guard = Guard(daemon=False, signal_deadlines={signal.SIGTERM: 2.5, signal.SIGUSR1: None},
                   force_exit_margin=1.0, force_exit_timeout=1.5)
+    print("signalled at", time.monotonic(), flush=True)
     os.kill(os.getpid(), signal.SIGUSR1 if sys.argv[1] == "usr1" else signal.SIGTERM)
     print("hanging", flush=True)
     time.sleep(30)   # a hung collective
@@ -167,13 +168,13 @@ FORCED = textwrap.dedent("""
 def test_forced_exit_fires_before_the_deadline_when_the_stop_hangs(tmp_path, sig, low, high):
     script = tmp_path / "hang.py"
     script.write_text(FORCED)
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script), sig], capture_output=True, text=True, timeout=20)
-    elapsed = time.monotonic() - started
+    proc = subprocess.run([sys.executable, str(script), sig], capture_output=True, text=True, timeout=60)
+    ended = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
     assert proc.returncode == 76, proc.stderr
     assert "hanging" in proc.stdout and "not reached" not in proc.stdout
     assert "forced exit 76" in proc.stderr
-    assert low < elapsed < high + 1.5  # includes interpreter start-up
+    signalled = float(proc.stdout.split("signalled at ")[1].split()[0])
+    assert low < ended - signalled < high + 1.0  # timed from the signal: start-up under load is not in it
 
 
 def test_watchdog_is_armed_by_a_stopping_notice_and_disarmed_by_its_cancel(daemon):

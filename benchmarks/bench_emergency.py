@@ -32,7 +32,7 @@ from pathlib import Path
 
 from _common import markdown_table, write_results
 from bench_checkpoint import GiB, add, dd, state_bytes, synthetic_state, timed, torch_save
-from spotguard.checkpoint import Checkpointer
+from spotguard.checkpoint import Checkpointer, commit
 
 FIRST_SAVE = """
 import os, sys, time, torch
@@ -58,7 +58,11 @@ def first_save(nbytes: int, root: Path) -> float:
 
 
 def emergency(ck: Checkpointer, step: int, state: dict) -> float:
-    return timed(lambda: ck.save(step, state, blocking=True))
+    took = timed(lambda: ck.save(step, state, blocking=True))
+    # An emergency save leaves the old checkpoint for the next periodic save to delete (a process
+    # exits after it); here the next round's save would delete it first, on the clock.
+    commit.apply_retention(ck.root, ck.keep)
+    return took
 
 
 def periodic_to_commit(ck: Checkpointer, step: int, state: dict) -> float:
@@ -78,9 +82,9 @@ def bench_size(gib: float, workdir: Path, repeats: int) -> dict:
     old.wait()
     samples: dict[str, list[float]] = {}
     for r in range(1, repeats + 1):
-        add(samples, "dd_s", timed(lambda: dd(nbytes, workdir / "dd.bin")))
+        add(samples, "dd_s", timed(lambda: dd(nbytes, workdir / "dd.bin"), workdir / "dd.bin"))
         add(samples, "emergency_s", emergency(ck, r, state))
-        add(samples, "torch_save_s", timed(lambda: torch_save(state, workdir / "t.pt")))
+        add(samples, "torch_save_s", timed(lambda: torch_save(state, workdir / "t.pt"), workdir / "t.pt"))
         add(samples, "first_emergency_s", first_save(nbytes, workdir / f"first-{r}"))
         add(samples, "periodic_path_s", periodic_to_commit(old, r, state))
     bandwidth = ck.emergency.bandwidth

@@ -132,10 +132,71 @@ def test_retention_keeps_the_newest(tmp_path):
     with Checkpointer(tmp_path, keep=2) as ck:
         for step in (10, 20, 30, 40):
             ck.save(step, {"t": torch.full((4,), float(step))})
-        ck.wait()
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000000030", "step-0000000040"]
+            ck.wait()  # a waiter stops the deletes between files: at most keep + 1 meanwhile
+            assert len([p for p in tmp_path.iterdir() if p.name.startswith("step-")]) <= 3
         target = {"t": torch.zeros(4)}
         assert ck.load_latest(target).step == 40 and target["t"][0] == 40
+    # close() finishes them, and every hidden trash directory is gone too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000000030", "step-0000000040"]
+
+
+def test_retention_is_off_the_save_clock_and_an_emergency_save_defers_it(tmp_path):
+    big = {"t": torch.randn(1 << 22)}  # 16 MiB: a file of its own
+    with Checkpointer(tmp_path, keep=1) as ck:
+        commits = []
+        ck.on_commit = lambda info: commits.append(sorted(p.name for p in tmp_path.iterdir()))
+        ck.save(1, big)
+        ck.wait()
+        ck.save(2, big, blocking=True)
+        # reported while step 1 still existed (the deletes come after the report), and an emergency
+        # save left it in place: the process is racing a deadline
+        assert commits == [["latest", "step-0000000001"], ["latest", "step-0000000001", "step-0000000002"]]
+        assert (tmp_path / "step-0000000001").is_dir()
+        ck.save(3, big, blocking=True)  # a second one in the process deletes first: never keep + 2
+        assert commits[-1] == ["latest", "step-0000000002", "step-0000000003"]
+        ck.save(4, big)  # so does the next background save
+        ck.wait()
+        assert commits[-1] == ["latest", "step-0000000003", "step-0000000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000000004"]
+
+
+def test_an_emergency_save_ends_the_deletes_of_the_save_in_flight_between_files(tmp_path):
+    from spotguard.checkpoint import layout
+
+    with Checkpointer(tmp_path, keep=1, large_tensor_bytes=1 << 16) as ck:
+        many = {f"t{i}": torch.full((1 << 15,), float(i)) for i in range(40)}  # 40 files of 128 KiB
+        ck.save(1, many)
+        ck.wait()
+        removed = []
+        real_unlink = os.unlink
+
+        def slow_unlink(path, *args, **kwargs):  # a slow disk: deleting a file takes 50 ms
+            if ".trash-" in str(path):
+                removed.append(path)
+                time.sleep(0.05)
+            return real_unlink(path, *args, **kwargs)
+        os.unlink = slow_unlink
+        try:
+            ck.save(2, many)
+            deadline = time.monotonic() + 30
+            while not removed and time.monotonic() < deadline:  # step 1's delete has begun
+                time.sleep(0.005)
+            started = time.monotonic()
+            ck.save(3, many, blocking=True)
+            took = time.monotonic() - started
+        finally:
+            os.unlink = real_unlink
+        assert removed and len(removed) < 40, "the delete ran to its end instead of stopping"
+        assert took < 0.05 * 40, took
+        leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".trash-")]
+        assert leftovers == [layout.tmp_name(1, os.getpid(), "trash")]  # hidden from readers
+        target = {k: torch.zeros(1 << 15) for k in many}
+        assert ck.load_latest(target).step == 3
+    # after an emergency save close() leaves the deletes too; the next save does them
+    assert {"step-0000000002", "step-0000000003"} <= {p.name for p in tmp_path.iterdir()}
+    with Checkpointer(tmp_path, keep=1, large_tensor_bytes=1 << 16) as ck:
+        ck.save(4, many)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000000004"]
 
 
 def test_unchanged_large_tensor_keeps_its_hash(tmp_path):

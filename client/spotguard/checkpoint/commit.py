@@ -4,7 +4,8 @@ Protocol (a SIGKILL at any instant leaves the previous checkpoint loadable)::
 
     mkdir .tmp-step-N-<pid>/ -> write + fsync every data file -> write + fsync manifest.json (last)
     -> fsync the tmp dir -> rename to step-N/ -> fsync root -> latest.tmp + fsync -> replace latest
-    -> fsync root -> only then delete checkpoints beyond ``keep``
+    -> fsync root -> only then (the Checkpointer, once the commit is reported) delete checkpoints
+    beyond ``keep``
 
 Large tensors (``>= large_bytes``) get a file each, written straight from the staging buffer, so an
 unchanged tensor produces a byte-identical file (same sha256: the uploader skips it). Small tensors
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
@@ -32,7 +34,7 @@ from spotguard.checkpoint.errors import CheckpointDiskFullError, CheckpointError
 from spotguard.checkpoint.format import dtype_name
 from spotguard.checkpoint.layout import (VOLATILE, CommitInfo, MANIFEST, committed_dirs, remove_checkpoint,
                                          step_name)
-from spotguard.checkpoint.layout import tmp_name, write_latest
+from spotguard.checkpoint.layout import remove_own_trash, tmp_name, write_latest
 from spotguard.checkpoint.staging import Snapshot
 
 __all__ = ["FORMAT", "VERSION", "TREE", "tensor_bytes", "write_part", "part_digest", "write_manifest", "publish",
@@ -205,17 +207,24 @@ def publish(root: Path, tmp: Path, step: int) -> Path:
     return final
 
 
-def apply_retention(root: Path, keep: int, newest: Path) -> list[Path]:
-    """Delete committed checkpoints beyond the newest ``keep``; never ``newest`` itself."""
+def apply_retention(root: Path, keep: int, newest: Path | None = None,
+                    stop: Callable[[], bool] | None = None) -> list[Path]:
+    """Delete committed checkpoints beyond the newest ``keep``; never ``newest`` itself. Once
+    ``stop()`` is true, what is left of a deletion stays hidden in a trash directory, for the next
+    call (:func:`.layout.remove_own_trash`) or the next process (:func:`.layout.remove_stale`)."""
+    if not remove_own_trash(root, stop):
+        return []
     doomed = [p for _, p in committed_dirs(root)[max(keep, 1) :] if p != newest]
     for path in doomed:
-        remove_checkpoint(root, path)
+        if (stop is not None and stop()) or not remove_checkpoint(root, path, stop):
+            break
     return doomed
 
 
-def persist_local(root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
+def persist_local(root: Path, snap: Snapshot, meta: dict[str, Any], *, large_bytes: int,
                   nice: int | None, throttle: Throttle | None = None, writer: _Writer | None = None) -> CommitInfo:
-    """The whole single-process save: write to a tmp dir, commit, apply retention."""
+    """The whole single-process save: write to a tmp dir and commit (retention is the caller's,
+    once the commit is reported: see :meth:`.Checkpointer._apply_retention`)."""
     tmp = root / tmp_name(meta["step"], os.getpid())
     try:
         _fs.mkdir_private(tmp)
@@ -231,7 +240,6 @@ def persist_local(root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int
         if translated is exc:
             raise
         raise translated from exc
-    apply_retention(root, keep, final)
     return commit_info(final, meta, files)
 
 

@@ -65,7 +65,7 @@ class Coordinator:
     def agree(self, value: int, op: str) -> int:
         return self.all_reduce([value], op)[0]
 
-    def persist(self, root: Path, snap: Snapshot, meta: dict[str, Any], *, keep: int, large_bytes: int,
+    def persist(self, root: Path, snap: Snapshot, meta: dict[str, Any], *, large_bytes: int,
                 nice: int | None, throttle: Throttle | None = None, writer: Any = None) -> CommitInfo:
         """Write this rank's part and (rank 0) commit; every rank returns the same CommitInfo."""
         tmp = self._make_tmp(root, meta["step"])
@@ -75,10 +75,7 @@ class Coordinator:
         committed = self._guard(lambda: self._commit(root, tmp, meta)) if self.rank == 0 else None
         if not self.agree(int(self.rank == 0 and committed is None), "sum"):
             return self._abort(root, tmp, snap, committed, "committing")
-        final = root / step_name(meta["step"])
-        if self.rank == 0:
-            commit.apply_retention(root, keep, final)
-        return check(final)
+        return check(root / step_name(meta["step"]))
 
     def _make_tmp(self, root: Path, step: int) -> Path:
         failed = 0

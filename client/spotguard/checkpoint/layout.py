@@ -13,10 +13,12 @@ pointer falls back to scanning ``step-*`` directories, newest step first.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ __all__ = [
     "read_latest",
     "write_latest",
     "remove_checkpoint",
+    "remove_own_trash",
     "remove_stale",
 ]
 
@@ -110,14 +113,35 @@ def write_latest(root: Path, name: str) -> None:
     _fs.fsync_dir(root)
 
 
-def remove_checkpoint(root: Path, path: Path) -> None:
-    """Delete a committed checkpoint: first renamed out of readers' sight, then removed."""
+def remove_checkpoint(root: Path, path: Path, stop: Callable[[], bool] | None = None) -> bool:
+    """Delete a committed checkpoint: first renamed out of readers' sight, then removed file by
+    file until ``stop()`` says to leave the rest for later (:func:`remove_own_trash`). True when
+    it is gone."""
     m = _STEP_RE.match(path.name)
     trash = root / tmp_name(int(m.group(1)) if m else 0, os.getpid(), "trash")
     _fs.remove_tree(trash)
     os.rename(path, trash)
     _fs.fsync_dir(root)
-    _fs.remove_tree(trash)
+    return _remove_files(trash, stop)
+
+
+def remove_own_trash(root: Path, stop: Callable[[], bool] | None = None) -> bool:
+    """Finish the deletions this process left for later; True when none is left."""
+    own = [n for n in os.listdir(root) if n.startswith(".trash-") and (m := _TMP_RE.match(n))
+           and int(m.group(1)) == os.getpid()]
+    return all(_remove_files(root / name, stop) for name in own)
+
+
+def _remove_files(tree: Path, stop: Callable[[], bool] | None) -> bool:
+    for dirpath, _, filenames in os.walk(tree, topdown=False):
+        for name in filenames:
+            if stop is not None and stop():
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(dirpath, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(dirpath)
+    return not tree.exists()
 
 
 def remove_stale(root: Path) -> list[str]:

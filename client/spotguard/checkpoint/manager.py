@@ -100,6 +100,9 @@ class Checkpointer:
         self.emergency = Emergency()
         """The emergency path's pinned chunks and measured bandwidth (see :meth:`emergency_seconds`)."""
         self._in_flight_bytes = 0
+        self._hurry = threading.Event()
+        """Set while a caller waits for the background thread: its retention stops deleting."""
+        self._emergency_saved = False
         self._closed = False
         self.skipped: list[dict[str, str]] = []
         """Checkpoints :meth:`load_latest` passed over as corrupt: ``{"path", "reason"}`` each."""
@@ -132,6 +135,8 @@ class Checkpointer:
         meta = self._meta(step, epoch, snap)
         self._throttle = Throttle(self._share)
         self._in_flight_bytes = snap.nbytes
+        self._hurry.clear()
+        self._emergency_saved = False
         job = lambda: self._persist(snap, meta, stalled, self._throttle)  # noqa: E731
         self._thread = threading.Thread(target=self._run_background, args=(job,), name="spotguard-ckpt-persist")
         self._thread.start()
@@ -142,6 +147,8 @@ class Checkpointer:
             self.wait()
         except CheckpointError as exc:  # it committed nothing; the state it held is older anyway
             logger.error("the save in flight failed (%s); the emergency save goes on", exc)
+        if self._emergency_saved:  # a second one in this process (a process normally exits after
+            self._apply_retention()  # one): the first one's leftovers go first, `keep` + 1 at most
         started = time.perf_counter()
         snap = self._snapshot(state, live=True)
         meta = self._meta(step, epoch, snap)
@@ -149,6 +156,7 @@ class Checkpointer:
         self._run(lambda: self._persist(snap, meta, stalled, None, self.emergency.writer()), nice=None)
         self.wait()
         self.emergency.observe(snap.nbytes, time.perf_counter() - started)
+        self._emergency_saved = True  # its retention waits for the next background save
 
     def emergency_seconds(self, nbytes: int) -> float:
         """Expected notice-to-committed seconds of an emergency save of ``nbytes`` started now: at
@@ -192,7 +200,7 @@ class Checkpointer:
         (``writer``) is not."""
         started = time.perf_counter()
         background = threading.current_thread() is self._thread
-        kwargs = {"keep": self.keep, "large_bytes": self._large, "nice": self._nice if background else None,
+        kwargs = {"large_bytes": self._large, "nice": self._nice if background else None,
                   "throttle": throttle, "writer": writer}
         if self._coord:
             info = self._coord.persist(self.root, snap, meta, **kwargs)
@@ -207,9 +215,29 @@ class Checkpointer:
         return info
 
     def _run_background(self, job: Callable[[], CommitInfo]) -> None:
+        self._apply_retention()  # what was left, whole, before writing: at most `keep` + 1 on disk
         self._run(job, self._nice)
         if self._error is not None:  # also raised at the next wait point; logged in case none comes
             logger.error("background checkpoint save to %s failed: %s", self.root, self._error)
+        else:
+            self._apply_retention(self._hurry.is_set)
+
+    def _apply_retention(self, stop: Callable[[], bool] | None = None) -> None:
+        """Delete the committed checkpoints beyond the newest ``keep`` (rank 0), off the save's clock.
+
+        Deleting is slow (0.75 s per GiB on ext4 mounted with online ``discard``, measured) and a
+        deadline cares only about the new checkpoint, so this runs in the background thread after
+        the commit was reported (``on_commit``), is not counted in :attr:`SaveStats.persist_seconds`,
+        never runs inside an emergency save, and stops between files as soon as a caller waits for
+        the thread (:meth:`wait`). What is left goes, whole, at the start of the next background
+        save, before it writes (so at most ``keep`` + 1 checkpoints are ever on disk), or at
+        :meth:`close`."""
+        if self.rank != 0:
+            return
+        try:
+            commit.apply_retention(self.root, self.keep, self._last.path if self._last else None, stop)
+        except OSError as exc:  # the checkpoints stay; the next save tries again
+            logger.warning("could not delete old checkpoints under %s: %s", self.root, exc)
 
     def _run(self, job: Callable[[], CommitInfo], nice: int | None) -> None:
         lower_priority(nice)
@@ -233,6 +261,7 @@ class Checkpointer:
         if self._thread is not None:
             if timeout is None:
                 self._throttle.share = None
+                self._hurry.set()
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return None
@@ -328,9 +357,12 @@ class Checkpointer:
         self.skipped.append({"path": str(path), "reason": str(exc)})
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its failure) and release the staging buffers."""
+        """Wait for the save in flight (raising its failure), finish retention unless an emergency
+        save was taken (the process is racing a deadline), and release the staging buffers."""
         try:
             self.wait()
+            if not self._emergency_saved and not self._closed:
+                self._apply_retention()
         finally:
             self._closed = True
             self._stager.release()

@@ -25,6 +25,8 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
 * ``peer_lost``: ``step``, ``error``; a rank that exits 77 (``EXIT_PEER_LOST``) because a peer is
   gone, whether the agreement timed out or the progress watchdog found no step boundary for
   ``Run(peer_timeout=)`` seconds.
+* ``forced_exit``: ``reason``; a process whose clean stop hung, just before the watchdog's exit 76
+  (``EXIT_FORCED``), written from the watchdog's thread.
 * ``load_failed``: ``error``; every rank whose load of the latest checkpoint raised (the process
   then exits with that error). Corrupt checkpoints passed over are ``start``'s ``skipped``.
 

@@ -54,6 +54,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
+from spotguard import _record
 from spotguard._daemon_client import DaemonLink
 from spotguard._watchdog import Watchdog
 from spotguard.exit_codes import EXIT_FORCED
@@ -111,7 +112,10 @@ class Guard:
         self._daemon_signal = daemon_signal
         self._stop_on_advisory, self._checkpoint_on_advisory = stop_on_advisory, checkpoint_on_advisory
         self._margin, self._timeout = force_exit_margin, force_exit_timeout
-        self._watchdog = Watchdog(EXIT_FORCED) if force_exit else None
+        forced = "clean stop overran its deadline"
+        record = _record.Recorder(rank=self.rank, job=job_id)  # so tools tell a forced exit from a crash
+        self._watchdog = (Watchdog(EXIT_FORCED, forced, before_exit=lambda: record.emit("forced_exit", reason=forced))
+                          if force_exit else None)
         self._lock = threading.RLock()
         self._take_lock = threading.Lock()
         self._notices: dict[str, Notice] = {}

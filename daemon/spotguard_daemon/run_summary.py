@@ -42,9 +42,9 @@ class Launch:
     @property
     def preempted(self) -> bool:
         """Stopped for an interruption: status 75, 76 or 77 (a peer lost), or any other failure
-        after the job recorded a clean stop or a lost peer and no finish (``torchrun`` exits 1 when
-        its workers exit 75 or 77)."""
-        stopped = (self.first("stop") or self.first("peer_lost")) is not None and self.first("finish") is None
+        after the job recorded a clean stop, a lost peer or a forced exit and no finish (``torchrun``
+        exits 1 when its workers exit 75, 76 or 77)."""
+        stopped = any(self.first(e) for e in ("stop", "peer_lost", "forced_exit")) and self.first("finish") is None
         return self.status in PREEMPTED or (self.status not in (0, None) and stopped)
 
     @property

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from spotguard import _record
 from spotguard.guard import Guard
 from spotguard.protocol import Kind
 
@@ -168,13 +169,17 @@ FORCED = textwrap.dedent("""
 def test_forced_exit_fires_before_the_deadline_when_the_stop_hangs(tmp_path, sig, low, high):
     script = tmp_path / "hang.py"
     script.write_text(FORCED)
-    proc = subprocess.run([sys.executable, str(script), sig], capture_output=True, text=True, timeout=60)
+    record = tmp_path / "record.jsonl"
+    proc = subprocess.run([sys.executable, str(script), sig], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SPOTGUARD_RECORD": str(record)})
     ended = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
     assert proc.returncode == 76, proc.stderr
     assert "hanging" in proc.stdout and "not reached" not in proc.stdout
     assert "forced exit 76" in proc.stderr
     signalled = float(proc.stdout.split("signalled at ")[1].split()[0])
     assert low < ended - signalled < high + 1.0  # timed from the signal: start-up under load is not in it
+    # written just before the exit, so `spotguard run` tells torchrun's status 1 after it from a crash
+    assert [e["event"] for e in _record.read(record)] == ["forced_exit"]
 
 
 def test_watchdog_is_armed_by_a_stopping_notice_and_disarmed_by_its_cancel(daemon):

@@ -264,14 +264,15 @@ launches = Path(sys.argv[1])
 launches.write_text(launches.read_text() + "x" if launches.exists() else "x")
 if len(launches.read_text()) > 1:
     sys.exit(0)
-if sys.argv[2] == "record":  # as spotguard.Run records a lost peer before its exit 77
-    line = dict(v=1, event="peer_lost", t=time.time(), pid=os.getpid(), rank=0, job="", step=3)
+if sys.argv[2] != "plain":  # as spotguard records a lost peer (77) or a hung stop (76) before it exits
+    line = dict(v=1, event=sys.argv[2], t=time.time(), pid=os.getpid(), rank=0, job="", step=3)
     open(os.environ["SPOTGUARD_RECORD"], "a").write(json.dumps(line) + "\\n")
 sys.exit(int(sys.argv[3]))
 """
 
 
-@pytest.mark.parametrize("how, status", [("plain", 77), ("record", 1)], ids=["exit-77", "torchrun-1"])
+@pytest.mark.parametrize("how, status", [("plain", 77), ("peer_lost", 1), ("forced_exit", 1)],
+                         ids=["exit-77", "torchrun-1", "torchrun-1-after-76"])
 def test_a_lost_peer_relaunches_the_command_like_a_preemption(tmp_path, how, status):
     """Exit 77, or a launcher's 1 after the job recorded a lost peer: relaunched without
     ``--max-restarts``, counted as a preemption, not a failure."""
@@ -285,4 +286,5 @@ def test_a_lost_peer_relaunches_the_command_like_a_preemption(tmp_path, how, sta
     assert done.returncode == 0, done.stderr
     assert figures["launches"] == 2 and figures["preemptions"] == 1 and figures["failures"] == 0
     assert [r["status"] for r in figures["runs"]] == [status, 0]
-    assert f"stopped with status {status} after a peer was lost; relaunching it" in done.stderr
+    why = "a notice" if how == "forced_exit" else "a peer was lost"
+    assert f"stopped with status {status} after {why}; relaunching it" in done.stderr

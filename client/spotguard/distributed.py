@@ -120,6 +120,14 @@ class Agreement:
                         seconds_left=None if -neg_left >= _NO_DEADLINE / 2 else -neg_left,
                         save_seconds=None if save < 0 else save)
 
+    def barrier(self, step: int) -> None:
+        """Wait until every rank got here (bounded like :meth:`agree`; a no-op with one rank)."""
+        if self.enabled:
+            import torch
+
+            device = torch.device("cpu") if self._private is not None else self._device()
+            self._all_reduce_max(torch.zeros(1, device=device), step)
+
     def _propose(self, step: int) -> int:
         """This rank's wish for the next interval, from its measured step and collective times."""
         now = time.monotonic()

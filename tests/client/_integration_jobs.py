@@ -9,7 +9,9 @@ SIGTERM itself at the first of those steps after the step it resumed from, so re
 at each of them. ``$JOB_DAEMON=1`` makes the callback talk to the daemon (job id ``integration``), and
 ``$JOB_KILL`` (a step) makes the job SIGKILL itself at that step once the daemon acknowledged its
 progress. With ``$SPOTGUARD_STORAGE__URL`` the HF job's checkpoints are committed for the daemon's
-upload and a fresh node restores from that store. The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
+upload and a fresh node restores from that store; under ``torchrun``, ``$JOB_SLOW_RNG_RANK`` makes
+that rank's Trainer write its RNG state 1.5 s late (a slow disk), and ``$JOB_STEPS`` shortens the
+run. The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
 """
 
 from __future__ import annotations
@@ -143,14 +145,20 @@ def hf_job(out: str) -> None:
     def collate(rows):
         return {"x": torch.stack([r[0] for r in rows]), "y": torch.stack([r[1] for r in rows])}
 
+    class Trainer(transformers.Trainer):
+        def _save_rng_state(self, output_dir):
+            if str(self.args.process_index) == os.environ.get("JOB_SLOW_RNG_RANK"):
+                time.sleep(1.5)
+            super()._save_rng_state(output_dir)
+
     transformers.set_seed(0)
     args = transformers.TrainingArguments(
-        out, max_steps=STEPS, per_device_train_batch_size=BATCH, save_steps=4, seed=0,
+        out, max_steps=int(os.environ.get("JOB_STEPS", STEPS)), per_device_train_batch_size=BATCH, save_steps=4, seed=0,
         use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, learning_rate=0.01)
     daemon = os.environ.get("JOB_DAEMON") == "1"
     guard = SpotguardTrainerCallback(daemon=daemon, job_id="integration" if daemon else "")
-    trainer = transformers.Trainer(Model(), args, train_dataset=dataset(), data_collator=collate,
+    trainer = Trainer(Model(), args, train_dataset=dataset(), data_collator=collate,
                                    callbacks=[guard, Stopper()])
     trainer.train(resume_from_checkpoint=latest_checkpoint(out, job_id="integration" if daemon else ""))
     guard.exit_if_stopped()

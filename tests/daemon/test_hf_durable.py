@@ -128,3 +128,24 @@ def test_an_hf_job_restores_from_the_store_on_a_fresh_node_bit_identically(daemo
     assert digest(again.stdout) == digest(uninterrupted(tmp_path / "uninterrupted"))
     wait_for(lambda: Durable(FileStore(bucket)).latest(JOB) == 30, "node B's final save durable")
     assert "commit refused" not in node_a.output() + fresh.output()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # one two-rank HF job under torchrun
+def test_every_ranks_rng_state_is_in_the_committed_copy_when_one_rank_writes_late(tmp_path):
+    """The Trainer calls ``on_save`` on each rank as soon as that rank wrote its part, with no
+    barrier: rank 0 must not copy ``checkpoint-N`` before rank 1's ``rng_state_1.pth`` is there
+    (here rank 1's disk is 1.5 s slow), or the committed copy would resume rank 1 inexactly."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
+    env.update(OMP_NUM_THREADS="1", SPOTGUARD_RUNTIME_DIR=str(tmp_path / "rt"), JOB_STEPS="8",
+               JOB_SLOW_RNG_RANK="1", SPOTGUARD_STORAGE__URL=f"file://{tmp_path / 'bucket'}")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(JOB_SCRIPT), "hf", str(out)], env=env, timeout=240, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert done.returncode == 0, done.stdout[-3000:]
+    copies = sorted((out / "spotguard").glob("step-*"))
+    assert [c.name for c in copies] == ["step-0000000004", "step-0000000008"], done.stdout[-3000:]
+    for copy in copies:
+        files = read_manifest(copy)["files"]
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(files), (copy, sorted(files))

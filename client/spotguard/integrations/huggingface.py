@@ -170,6 +170,10 @@ class SpotguardTrainerCallback(TrainerCallback):
             self.save_seconds = time.monotonic() - self._save_started
             self._save_started = None
         path = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        # The Trainer calls on_save on each rank as soon as that rank has written its part (its
+        # rng_state_<rank>.pth among them), with no barrier: rank 0 copies only once all have. Every
+        # rank takes part, whatever its own settings say, or a mismatch would hang the others.
+        self.agreement.barrier(state.global_step)
         if self.guard is not None and self.durable and state.is_world_process_zero and path.is_dir():
             self._commit(state, path)
 

@@ -69,6 +69,10 @@ class Checkpointer:
     sha256 checks on load. Tensors of ``large_tensor_bytes`` or more get a file each. ``timeout``
     bounds every wait for the other ranks.
 
+    Retention: the newest ``keep`` committed checkpoints stay; older ones are deleted in the
+    background after each commit is reported (never inside an emergency save, which leaves that to
+    the next save), so at most ``keep`` + 1 are on disk (see :meth:`_apply_retention`).
+
     Memory: one staging copy of the state's tensors, kept for the Checkpointer's life (pinned with
     CUDA), allocated in the background by :meth:`load_latest`/:meth:`prepare` (see :mod:`.staging`).
     """

@@ -9,10 +9,13 @@ read from the environment and from TOML; a misspelling is refused at start. The 
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -153,3 +156,36 @@ def test_the_hf_callback_commits_no_copies_without_a_store(daemon_factory, monke
             assert callback.durable is False
     finally:
         guard.close()
+
+
+TRAIN = """import json, subprocess, sys
+status = subprocess.run(["spotguard", "status", "--json"], capture_output=True, text=True, check=True)
+open("uploads.json", "w").write(json.dumps(json.loads(status.stdout)["uploads"]))
+"""
+
+
+@pytest.mark.parametrize("url", [None, "file://{tmp}/bucket"])
+def test_the_slurm_scripts_daemon_has_no_store_unless_one_is_set(tmp_path, sock_dir, url):
+    """deploy/slurm/train.sbatch run as Slurm would (no Slurm needed for its daemon part): the daemon it
+    starts has uploads disabled, or the store named by SPOTGUARD_STORAGE__URL."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", TMPDIR=str(sock_dir), SLURM_JOB_ID="7",
+               SPOTGUARD_RUNTIME_DIR=str(sock_dir / "no-daemon"), SPOTGUARD_SLURM__ENABLED="no",
+               SPOTGUARD_PLATFORM="none")
+    if url:
+        env["SPOTGUARD_STORAGE__URL"] = url.format(tmp=tmp_path)
+    script = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "train.sbatch"
+    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:  # the script and the daemon it started: one process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0, output
+    uploads = json.loads((tmp_path / "uploads.json").read_text())
+    assert uploads["disabled"] is (url is None)
+    assert uploads["store"] == (url and url.format(tmp=tmp_path))
+    assert not (sock_dir / "spotguard-7.0").exists()  # the script stopped its daemon and cleaned up

@@ -83,7 +83,8 @@ class Daemon:
                                            urgent=lambda: bool(self.store.pending()))
         ledger = GoodputLedger(settings.state_dir / "goodput.json")
         self.progress = NoProgress() if self.queue.store is None else DurableProgress(
-            self.queue.store, ledger, self.metrics, scratch=settings.runtime_dir / "progress-scratch",
+            self.queue.store, ledger, self.metrics,
+            scratch=settings.runtime_dir / "progress-scratch",
             interval=settings.storage.progress_seconds, nice=settings.storage.upload_nice,
             urgent=self._terminating)
         self.handler = RequestHandler(self.store, platform=self.platform,

@@ -230,7 +230,8 @@ class NoProgress:
         pass
 
     def recall(self, job: str, resumed_from: int) -> None:
-        log.info("job %r is unknown here and there is no durable store: its restart counts no loss", job)
+        log.info("job %r is unknown here and there is no durable store: its restart counts no loss",
+                 job)
 
     def close(self, timeout: float = 2.0) -> None:
         pass

@@ -232,7 +232,8 @@ class StorageSettings(_Section):
     url: StoreUrl = None
     """Durable store: ``file:///dir``, ``s3://bucket/prefix``, ``gs://bucket/prefix``,
     ``az://container/prefix``, or ``none``: no store (commits are accepted, nothing is copied or
-    made durable; for notices only, e.g. a Slurm job's daemon). Default ``file://<state_dir>/durable``."""
+    made durable; for notices only, e.g. a Slurm job's daemon).
+    Default ``file://<state_dir>/durable``."""
     keep: int = Field(3, ge=1)
     """Durable checkpoints kept per job; older ones and unreferenced objects are deleted."""
     concurrency: int = Field(8, ge=1, le=128)

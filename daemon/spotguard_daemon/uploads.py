@@ -454,11 +454,11 @@ def _check_job(job_id: str) -> None:
 
 
 class NoStoreQueue:
-    """The queue of a daemon without a durable store (``storage.url = "none"``): a commit is accepted
-    and nothing is copied, so nothing ever becomes durable and no ``durable`` event is published (a
-    client must never be told a checkpoint is safe when it is not); a node stop waits for no upload.
-    The interface of :class:`UploadQueue`; its metrics exist, so dashboards and alerts keep their
-    series, and stay at their idle values (no durable checkpoint: the age is NaN)."""
+    """The queue of a daemon without a durable store (``storage.url = "none"``): a commit is
+    accepted and nothing is copied, so nothing ever becomes durable and no ``durable`` event is
+    published (a client must never be told a checkpoint is safe when it is not); a node stop waits
+    for no upload. The interface of :class:`UploadQueue`; its metrics exist, so dashboards and
+    alerts keep their series, and stay at their idle values (nothing durable: the age is NaN)."""
 
     store = None
 
@@ -483,8 +483,9 @@ class NoStoreQueue:
 
     def status(self) -> dict[str, Any]:
         """:meth:`UploadQueue.status`'s shape, empty, with ``store`` None and ``disabled`` true."""
-        return {"store": None, "disabled": True, "pending": [], "uploading": None, "bytes_pending": 0,
-                "durable": {}, "refused": {}, "worker": None, "journal_ok": True}
+        return {"store": None, "disabled": True, "pending": [], "uploading": None,
+                "bytes_pending": 0, "durable": {}, "refused": {}, "worker": None,
+                "journal_ok": True}
 
     def close(self, timeout: float = 5.0) -> None:
         pass

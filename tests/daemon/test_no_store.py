@@ -29,7 +29,12 @@ from test_settings_refused import spotguard
 
 NONE = {"SPOTGUARD_STORAGE__URL": "none"}
 QUIET_SECONDS = 1.5
-"""How long no durable event must come: a store on local disk announces a small commit well within it."""
+"""How long no durable event must come: a local store announces a small commit well within it."""
+
+
+def commit(daemon, step: int):
+    ckpt = commit_dir(daemon.checkpoint_root, step, {"w.bin": b"w" * 4096})
+    return daemon.request(CommitRequest(pid=os.getpid(), job_id="job", path=str(ckpt), step=step))
 
 
 def uploads_status(daemon) -> dict:
@@ -47,7 +52,8 @@ def topics_within(sub, seconds: float) -> list[bytes]:
 
 def metric_lines(url: str) -> dict[str, str]:
     text = httpx.get(url, timeout=5).text
-    return dict(line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return dict(line.split(" ", 1) for line in text.splitlines()
+                if line and not line.startswith("#"))
 
 
 def test_a_commit_is_accepted_copied_nowhere_and_never_announced_durable(daemon_factory):
@@ -58,28 +64,29 @@ def test_a_commit_is_accepted_copied_nowhere_and_never_announced_durable(daemon_
         sub.connect(daemon.pub_endpoint)
         time.sleep(0.3)  # slow joiner: let the subscription reach the daemon
         for step in (10, 20):
-            ckpt = commit_dir(daemon.checkpoint_root, step, {"w.bin": b"w" * 4096})
-            reply = daemon.request(CommitRequest(pid=os.getpid(), job_id="job", path=str(ckpt), step=step))
+            reply = commit(daemon, step)
             assert reply.ok, reply.error
-        older = commit_dir(daemon.checkpoint_root, 5, {"w.bin": b"old"})
-        reply = daemon.request(CommitRequest(pid=os.getpid(), job_id="job", path=str(older), step=5))
+        reply = commit(daemon, 5)
         assert not reply.ok and "older than step 20" in reply.error  # commits still ordered
         assert b"durable" not in topics_within(sub, QUIET_SECONDS)
     status = daemon.request(StatusRequest()).data
     uploads = status["uploads"]
     assert uploads["store"] is None and uploads["disabled"] is True
-    assert (uploads["pending"], uploads["uploading"], uploads["durable"], uploads["bytes_pending"]) == ([], None, {}, 0)
+    shown = (uploads["pending"], uploads["uploading"], uploads["durable"], uploads["bytes_pending"])
+    assert shown == ([], None, {}, 0)
     metrics = metric_lines(status["metrics"])
     assert metrics["spotguard_upload_queue_depth"] == "0.0"
     assert metrics["spotguard_upload_bytes_total"] == "0.0"
     assert metrics["spotguard_upload_last_durable_age_seconds"] == "NaN"
-    human = subprocess.run([sys.executable, "-m", "spotguard_daemon", "status"], capture_output=True, text=True,
-                           env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)})
+    env = {**os.environ, "SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)}
+    human = subprocess.run([sys.executable, "-m", "spotguard_daemon", "status"],
+                           capture_output=True, text=True, env=env)
     assert human.returncode == 0, human.stderr
     assert "durable store: none (uploads disabled" in human.stdout
-    assert not (daemon.state_dir / "durable").exists() and not (daemon.state_dir / "uploads.json").exists()
-    assert sorted(p.name for p in daemon.checkpoint_root.iterdir()) == [
-        "step-0000000005", "step-0000000010", "step-0000000020"]  # nothing else written next to them
+    assert not (daemon.state_dir / "durable").exists()
+    assert not (daemon.state_dir / "uploads.json").exists()
+    steps = sorted(p.name for p in daemon.checkpoint_root.iterdir())
+    assert steps == ["step-0000000005", "step-0000000010", "step-0000000020"]  # nothing beside them
     assert daemon.stop(timeout=20) == 0  # the node-stop drain: no upload to wait for, not the grace
     assert "every registered client is safe" in daemon.output()
     assert "durable storage" not in daemon.output()  # no store check at start-up
@@ -89,8 +96,7 @@ def test_none_from_the_toml_file(daemon_factory, tmp_path):
     config = tmp_path / "spotguard.toml"
     config.write_text('[storage]\nurl = "none"\n')
     daemon = daemon_factory("--config", str(config))
-    ckpt = commit_dir(daemon.checkpoint_root, 1, {"w.bin": b"w"})
-    assert daemon.request(CommitRequest(pid=os.getpid(), job_id="job", path=str(ckpt), step=1)).ok
+    assert commit(daemon, 1).ok
     assert uploads_status(daemon)["disabled"] is True
     assert not (daemon.state_dir / "durable").exists()
 
@@ -100,11 +106,14 @@ def test_the_default_store_is_unchanged(daemon_factory):
     assert uploads["disabled"] is False and uploads["store"].endswith("/state/durable")
 
 
-@pytest.mark.parametrize("value, hint", [("nnone", " (did you mean none?): "), ("Non", " (did you mean none?): "),
-                                         ("off", ": ")])
+MEANT_NONE = " (did you mean none?): "
+
+
+@pytest.mark.parametrize("value, hint", [("nnone", MEANT_NONE), ("Non", MEANT_NONE), ("off", ": ")])
 def test_a_misspelt_none_is_refused_at_start(tmp_path, value, hint):
     result = spotguard("daemon", "--platform", "none", "--runtime-dir", str(tmp_path / "run"),
-                       "--state-dir", str(tmp_path / "state"), env={"SPOTGUARD_STORAGE__URL": value})
+                       "--state-dir", str(tmp_path / "state"),
+                       env={"SPOTGUARD_STORAGE__URL": value})
     assert result.returncode == 2, result
     line, = result.stderr.strip().splitlines()
     assert line.startswith(f"spotguard: storage.url: unsupported store URL{hint}use file://"), line
@@ -126,7 +135,8 @@ def test_the_checkpoints_command_needs_a_store_when_there_is_none():
 
 
 def test_the_client_reads_none_as_no_store(tmp_path):
-    assert store_from_env(NONE)[0] is None and store_from_env({"SPOTGUARD_STORAGE__URL": "None"})[0] is None
+    assert store_from_env(NONE)[0] is None
+    assert store_from_env({"SPOTGUARD_STORAGE__URL": "None"})[0] is None
     assert store_from_env({"SPOTGUARD_STORAGE__URL": "s3://b/p"})[0] == "s3://b/p"
     assert restore_newer(tmp_path / "ckpt", "job", "none") is None  # no store named "none" opened
     assert not (tmp_path / "ckpt").exists()
@@ -139,7 +149,8 @@ def test_the_hf_callback_commits_no_copies_without_a_store(daemon_factory, monke
     from transformers import TrainerControl, TrainerState
 
     daemon = daemon_factory(env=NONE)
-    guard = Guard(job_id="job", pub_endpoint=daemon.pub_endpoint, request_endpoint=daemon.request_endpoint)
+    guard = Guard(job_id="job", pub_endpoint=daemon.pub_endpoint,
+                  request_endpoint=daemon.request_endpoint)
     try:
         deadline = time.monotonic() + 10
         while guard.daemon_status() is None and time.monotonic() < deadline:
@@ -159,20 +170,21 @@ def test_the_hf_callback_commits_no_copies_without_a_store(daemon_factory, monke
 
 
 TRAIN = """import json, subprocess, sys
-status = subprocess.run(["spotguard", "status", "--json"], capture_output=True, text=True, check=True)
+status = subprocess.run(["spotguard", "status", "--json"], capture_output=True, text=True,
+                        check=True)
 open("uploads.json", "w").write(json.dumps(json.loads(status.stdout)["uploads"]))
 """
 
 
 @pytest.mark.parametrize("url", [None, "file://{tmp}/bucket"])
 def test_the_slurm_scripts_daemon_has_no_store_unless_one_is_set(tmp_path, sock_dir, url):
-    """deploy/slurm/train.sbatch run as Slurm would (no Slurm needed for its daemon part): the daemon it
+    """deploy/slurm/train.sbatch run as Slurm would (its daemon part needs no Slurm): the daemon it
     starts has uploads disabled, or the store named by SPOTGUARD_STORAGE__URL."""
     (tmp_path / "train.py").write_text(TRAIN)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
-    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", TMPDIR=str(sock_dir), SLURM_JOB_ID="7",
-               SPOTGUARD_RUNTIME_DIR=str(sock_dir / "no-daemon"), SPOTGUARD_SLURM__ENABLED="no",
-               SPOTGUARD_PLATFORM="none")
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", TMPDIR=str(sock_dir),
+               SLURM_JOB_ID="7", SPOTGUARD_RUNTIME_DIR=str(sock_dir / "no-daemon"),
+               SPOTGUARD_SLURM__ENABLED="no", SPOTGUARD_PLATFORM="none")
     if url:
         env["SPOTGUARD_STORAGE__URL"] = url.format(tmp=tmp_path)
     script = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "train.sbatch"

@@ -26,7 +26,8 @@ from spotguard.storage._local import ManifestError, read_manifest
 from spotguard.storage.base import StoreError, StoreOptions, open_store
 from spotguard.storage.durable import Durable
 
-__all__ = ["restore_newer", "local_latest_step", "store_from_env", "no_store", "DEFAULT_JOB", "NO_STORE"]
+__all__ = ["restore_newer", "local_latest_step", "store_from_env", "no_store", "DEFAULT_JOB",
+           "NO_STORE"]
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,16 @@ Each raises ``ValueError`` with the problem in a few words; pydantic turns it in
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator
+from spotguard.storage.fresh_node import NO_STORE
 
-__all__ = ["HttpEndpoint", "StoreUrl", "http_url", "is_loopback", "store_url", "STORE_SCHEMES"]
+__all__ = ["HttpEndpoint", "StoreUrl", "http_url", "is_loopback", "store_url", "NO_STORE",
+           "STORE_SCHEMES"]
 
 
 def http_url(value: str | None) -> str | None:
@@ -38,15 +41,21 @@ STORE_SCHEMES = ("file://", "s3://", "gs://", "az://", "https://<account>.blob.c
 
 
 def store_url(value: str | None) -> str | None:
-    """A store URL that :func:`spotguard.storage.open_store` accepts (checked here, without the SDKs)."""
+    """A store URL that :func:`spotguard.storage.open_store` accepts (checked here, without the
+    SDKs), or ``none`` (any case; returned as ``none``): no durable store at all."""
     if value is None:
         return value
+    if value.strip().lower() == NO_STORE:
+        return NO_STORE
     parts = urlsplit(value)
     if parts.scheme == "file" or (not parts.scheme and value.startswith("/")):
         return value
     azure_https = parts.scheme == "https" and (parts.hostname or "").endswith(".blob.core.windows.net")
     if parts.scheme not in ("s3", "gs", "az") and not azure_https:
-        raise ValueError(f"unsupported store URL: use {', '.join(STORE_SCHEMES)}")
+        close = difflib.get_close_matches(value.lower(), [NO_STORE])
+        hint = " (did you mean none?)" if close else ""
+        raise ValueError(f"unsupported store URL{hint}: use {', '.join(STORE_SCHEMES)} "
+                         "or none (no store)")
     if not (parts.path.strip("/") if azure_https else parts.hostname):
         raise ValueError("the store URL names no bucket or container")
     if "@" in parts.netloc:

@@ -43,7 +43,7 @@ from spotguard.storage.base import StoreError
 from spotguard_daemon import systemd, uploads
 from spotguard_daemon.delivery import Delivery
 from spotguard_daemon.goodput import GoodputLedger
-from spotguard_daemon.goodput_store import DurableProgress
+from spotguard_daemon.goodput_store import DurableProgress, NoProgress
 from spotguard_daemon.handlers import RequestHandler
 from spotguard_daemon.metrics import Metrics
 from spotguard_daemon.server import Server, ServerError, lock_runtime_dir
@@ -82,10 +82,11 @@ class Daemon:
                                            on_durable=self._durable,
                                            urgent=lambda: bool(self.store.pending()))
         ledger = GoodputLedger(settings.state_dir / "goodput.json")
-        self.progress = DurableProgress(self.queue.durable.store, ledger, self.metrics,
-                                        scratch=settings.runtime_dir / "progress-scratch",
-                                        interval=settings.storage.progress_seconds,
-                                        nice=settings.storage.upload_nice, urgent=self._terminating)
+        self.progress = NoProgress() if self.queue.store is None else DurableProgress(
+            self.queue.store, ledger, self.metrics,
+            scratch=settings.runtime_dir / "progress-scratch",
+            interval=settings.storage.progress_seconds, nice=settings.storage.upload_nice,
+            urgent=self._terminating)
         self.handler = RequestHandler(self.store, platform=self.platform,
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
                                       on_change=self._clients_changed, on_commit=self._committed,
@@ -256,11 +257,12 @@ class Daemon:
     async def _check_storage(self) -> None:
         """Report a missing bucket or a refused credential at start-up, in one line, not at the
         first upload. Whatever the check raises, the daemon keeps serving notices; uploads retry, and
-        so does the check (backing off to 5 minutes), saying once when the store is usable again."""
-        delay = 1.0
-        while True:
+        so does the check (backing off to 5 minutes), saying once when the store is usable again.
+        Without a store (``storage.url = "none"``) there is nothing to check."""
+        store, delay = self.queue.store, 1.0
+        while store is not None:
             try:
-                await asyncio.to_thread(self.queue.durable.store.check)
+                await asyncio.to_thread(store.check)
             except Exception as exc:  # noqa: BLE001 - any SDK's transport error: never fatal
                 if delay == 1.0:
                     log.error("durable storage unusable: %s", exc if isinstance(exc, StoreError) else repr(exc))

@@ -163,6 +163,8 @@ def _human_uploads(uploads: dict[str, Any]) -> list[str]:
     refused checkpoint, and whether the worker and its journal are well."""
     import time
 
+    if uploads.get("disabled"):
+        return ["durable store: none (uploads disabled: committed checkpoints are not copied)"]
     queued = [u for u in (uploads.get("pending") or [])]
     if uploads.get("uploading"):
         queued.insert(0, uploads["uploading"])

@@ -29,6 +29,9 @@ def _durable(store_url: str | None, endpoint_url: str | None, config: str | None
     options = StoreOptions.of(settings.storage)
     if endpoint_url:
         options = StoreOptions(**{**options.__dict__, "endpoint_url": endpoint_url})
+    if not (store_url or settings.storage_url):
+        raise click.BadParameter("storage.url is none (no durable store); name one",
+                                 param_hint="'--store'")
     try:
         store = open_store(store_url or settings.storage_url, options)
     except ValueError as exc:

@@ -50,7 +50,7 @@ from spotguard.storage.file import make_private_dirs
 from spotguard_daemon.goodput import MAX_COMMITS, GoodputLedger, JobRecord, restart_loss
 from spotguard_daemon.metrics import Metrics
 
-__all__ = ["DurableProgress", "ProgressObject"]
+__all__ = ["DurableProgress", "NoProgress", "ProgressObject"]
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,24 @@ class DurableProgress:
         if len(body) > MAX_BYTES:
             raise IntegrityError(f"{key} is over {MAX_BYTES} bytes")
         return body
+
+
+class NoProgress:
+    """:class:`DurableProgress` for a daemon without a durable store (``storage.url = "none"``):
+    nothing is written; a restart that only the store could tell about counts no loss."""
+
+    def start(self) -> None:
+        pass
+
+    def tick(self, *, force: bool = False) -> None:
+        pass
+
+    def recall(self, job: str, resumed_from: int) -> None:
+        log.info("job %r is unknown here and there is no durable store: its restart counts no loss",
+                 job)
+
+    def close(self, timeout: float = 2.0) -> None:
+        pass
 
 
 def _encode(job: str, record: JobRecord) -> bytes:

@@ -26,7 +26,7 @@ from pydantic import (
 )
 from spotguard._paths import default_runtime_dir as _default_runtime_dir
 
-from ._urls import HttpEndpoint, StoreUrl, is_loopback
+from ._urls import NO_STORE, HttpEndpoint, StoreUrl, is_loopback
 from .redact import redact_data, redact_text, register, register_environment, register_url
 from pydantic_settings import (
     BaseSettings,
@@ -231,7 +231,9 @@ class MetricsSettings(_Section):
 class StorageSettings(_Section):
     url: StoreUrl = None
     """Durable store: ``file:///dir``, ``s3://bucket/prefix``, ``gs://bucket/prefix``,
-    ``az://container/prefix``. Default ``file://<state_dir>/durable``."""
+    ``az://container/prefix``, or ``none``: no store (commits are accepted, nothing is copied or
+    made durable; for notices only, e.g. a Slurm job's daemon).
+    Default ``file://<state_dir>/durable``."""
     keep: int = Field(3, ge=1)
     """Durable checkpoints kept per job; older ones and unreferenced objects are deleted."""
     concurrency: int = Field(8, ge=1, le=128)
@@ -311,7 +313,10 @@ class Settings(BaseSettings):
         return self.zmq.request_endpoint or f"ipc://{self.runtime_dir}/requests.sock"
 
     @property
-    def storage_url(self) -> str:
+    def storage_url(self) -> str | None:
+        """The durable store's URL; None when ``storage.url`` is ``none`` (no durable store)."""
+        if self.storage.url == NO_STORE:
+            return None
         return self.storage.url or f"file://{self.state_dir / 'durable'}"
 
     @model_validator(mode="after")

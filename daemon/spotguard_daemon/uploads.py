@@ -34,6 +34,9 @@
   than ``retry_max`` seconds apart, because a checkpoint that is not durable yet is exactly what
   must not be dropped; a failed upload waits without holding up other jobs'.
 
+Without a store (``storage.url = "none"``) :func:`from_settings` gives a :class:`NoStoreQueue`
+instead: same interface, commits accepted and not copied, never a ``durable`` event.
+
 Exceptions: none escape the worker; failures are logged once per attempt and retried, and an error
 that escapes anyway restarts the worker (``spotguard_upload_worker_restarts_total``).
 """
@@ -51,7 +54,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry
 from spotguard._priority import lower_priority
 from spotguard.storage._local import ManifestError
-from spotguard.storage.base import IntegrityError, Interrupted, StoreOptions, open_store
+from spotguard.storage.base import IntegrityError, Interrupted, Store, StoreOptions, open_store
 from spotguard.storage.durable import Durable, DurableInfo, manifest_key
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
@@ -59,7 +62,7 @@ from spotguard_daemon import confine
 from spotguard_daemon.upload_journal import Journal, Upload, UploadMetrics
 from spotguard_daemon.redact import redact_url
 
-__all__ = ["UploadQueue", "Upload", "from_settings"]
+__all__ = ["UploadQueue", "NoStoreQueue", "Upload", "from_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,11 @@ class UploadQueue:
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def store(self) -> Store:
+        """The store checkpoints go to (the daemon checks it at start-up and shares its client)."""
+        return self.durable.store
+
     def start(self) -> None:
         """Start the worker; it first queues what was committed while no daemon ran (:meth:`reconcile`)."""
         shutil.rmtree(self.staging, ignore_errors=True)  # a killed daemon's views: dangling links
@@ -165,7 +173,7 @@ class UploadQueue:
             current = _shown(self._current) if self._current else None
             done, total = self._progress
             alive = self._thread is not None and self._thread.is_alive()
-            return {"store": self.url, "pending": pending,
+            return {"store": self.url, "disabled": False, "pending": pending,
                     "uploading": current, "bytes_pending": sum(u["size_bytes"] for u in pending) + (total - done),
                     "durable": {job: dict(d) for job, d in self._durable.items()},
                     "refused": {job: dict(r) for job, r in self._refused.items()},
@@ -445,12 +453,53 @@ def _check_job(job_id: str) -> None:
         raise confine.UnsafeCheckpoint(str(exc)) from None
 
 
+class NoStoreQueue:
+    """The queue of a daemon without a durable store (``storage.url = "none"``): a commit is
+    accepted and nothing is copied, so nothing ever becomes durable and no ``durable`` event is
+    published (a client must never be told a checkpoint is safe when it is not); a node stop waits
+    for no upload. The interface of :class:`UploadQueue`; its metrics exist, so dashboards and
+    alerts keep their series, and stay at their idle values (nothing durable: the age is NaN)."""
+
+    store = None
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.metrics = UploadMetrics(registry)
+        self.metrics.durable_age.set_function(lambda: float("nan"))
+
+    def start(self) -> None:
+        log.info("no durable store (storage.url = none): committed checkpoints are not uploaded")
+
+    def submit(self, job_id: str, path: Path, step: int, size_bytes: int = 0) -> None:
+        log.debug("not uploading %s step %d: no durable store", job_id or DEFAULT_JOB, step)
+
+    def durable_step(self, job_id: str) -> int | None:
+        return None
+
+    def idle(self) -> bool:
+        return True
+
+    def wait_idle(self, timeout: float) -> bool:
+        return True
+
+    def status(self) -> dict[str, Any]:
+        """:meth:`UploadQueue.status`'s shape, empty, with ``store`` None and ``disabled`` true."""
+        return {"store": None, "disabled": True, "pending": [], "uploading": None,
+                "bytes_pending": 0, "durable": {}, "refused": {}, "worker": None,
+                "journal_ok": True}
+
+    def close(self, timeout: float = 5.0) -> None:
+        pass
+
+
 def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,
                   on_durable: Callable[[str, int, str], None] | None = None,
-                  urgent: Callable[[], bool] = lambda: False) -> UploadQueue:
-    """The queue for the daemon's ``storage`` settings (``file://<state_dir>/durable`` by default).
+                  urgent: Callable[[], bool] = lambda: False) -> UploadQueue | NoStoreQueue:
+    """The queue for the daemon's ``storage`` settings (``file://<state_dir>/durable`` by default;
+    a :class:`NoStoreQueue` for ``none``).
 
     Opening a store does no I/O: :meth:`Store.check` reports a bad bucket or credential later."""
+    if settings.storage_url is None:
+        return NoStoreQueue(registry)
     storage = settings.storage
     store = open_store(settings.storage_url, StoreOptions.of(storage))
     return UploadQueue(Durable(store, concurrency=storage.concurrency),

@@ -133,7 +133,7 @@ def test_daemon_gone_then_restarted_is_rejoined(daemon):
         assert wait_for(lambda: not guard.daemon_alive, timeout=3)
         started = time.monotonic()
         assert not guard.report_safe()  # training goes on: no wait when the daemon is gone
-        assert time.monotonic() - started < 0.1
+        assert time.monotonic() - started < 0.4  # less than the 0.5 s request timeout: nothing was sent
         notice = make_notice(30)
         daemon.pending.append(notice)  # published while nobody listened
         daemon.restart()

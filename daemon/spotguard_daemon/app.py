@@ -390,7 +390,8 @@ class Daemon:
         while notice is not None and not self._force:
             left = notice.seconds_left() or 0.0
             if self._all_safe(notice.id) and self.queue.idle():
-                log.info("every registered client is safe and every commit durable; stopping")
+                log.info("every registered client is safe%s; stopping",
+                         "" if self.queue.store is None else " and every commit durable")
                 return
             if left <= 0:
                 log.warning("signal grace of %gs passed; stopping", self.settings.signal.grace)

@@ -240,8 +240,8 @@ class Checkpointer:
             return
         try:
             commit.apply_retention(self.root, self.keep, self._last.path if self._last else None, stop)
-        except OSError as exc:  # the checkpoints stay; the next save tries again
-            logger.warning("could not delete old checkpoints under %s: %s", self.root, exc)
+        except Exception as exc:  # noqa: BLE001 - a failed delete must never cost a save; the next tries again
+            logger.warning("could not delete old checkpoints under %s: %r", self.root, exc)
 
     def _run(self, job: Callable[[], CommitInfo], nice: int | None) -> None:
         lower_priority(nice)

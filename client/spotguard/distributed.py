@@ -102,18 +102,12 @@ class Agreement:
         """The agreed decision (call on every rank at the same step; see :meth:`due`)."""
         if not self.enabled:
             return local
-        import torch
-        import torch.distributed as dist
-
         left = _NO_DEADLINE if local.seconds_left is None else local.seconds_left
         save = -1.0 if local.save_seconds is None else local.save_seconds
         values = [float(local.stop), float(local.checkpoint), -left, -self._propose(step), save]
-        device = torch.device("cpu") if self._private is not None else self._device()
-        tensor = torch.tensor(values, dtype=torch.float64, device=device)
         started = time.monotonic()
-        self._all_reduce_max(tensor, step)
+        stop, checkpoint, neg_left, neg_interval, save = self._all_reduce_max(values, step)
         self._collective_seconds = time.monotonic() - started
-        stop, checkpoint, neg_left, neg_interval, save = tensor.tolist()
         self.interval = max(1, int(-neg_interval))
         self._next_check = step + self.interval
         return Decision(stop=stop > 0, checkpoint=checkpoint > 0,
@@ -123,10 +117,7 @@ class Agreement:
     def barrier(self, step: int) -> None:
         """Wait until every rank got here (bounded like :meth:`agree`; a no-op with one rank)."""
         if self.enabled:
-            import torch
-
-            device = torch.device("cpu") if self._private is not None else self._device()
-            self._all_reduce_max(torch.zeros(1, device=device), step)
+            self._all_reduce_max([0.0], step)
 
     def _propose(self, step: int) -> int:
         """This rank's wish for the next interval, from its measured step and collective times."""
@@ -141,10 +132,14 @@ class Agreement:
         bound = math.floor(self._max_lag / step_seconds)
         return max(1, min(wanted, bound, self._max_interval))
 
-    def _all_reduce_max(self, tensor: Any, step: int) -> None:
-        """MAX-reduce on the private group; a failure or timeout becomes :class:`PeerLostError`."""
+    def _all_reduce_max(self, values: list[float], step: int) -> list[float]:
+        """``values`` MAX-reduced on the private group (or, before one exists, on the group's own
+        device); a failure or timeout becomes :class:`PeerLostError`."""
+        import torch
         import torch.distributed as dist
 
+        device = torch.device("cpu") if self._private is not None else self._device()
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
         started = time.monotonic()
         group = self._private if self._private is not None else self._group
         try:
@@ -154,6 +149,7 @@ class Agreement:
             raise PeerLostError(_lost(step, started, exc)) from exc
         if done is False:
             raise PeerLostError(_lost(step, started, "timed out"))
+        return tensor.tolist()
 
 
     def _device(self) -> Any:

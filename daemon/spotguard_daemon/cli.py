@@ -177,6 +177,9 @@ def _human_uploads(uploads: dict[str, Any]) -> list[str]:
     for job, refused in sorted((uploads.get("refused") or {}).items()):
         lines.append(f"  job {job}: step {refused.get('step')} REFUSED ({refused.get('path')}): "
                      f"{refused.get('error')}")
+    for job, retry in sorted((uploads.get("retention_retry") or {}).items()):
+        lines.append(f"  job {job}: retention failed {retry.get('failures')} times; retrying "
+                     "(old checkpoints stay in the bucket until it succeeds)")
     if worker := uploads.get("worker"):
         lines.append(f"  upload worker: {'alive' if worker.get('alive') else 'DOWN'}, "
                      f"restarts: {worker.get('restarts', 0)}; journal: "

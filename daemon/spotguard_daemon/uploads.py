@@ -112,6 +112,8 @@ class UploadQueue:
         self._progress = (0, 0)
         self._durable: dict[str, dict[str, Any]] = {}
         self._refused: dict[str, dict[str, Any]] = {}
+        self._retention_due: dict[str, tuple[float, int]] = {}
+        """Jobs whose retention failed: when to try again, and how many tries failed so far."""
         self._restarts = 0
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -177,6 +179,8 @@ class UploadQueue:
                     "uploading": current, "bytes_pending": sum(u["size_bytes"] for u in pending) + (total - done),
                     "durable": {job: dict(d) for job, d in self._durable.items()},
                     "refused": {job: dict(r) for job, r in self._refused.items()},
+                    "retention_retry": {job: {"failures": n, "at": when}
+                                        for job, (when, n) in self._retention_due.items()},
                     "worker": {"alive": alive, "restarts": self._restarts},
                     "journal_ok": self.journal.ok}
 
@@ -250,16 +254,23 @@ class UploadQueue:
     # ------------------------------------------------------------------ worker
 
     def _work(self) -> None:
+        """Upload the next commit; when none is ready, retry a failed retention (never while a
+        notice is pending: a delete must not hold up the upload that matters)."""
         while True:
             with self._cond:
-                upload = self._next()
-                while upload is None and not self._stop:
-                    self._cond.wait(self._wait_time())
-                    self._retry_journal()
-                    upload = self._next()
+                upload, prune = self._next(), None
+                while upload is None and prune is None and not self._stop:
+                    prune = self._retention_ready()
+                    if prune is None:
+                        self._cond.wait(self._wait_time())
+                        self._retry_journal()
+                        upload = self._next()
                 if self._stop:
                     return
-            self._attempt(upload)
+            if upload is not None:
+                self._attempt(upload)
+            else:
+                self._prune(prune)
 
     def _enqueue(self, upload: Upload) -> bool:
         """Queue ``upload`` unless a newer one of its job is queued or durable; lock held."""
@@ -283,8 +294,15 @@ class UploadQueue:
         self._progress = (0, 0)
         return self._current
 
+    def _retention_ready(self) -> str | None:
+        """A job whose failed retention is due again; lock held."""
+        now = time.time()
+        due = [job for job, (when, _) in self._retention_due.items() if when <= now]
+        return due[0] if due and not self._urgent() else None
+
     def _wait_time(self) -> float | None:
         waits = [u.not_before - time.time() for u in self._queue.values()]
+        waits += [when - time.time() for when, _ in self._retention_due.values()]
         if self.journal.dirty:
             waits.append(JOURNAL_RETRY_SECONDS)
         return max(0.05, min(waits)) if waits else None
@@ -376,10 +394,19 @@ class UploadQueue:
             return False
 
     def _prune(self, job_id: str) -> None:
+        """Apply retention to ``job_id``; a failure is retried with backoff until it succeeds (or a
+        later upload's retention does), so a store that failed once never keeps extra checkpoints."""
         try:
             self.durable.prune(job_id, self.keep)
-        except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
-            log.warning("retention of %s failed: %s", job_id, exc)
+        except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
+            with self._cond:
+                failures = self._retention_due.get(job_id, (0.0, 0))[1] + 1
+                delay = min(self.retry_max, 0.5 * 2 ** min(failures, 10))
+                self._retention_due[job_id] = (time.time() + delay, failures)
+            log.warning("retention of %s failed (attempt %d): %s; retrying in %.1fs", job_id, failures, exc, delay)
+        else:
+            with self._cond:
+                self._retention_due.pop(job_id, None)
 
     def _refuse(self, upload: Upload, exc: Exception) -> None:
         """A checkpoint that cannot be uploaded as committed: say so once, drop it, go on."""
@@ -484,7 +511,7 @@ class NoStoreQueue:
     def status(self) -> dict[str, Any]:
         """:meth:`UploadQueue.status`'s shape, empty, with ``store`` None and ``disabled`` true."""
         return {"store": None, "disabled": True, "pending": [], "uploading": None,
-                "bytes_pending": 0, "durable": {}, "refused": {}, "worker": None,
+                "bytes_pending": 0, "durable": {}, "refused": {}, "retention_retry": {}, "worker": None,
                 "journal_ok": True}
 
     def close(self, timeout: float = 5.0) -> None:

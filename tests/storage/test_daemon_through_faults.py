@@ -95,6 +95,8 @@ def test_sigkilled_daemon_behind_faults_makes_every_kept_checkpoint_durable(back
         wait_until(lambda: all(store.latest(job) == newest for job in JOBS), "every job's newest step",
                    daemon, DURABLE_WITHIN)
         print(f"{backend}: all durable {time.monotonic() - healed:.1f}s after the faults stopped")
+        # Retention runs after the pointer is written, and is retried if the faults failed it.
+        wait_until(lambda: all(len(store.list(job)) <= 2 for job in JOBS), "retention to keep 2", daemon, 60)
         worker = daemon.request(StatusRequest()).data["uploads"]["worker"]
     assert worker == {"alive": True, "restarts": 0}, worker
     assert daemon.proc.poll() is None

@@ -138,6 +138,38 @@ def test_transient_store_failures_are_retried_until_durable(moto, new_bucket, tm
     assert Durable(direct).verify("job", 1) == []
 
 
+def test_a_failed_retention_is_retried_without_waiting_for_another_upload(moto, new_bucket, tmp_path, make_ckpt):
+    """The bucket refuses the first deletes after step 2 is durable; no step 3 ever comes, yet step 1
+    is deleted once the bucket heals (before, it stayed until the job's next upload: maybe never)."""
+    from spotguard.storage import StoreOptions, open_store
+
+    class FailingDeletes(Proxy):
+        def pick_fault(self, method: str, path: str) -> str | None:
+            if method == "POST" and "delete" in path and len(self.injected) < 3:
+                self.injected.append(("503", method, path))
+                return "503"
+            return None
+
+    direct = new_bucket("s3")
+    with FailingDeletes(moto.url) as proxy:
+        store = open_store(f"s3://{direct.bucket}/pre", StoreOptions(endpoint_url=proxy.url, max_attempts=1))
+        queue, done, _ = _queue(store, tmp_path, keep=1)
+        queue.start()
+        try:
+            for step in (1, 2):
+                queue.submit("job", make_ckpt(tmp_path / "ckpt", step, {"w.bin": bytes([step]) * 1000}), step)
+                assert queue.wait_idle(30)
+            deadline = time.monotonic() + 20
+            while Durable(direct).list("job") != [2] and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            queue.close()
+        assert len(proxy.injected) == 3, proxy.injected
+    assert done == [("job", 1), ("job", 2)]
+    assert Durable(direct).list("job") == [2]
+    assert queue.status()["retention_retry"] == {}
+
+
 def test_a_vanished_checkpoint_is_not_retried_forever(tmp_path, make_ckpt):
     store = FileStore(tmp_path / "bucket")
     journal = tmp_path / "state" / "uploads.json"

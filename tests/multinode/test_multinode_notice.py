@@ -67,7 +67,9 @@ def test_the_relaunch_on_both_nodes_resumes_and_ends_identical_to_an_uninterrupt
     assert reference.wait(180) == [0, 0], reference.output()
 
     starts = resumed.events("start")
-    assert len(starts) == 2 * NPROC and {s["resumed_from"] for s in starts} == {step}, starts
+    on_disk = sorted(p.name for p in (cluster.checkpoint_root / "job").iterdir())
+    assert len(starts) == 2 * NPROC and {s["resumed_from"] for s in starts} == {step}, \
+        (starts, on_disk, stopped[1], stopped[0].events("stop"), stopped[0].events("commit"), resumed.output())
     finished = {e["digest"] for e in resumed.events("finish")}
     expected = {e["digest"] for e in reference.events("finish")}
     assert len(expected) == 1 and finished == expected

@@ -160,7 +160,10 @@ class Cluster:
                 "--local-addr", node.addr, "--max-restarts", str(restarts), "--monitor-interval", "0.5",
                 str(JOB), "--ckpt-dir", str(self.checkpoint_root / ckpt), *job_args]
         log = self.workdir / f"{name}-{node.name}.log"
-        proc = node.popen(argv, log, SPOTGUARD_RECORD=str(record), SPOTGUARD_JOB_ID="multinode")
+        # One job id per checkpoint directory: the daemons' durable stores are keyed by job id, and
+        # a relaunch restores a newer durable checkpoint of its job, so a reference run sharing the
+        # id could hand the relaunch its own final step (CI once saw a relaunch resume from 80).
+        proc = node.popen(argv, log, SPOTGUARD_RECORD=str(record), SPOTGUARD_JOB_ID=f"multinode-{ckpt}")
         return Launch(proc, log)
 
     def launch(self, name: str, ckpt: str, *job_args: str, nproc: int = 1, **agent: Any) -> "Job":

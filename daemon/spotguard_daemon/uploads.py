@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 
 JOURNAL_RETRY_SECONDS = 2.0
 INTEGRITY_ATTEMPTS = 3
+RETENTION_RETRY_MAX = 600.0
+"""The longest wait between retries of a failed retention: it is never urgent, and a bucket that
+never allows deletes (a policy without ``DeleteObject``) then logs a few lines an hour, not a flood."""
 """A checkpoint whose files disagree with its manifest this many times in a row is refused."""
 
 
@@ -401,7 +404,7 @@ class UploadQueue:
         except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
             with self._cond:
                 failures = self._retention_due.get(job_id, (0.0, 0))[1] + 1
-                delay = min(self.retry_max, 0.5 * 2 ** min(failures, 10))
+                delay = min(RETENTION_RETRY_MAX, min(self.retry_max, 5.0) * 2 ** min(failures - 1, 10))
                 self._retention_due[job_id] = (time.time() + delay, failures)
             log.warning("retention of %s failed (attempt %d): %s; retrying in %.1fs", job_id, failures, exc, delay)
         else:

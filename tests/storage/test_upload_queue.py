@@ -138,20 +138,24 @@ def test_transient_store_failures_are_retried_until_durable(moto, new_bucket, tm
     assert Durable(direct).verify("job", 1) == []
 
 
+class FailingDeletes(Proxy):
+    """Answers the first ``max_faults`` S3 DeleteObjects requests with a 503."""
+
+    def pick_fault(self, method: str, path: str) -> str | None:
+        with self.lock:
+            if method == "POST" and "delete" in path and len(self.injected) < self.max_faults:
+                self.injected.append(("503", method, path))
+                return "503"
+        return None
+
+
 def test_a_failed_retention_is_retried_without_waiting_for_another_upload(moto, new_bucket, tmp_path, make_ckpt):
     """The bucket refuses the first deletes after step 2 is durable; no step 3 ever comes, yet step 1
     is deleted once the bucket heals (before, it stayed until the job's next upload: maybe never)."""
     from spotguard.storage import StoreOptions, open_store
 
-    class FailingDeletes(Proxy):
-        def pick_fault(self, method: str, path: str) -> str | None:
-            if method == "POST" and "delete" in path and len(self.injected) < 3:
-                self.injected.append(("503", method, path))
-                return "503"
-            return None
-
     direct = new_bucket("s3")
-    with FailingDeletes(moto.url) as proxy:
+    with FailingDeletes(moto.url, max_faults=3) as proxy:
         store = open_store(f"s3://{direct.bucket}/pre", StoreOptions(endpoint_url=proxy.url, max_attempts=1))
         queue, done, _ = _queue(store, tmp_path, keep=1)
         queue.start()
@@ -168,6 +172,29 @@ def test_a_failed_retention_is_retried_without_waiting_for_another_upload(moto, 
     assert done == [("job", 1), ("job", 2)]
     assert Durable(direct).list("job") == [2]
     assert queue.status()["retention_retry"] == {}
+
+
+def test_a_bucket_that_never_allows_deletes_is_retried_ever_more_slowly(moto, new_bucket, tmp_path, make_ckpt):
+    """A write-only bucket policy (no DeleteObject): uploads still become durable, status names the
+    failing retention, and the retries back off (0.2, 0.4, 0.8, ... s here) instead of spinning."""
+    from spotguard.storage import StoreOptions, open_store
+
+    direct = new_bucket("s3")
+    with FailingDeletes(moto.url) as proxy:
+        store = open_store(f"s3://{direct.bucket}/pre", StoreOptions(endpoint_url=proxy.url, max_attempts=1))
+        queue, done, _ = _queue(store, tmp_path, keep=1)
+        queue.start()
+        try:
+            for step in (1, 2):
+                queue.submit("job", make_ckpt(tmp_path / "ckpt", step, {"w.bin": bytes([step]) * 1000}), step)
+                assert queue.wait_idle(30)
+            time.sleep(3.0)
+            retry = queue.status()["retention_retry"]["job"]
+        finally:
+            queue.close()
+    assert done == [("job", 1), ("job", 2)] and Durable(direct).latest("job") == 2
+    assert 3 <= retry["failures"] <= 6, retry  # 2 prunes after uploads, then 0.2 + 0.4 + 0.8 + 1.6 s
+    assert retry["at"] > time.time(), retry
 
 
 def test_a_vanished_checkpoint_is_not_retried_forever(tmp_path, make_ckpt):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -149,13 +150,13 @@ class FailingDeletes(Proxy):
         return None
 
 
-def test_a_failed_retention_is_retried_without_waiting_for_another_upload(moto, new_bucket, tmp_path, make_ckpt):
-    """The bucket refuses the first deletes after step 2 is durable; no step 3 ever comes, yet step 1
-    is deleted once the bucket heals (before, it stayed until the job's next upload: maybe never)."""
+@contextlib.contextmanager
+def two_steps_behind_failing_deletes(moto, direct, tmp_path, make_ckpt, max_faults: int = 1000):
+    """A keep=1 queue whose deletes go through FailingDeletes; steps 1 and 2 are durable on entry.
+    Yields (queue, done, proxy); the queue is closed on the way out."""
     from spotguard.storage import StoreOptions, open_store
 
-    direct = new_bucket("s3")
-    with FailingDeletes(moto.url, max_faults=3) as proxy:
+    with FailingDeletes(moto.url, max_faults=max_faults) as proxy:
         store = open_store(f"s3://{direct.bucket}/pre", StoreOptions(endpoint_url=proxy.url, max_attempts=1))
         queue, done, _ = _queue(store, tmp_path, keep=1)
         queue.start()
@@ -163,13 +164,21 @@ def test_a_failed_retention_is_retried_without_waiting_for_another_upload(moto, 
             for step in (1, 2):
                 queue.submit("job", make_ckpt(tmp_path / "ckpt", step, {"w.bin": bytes([step]) * 1000}), step)
                 assert queue.wait_idle(30)
-            deadline = time.monotonic() + 20
-            while Durable(direct).list("job") != [2] and time.monotonic() < deadline:
-                time.sleep(0.1)
+            yield queue, done, proxy
         finally:
             queue.close()
+    assert done == [("job", 1), ("job", 2)] and Durable(direct).latest("job") == 2
+
+
+def test_a_failed_retention_is_retried_without_waiting_for_another_upload(moto, new_bucket, tmp_path, make_ckpt):
+    """The bucket refuses the first deletes after step 2 is durable; no step 3 ever comes, yet step 1
+    is deleted once the bucket heals (before, it stayed until the job's next upload: maybe never)."""
+    direct = new_bucket("s3")
+    with two_steps_behind_failing_deletes(moto, direct, tmp_path, make_ckpt, max_faults=3) as (queue, _, proxy):
+        deadline = time.monotonic() + 20
+        while Durable(direct).list("job") != [2] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert len(proxy.injected) == 3, proxy.injected
-    assert done == [("job", 1), ("job", 2)]
     assert Durable(direct).list("job") == [2]
     assert queue.status()["retention_retry"] == {}
 
@@ -177,23 +186,12 @@ def test_a_failed_retention_is_retried_without_waiting_for_another_upload(moto, 
 def test_a_bucket_that_never_allows_deletes_is_retried_ever_more_slowly(moto, new_bucket, tmp_path, make_ckpt):
     """A write-only bucket policy (no DeleteObject): uploads still become durable, status names the
     failing retention, and the retries back off (0.2, 0.4, 0.8, ... s here) instead of spinning."""
-    from spotguard.storage import StoreOptions, open_store
-
     direct = new_bucket("s3")
-    with FailingDeletes(moto.url) as proxy:
-        store = open_store(f"s3://{direct.bucket}/pre", StoreOptions(endpoint_url=proxy.url, max_attempts=1))
-        queue, done, _ = _queue(store, tmp_path, keep=1)
-        queue.start()
-        try:
-            for step in (1, 2):
-                queue.submit("job", make_ckpt(tmp_path / "ckpt", step, {"w.bin": bytes([step]) * 1000}), step)
-                assert queue.wait_idle(30)
-            time.sleep(3.0)
-            retry = queue.status()["retention_retry"]["job"]
-        finally:
-            queue.close()
-    assert done == [("job", 1), ("job", 2)] and Durable(direct).latest("job") == 2
-    assert 3 <= retry["failures"] <= 6, retry  # 2 prunes after uploads, then 0.2 + 0.4 + 0.8 + 1.6 s
+    with two_steps_behind_failing_deletes(moto, direct, tmp_path, make_ckpt) as (queue, _, _):
+        time.sleep(3.0)
+        retry = queue.status()["retention_retry"]["job"]
+    assert Durable(direct).list("job") == [1, 2]
+    assert 3 <= retry["failures"] <= 6, retry  # the prune after step 2, then retries 0.2, 0.6, 1.4, 3.0 s on
     assert retry["at"] > time.time(), retry
 
 

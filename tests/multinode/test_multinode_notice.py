@@ -59,17 +59,36 @@ def test_a_notice_on_one_node_stops_every_rank_of_both_nodes_at_one_step(cluster
     assert latest.step == step  # the one checkpoint every rank wrote a part of, committed
 
 
-def test_the_relaunch_on_both_nodes_resumes_and_ends_identical_to_an_uninterrupted_run(cluster, stopped):
-    step = stopped[0].events("stop")[0]["step"]
+@pytest.fixture(scope="module")
+def relaunched(cluster, stopped):
+    """The identical command relaunched on both nodes, and an uninterrupted reference run beside it
+    (its own checkpoint directory and job id, so it cannot restore the stopped run's checkpoint)."""
     resumed = cluster.launch("resumed", "job", *ARGS, nproc=NPROC)
     reference = cluster.launch("reference", "reference", *ARGS, nproc=NPROC)
     assert resumed.wait(180) == [0, 0], resumed.output()
     assert reference.wait(180) == [0, 0], reference.output()
+    return resumed, reference
 
+
+def test_the_relaunch_on_both_nodes_resumes_from_the_stop_step(cluster, stopped, relaunched):
+    step = stopped[0].events("stop")[0]["step"]
+    resumed, reference = relaunched
     starts = resumed.events("start")
     on_disk = sorted(p.name for p in (cluster.checkpoint_root / "job").iterdir())
     assert len(starts) == 2 * NPROC and {s["resumed_from"] for s in starts} == {step}, \
         (starts, on_disk, stopped[1], stopped[0].events("stop"), stopped[0].events("commit"), resumed.output())
+    assert {s["resumed_from"] for s in reference.events("start")} == {None}  # really uninterrupted
+    assert len({e["digest"] for e in resumed.events("finish")}) == 1  # every rank ends in one state
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "DDP with 4 ranks: the first step after a resume all-reduces the gradient buckets in DDP's initial "
+    "layout (parameter order), the uninterrupted run in its rebuilt layout (ready order), so the ring "
+    "all-reduce sums in another order and the last bits differ (README, Multi-node jobs). Hidden until "
+    "every checkpoint directory got its own job id: the reference run used to restore the stopped run's "
+    "durable checkpoint and so resumed too."))
+def test_the_relaunch_ends_identical_to_an_uninterrupted_two_node_run(relaunched):
+    resumed, reference = relaunched
     finished = {e["digest"] for e in resumed.events("finish")}
     expected = {e["digest"] for e in reference.events("finish")}
     assert len(expected) == 1 and finished == expected

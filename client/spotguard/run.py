@@ -76,7 +76,7 @@ import time
 from datetime import datetime
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
-from spotguard import _exit, _jobid, rng
+from spotguard import _ddp, _exit, _jobid, rng
 from spotguard._record import Recorder
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
@@ -206,6 +206,7 @@ class Run:
         self.start_step = self.step
         if self.resumed_from is not None:
             log.info("resumed from step %d (%s)", self.step, self.resumed_from.path)
+            _ddp.align_buckets(self.state.values())  # the first step all-reduces as if never stopped
             self.guard.report_resume(self.step)
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,

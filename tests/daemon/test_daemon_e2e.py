@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 RECORDER = """
 import pathlib, signal, sys, time
 out = pathlib.Path(sys.argv[1])
-signal.signal(signal.SIGUSR1, lambda *a: out.write_text("usr1"))
+tmp = out.with_name(out.name + ".tmp")  # written whole, then renamed: a reader never sees it empty
+signal.signal(signal.SIGUSR1, lambda *a: (tmp.write_text("usr1"), tmp.replace(out)))
 print("ready", flush=True)
 time.sleep(60)
 """

@@ -68,10 +68,10 @@ log = logging.getLogger(__name__)
 
 JOURNAL_RETRY_SECONDS = 2.0
 INTEGRITY_ATTEMPTS = 3
+"""A checkpoint whose files disagree with its manifest this many times in a row is refused."""
 RETENTION_RETRY_MAX = 600.0
 """The longest wait between retries of a failed retention: it is never urgent, and a bucket that
 never allows deletes (a policy without ``DeleteObject``) then logs a few lines an hour, not a flood."""
-"""A checkpoint whose files disagree with its manifest this many times in a row is refused."""
 
 
 class Superseded(Interrupted):
@@ -299,9 +299,10 @@ class UploadQueue:
 
     def _retention_ready(self) -> str | None:
         """A job whose failed retention is due again; lock held."""
+        if not self._retention_due or self._urgent():
+            return None
         now = time.time()
-        due = [job for job, (when, _) in self._retention_due.items() if when <= now]
-        return due[0] if due and not self._urgent() else None
+        return next((job for job, (when, _) in self._retention_due.items() if when <= now), None)
 
     def _wait_time(self) -> float | None:
         waits = [u.not_before - time.time() for u in self._queue.values()]
@@ -404,7 +405,7 @@ class UploadQueue:
         except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
             with self._cond:
                 failures = self._retention_due.get(job_id, (0.0, 0))[1] + 1
-                delay = min(RETENTION_RETRY_MAX, min(self.retry_max, 5.0) * 2 ** min(failures - 1, 10))
+                delay = _backoff(min(self.retry_max, 5.0), failures - 1, RETENTION_RETRY_MAX)
                 self._retention_due[job_id] = (time.time() + delay, failures)
             log.warning("retention of %s failed (attempt %d): %s; retrying in %.1fs", job_id, failures, exc, delay)
         else:
@@ -422,7 +423,7 @@ class UploadQueue:
 
     def _failed(self, upload: Upload, exc: Exception) -> None:
         self.metrics.failures.inc()
-        delay = min(self.retry_max, 0.5 * 2 ** min(upload.attempts, 10))
+        delay = _backoff(0.5, upload.attempts, self.retry_max)
         log.warning("upload of %s step %d failed (attempt %d): %s; retrying in %.1fs",
                     upload.job_id, upload.step, upload.attempts, exc, delay)
         with self._cond:
@@ -465,6 +466,11 @@ class UploadQueue:
     def _retry_journal(self) -> None:
         if self.journal.dirty:
             self._save_journal()
+
+
+def _backoff(base: float, exponent: int, cap: float) -> float:
+    """``base`` doubled ``exponent`` times (at most 10), never above ``cap``."""
+    return min(cap, base * 2 ** min(exponent, 10))
 
 
 def _printable(text: str) -> str:

@@ -304,9 +304,12 @@ class Daemon:
         return len(pids)
 
     def _all_safe(self, notice_id: str, *, need_one: bool = False) -> bool:
-        """O(1) while fewer pids reported safe than are registered (the usual case)."""
-        clients = self.handler.clients
-        if (need_one and not clients) or self.store.safe_count(notice_id) < len(clients):
+        """Every registered client reported safe for the notice; with ``need_one``, also at least one
+        pid did. That pid need not be registered still: a supervisor (``spotguard run``) reports its
+        job's processes safe after they exited, and the reaper may have dropped them by then. O(1)
+        while fewer pids reported safe than are registered (the usual case)."""
+        clients, count = self.handler.clients, self.store.safe_count(notice_id)
+        if (need_one and count == 0) or count < len(clients):
             return False
         safe = self.store.safe_pids(notice_id)
         return all(pid in safe for pid in clients)

@@ -326,3 +326,26 @@ def test_a_drill_completes_once_every_client_is_safe_so_a_relaunch_trains(daemon
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_safe_report_after_the_process_was_reaped_still_completes_the_drill(daemon_factory, zctx):
+    """``spotguard run`` reports its plain job safe once it exited 75, and the daemon's reaper may
+    have unregistered the dead process first: the drill must still be withdrawn (CI saw it stay)."""
+    daemon = daemon_factory(env={"SPOTGUARD_DELIVERY__SIGNAL": "none"})
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert daemon.request(RegisterRequest(pid=job.pid)).ok
+        sub = subscribe(zctx, daemon)
+        drill = notify(daemon, 60, Kind.DRILL)
+    finally:
+        job.kill()
+        job.wait()
+    deadline = time.monotonic() + 10
+    while daemon.request(StatusRequest()).data["clients"]:
+        assert time.monotonic() < deadline, "the daemon never reaped the dead client"
+        time.sleep(0.05)
+    assert [n["id"] for n in daemon.request(StatusRequest()).data["notices"]] == [drill]  # death is not safety
+    assert daemon.request(SafeRequest(pid=job.pid, notice_ids=[drill])).ok
+    cancel = next_event(sub, "cancel")
+    assert cancel.id == drill and "safe" in cancel.reason
+    assert daemon.request(StatusRequest()).data["notices"] == []

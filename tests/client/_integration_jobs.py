@@ -31,13 +31,15 @@ def stops() -> list[int]:
     return [int(s) for s in os.environ.get("JOB_STOPS", "").split(",") if s]
 
 
-def maybe_stop(step: int, start: int, guard=lambda: None) -> None:
+def maybe_stop(step: int, start: int, guard=lambda: None, settle=lambda: None) -> None:
     """SIGTERM at a step of ``$JOB_STOPS``; SIGKILL at ``$JOB_KILL`` once ``guard()``'s daemon
-    acknowledged the progress report of that step."""
+    acknowledged the progress report of that step and ``settle()`` returned (a background save
+    still in flight would otherwise make the resume step depend on the machine's load)."""
     if step > start and step in stops():
         os.kill(os.getpid(), signal.SIGTERM)
     if step > start and step == int(os.environ.get("JOB_KILL", "-1")):
         acknowledged(guard(), step)
+        settle()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -100,7 +102,8 @@ def lightning_job(out: str) -> None:
             self.start = self.global_step
 
         def training_step(self, batch, batch_idx):
-            maybe_stop(self.global_step, self.start, lambda: callback.run.guard)
+            maybe_stop(self.global_step, self.start, lambda: callback.run.guard,
+                       lambda: callback.run.checkpointer.wait(None))
             x, y = batch
             return torch.nn.functional.mse_loss(self.net(x), y)
 

@@ -143,7 +143,10 @@ def test_every_ranks_rng_state_is_in_the_committed_copy_when_one_rank_writes_lat
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(JOB_SCRIPT), "hf", str(out)], env=env, timeout=240, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert done.returncode == 0, done.stdout[-3000:]
+    # DDP's find_unused_parameters warning fills the tail: leave it out, so a rank's own error shows
+    # (CI once saw rank 0 end with SIGABRT here, and the tail held nothing else).
+    shown = "\n".join(line for line in done.stdout.splitlines() if "reducer.cpp" not in line)
+    assert done.returncode == 0, shown[-6000:]
     copies = sorted((out / "spotguard").glob("step-*"))
     assert [c.name for c in copies] == ["step-0000000004", "step-0000000008"], done.stdout[-3000:]
     for copy in copies:

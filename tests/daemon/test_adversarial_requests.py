@@ -35,23 +35,10 @@ from spotguard_daemon.server import Server
 from spotguard_daemon.store import NoticeStore
 from spotguard_daemon.watchers.manual import manual_notice
 
+from _recorder import start_recorder
+
 LIMIT = 4096
 NO_SIGNAL = {"SPOTGUARD_DELIVERY__SIGNAL": "none", "SPOTGUARD_ZMQ__MAX_MESSAGE_BYTES": str(LIMIT)}
-RECORDER = """
-import pathlib, signal, sys, time
-out = pathlib.Path(sys.argv[1])
-tmp = out.with_name(out.name + ".tmp")  # written whole, then renamed: a reader never sees it empty
-signal.signal(signal.SIGUSR1, lambda *a: (tmp.write_text("usr1"), tmp.replace(out)))
-print("ready", flush=True)
-time.sleep(60)
-"""
-
-
-def recorder(out: Path, prefix: list[str] = ()) -> subprocess.Popen:
-    """A process that writes ``out`` when it gets SIGUSR1 (the test stops it)."""
-    proc = subprocess.Popen([*prefix, sys.executable, "-c", RECORDER, str(out)], stdout=subprocess.PIPE)
-    assert proc.stdout.readline() == b"ready\n"
-    return proc
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -291,7 +278,7 @@ def test_a_foreign_pid_is_refused_and_never_signalled(other_user, sock_dir, tmp_
     caps = ["--inh-caps=+kill", "--ambient-caps=+kill"]
     endpoint = f"ipc://{sock_dir}/run/requests.sock"
     env = {**os.environ, "HOME": str(sock_dir), "SPOTGUARD_ZMQ__HEARTBEAT_INTERVAL": "0.2"}
-    victim = recorder(tmp_path / "victim-got")  # root's
+    victim = start_recorder(tmp_path / "victim-got")  # root's
     log = open(tmp_path / "daemon.log", "wb")
     daemon = subprocess.Popen([*as_user, *caps, "--", sys.executable, "-m", "spotguard_daemon", "daemon",
                                "--platform", "none", "--runtime-dir", f"{sock_dir}/run", "--state-dir",
@@ -325,7 +312,7 @@ def test_tcp_registrations_are_unproven_never_signalled_and_bounded(daemon_facto
     """tcp:// cannot prove who the peer is: its registrations are kept (bounded) but never signalled,
     and twenty thousand of them leave ``status`` small."""
     daemon = daemon_factory(env={"SPOTGUARD_ZMQ__REQUEST_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"})
-    child = recorder(tmp_path / "got")
+    child = start_recorder(tmp_path / "got")
     try:
         reply = daemon.request(RegisterRequest(pid=child.pid))
         assert reply.ok and reply.data["signal"] is False

@@ -16,16 +16,10 @@ from spotguard.protocol import (
     UnregisterRequest, decode_event,
 )
 
+from _recorder import start_recorder
+
 pytestmark = pytest.mark.slow
 
-RECORDER = """
-import pathlib, signal, sys, time
-out = pathlib.Path(sys.argv[1])
-tmp = out.with_name(out.name + ".tmp")  # written whole, then renamed: a reader never sees it empty
-signal.signal(signal.SIGUSR1, lambda *a: (tmp.write_text("usr1"), tmp.replace(out)))
-print("ready", flush=True)
-time.sleep(60)
-"""
 
 
 @pytest.fixture
@@ -39,8 +33,7 @@ def zctx():
 def child(tmp_path):
     """A real process that records SIGUSR1 into a file; it registers with the daemon by pid."""
     out = tmp_path / "child-got"
-    proc = subprocess.Popen([sys.executable, "-c", RECORDER, str(out)], stdout=subprocess.PIPE)
-    assert proc.stdout.readline() == b"ready\n"
+    proc = start_recorder(out)
     yield proc, out
     proc.kill()
     proc.wait()

@@ -18,14 +18,8 @@ from spotguard.protocol import Kind, Notice
 from spotguard_daemon.delivery import Delivery, listed_pids, signal_pids
 from spotguard_daemon.settings import DeliverySettings
 
-RECORDER = """
-import pathlib, signal, sys, time
-out = pathlib.Path(sys.argv[1])
-tmp = out.with_name(out.name + ".tmp")  # written whole, then renamed: a reader never sees it empty
-signal.signal(signal.SIGUSR1, lambda *a: (tmp.write_text("usr1"), tmp.replace(out)))
-print("ready", flush=True)
-time.sleep(30)
-"""
+from _recorder import start_recorder
+
 
 NOTICE = Notice(id="n1", platform="aws", kind=Kind.TERMINATE)
 
@@ -37,8 +31,7 @@ def recorder(tmp_path):
 
     def start(name: str = "got"):
         out = tmp_path / name
-        proc = subprocess.Popen([sys.executable, "-c", RECORDER, str(out)], stdout=subprocess.PIPE)
-        assert proc.stdout.readline() == b"ready\n"
+        proc = start_recorder(out)
         procs.append(proc)
         return proc, out
 

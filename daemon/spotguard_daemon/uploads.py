@@ -2,8 +2,8 @@
 
 ::
 
-    commit request --submit()--> journal (uploads.json) --worker thread--> Durable.upload --> prune
-                                                                       \\--> on_durable(job, step)
+    commit request --submit()--> journal (uploads.json) --worker thread--> Durable.upload
+                                                   --> on_durable(job, step) --> prune (retention)
 
 * **One job, one checkpoint in flight, newest first.** A newer commit of a job supersedes an older
   one still queued; while a notice is pending (``urgent``), another job's newer commit pre-empts the
@@ -320,7 +320,8 @@ class UploadQueue:
             with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
                                 self.staging) as ckpt:
                 progress, interrupt = self._hooks(upload, started)
-                info = self.durable.upload(ckpt, upload.job_id, progress=progress, interrupt=interrupt)
+                info = self.durable.upload(ckpt, upload.job_id, progress=progress, interrupt=interrupt,
+                                           cleanup=False)
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
             self._finish(upload, None)
@@ -337,11 +338,11 @@ class UploadQueue:
         except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
             self._failed(upload, exc)
         else:
-            durable_at = time.time()  # the pointer is written: durable now, not after retention
             self.metrics.bytes.inc(info.bytes_uploaded)
             self.metrics.seconds.observe(info.seconds)
+            self._finish(upload, info)  # the pointer is written: durable now, published before any delete
+            self.durable.cleanup(info)  # a slow or stalled delete delays nothing a client waits for
             self._prune(upload.job_id)
-            self._finish(upload, info, durable_at)
 
     def _hooks(self, upload: Upload,
                started: float) -> tuple[Callable[[int, int], None], Callable[[int], None]]:
@@ -432,11 +433,13 @@ class UploadQueue:
             self._enqueue(upload)
             self._cond.notify_all()
 
-    def _finish(self, upload: Upload, info: DurableInfo | None, durable_at: float = 0.0) -> None:
+    def _finish(self, upload: Upload, info: DurableInfo | None) -> None:
+        """Record ``upload`` as done (durable when ``info`` is given: journal, gauge, then the
+        ``durable`` event); retention runs only after this, so it never delays durability."""
         with self._cond:
             self._current = None
             if info is not None:
-                self._durable[upload.job_id] = {"step": info.step, "at": durable_at or time.time(),
+                self._durable[upload.job_id] = {"step": info.step, "at": time.time(),
                                                 "key": info.manifest_key}
                 self.metrics.durable_step.set(info.step)
             self.metrics.depth.set(len(self._queue))

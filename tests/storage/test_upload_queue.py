@@ -195,6 +195,60 @@ def test_a_bucket_that_never_allows_deletes_is_retried_ever_more_slowly(moto, ne
     assert retry["at"] > time.time(), retry
 
 
+class StallingDeletes(Proxy):
+    """Once ``armed``, holds every S3 DeleteObjects request until ``release`` is set (a bucket whose
+    deletes hang)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed, self.release, self.stalled = threading.Event(), threading.Event(), threading.Event()
+
+    def pick_fault(self, method: str, path: str) -> str | None:
+        if method == "POST" and "delete" in path and self.armed.is_set():
+            self.stalled.set()
+            self.release.wait(60)
+        return None
+
+
+def test_a_stalled_delete_does_not_delay_the_durable_event(moto, new_bucket, tmp_path, make_ckpt):
+    """keep=1: step 2's retention deletes step 1, and that delete hangs; step 2's ``durable`` event,
+    journal entry and gauge still come at once (before, they waited for the delete to end)."""
+    from spotguard.storage import StoreOptions, open_store
+
+    direct = new_bucket("s3")
+    with StallingDeletes(moto.url) as proxy:
+        store = open_store(f"s3://{direct.bucket}/pre", StoreOptions(endpoint_url=proxy.url, max_attempts=1))
+        registry, pruned, done, event = CollectorRegistry(), threading.Event(), [], threading.Event()
+
+        class ObservedDurable(Durable):
+            def prune(self, job_id, keep, **kwargs):
+                try:
+                    return super().prune(job_id, keep, **kwargs)
+                finally:
+                    pruned.set()
+
+        queue = UploadQueue(ObservedDurable(store), tmp_path / "state" / "uploads.json", keep=1,
+                            registry=registry, on_durable=lambda job, step, key: (done.append((job, step)), event.set()))
+        queue.start()
+        try:
+            queue.submit("job", make_ckpt(tmp_path / "ckpt", 1, {"w.bin": b"1" * 1000}), 1)
+            assert event.wait(30) and pruned.wait(30) and done == [("job", 1)]
+            event.clear()
+            proxy.armed.set()
+            queue.submit("job", make_ckpt(tmp_path / "ckpt", 2, {"w.bin": b"2" * 1000}), 2)
+            assert proxy.stalled.wait(30), "retention never deleted: the test proves nothing"
+            assert event.wait(5), "the durable event waited for the stalled delete"
+            assert done == [("job", 1), ("job", 2)]
+            assert registry.get_sample_value("spotguard_upload_last_durable_step") == 2
+            journal = json.loads((tmp_path / "state" / "uploads.json").read_text())
+            assert journal["durable"]["job"]["step"] == 2
+            assert Durable(direct).list("job") == [1, 2]  # the delete is still held
+        finally:
+            proxy.release.set()
+            queue.close()
+    assert Durable(direct).list("job") == [2]
+
+
 def test_a_vanished_checkpoint_is_not_retried_forever(tmp_path, make_ckpt):
     store = FileStore(tmp_path / "bucket")
     journal = tmp_path / "state" / "uploads.json"

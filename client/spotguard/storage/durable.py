@@ -98,6 +98,8 @@ class DurableInfo:
     bytes_uploaded: int
     bytes_total: int
     seconds: float
+    pending_key: str = ""
+    """The upload's pending note, still in the store when ``upload(cleanup=False)`` returned."""
 
 
 @dataclass(frozen=True)
@@ -130,12 +132,13 @@ class Durable:
     # -- writing ---------------------------------------------------------------------------------
 
     def upload(self, local_ckpt_dir: Path, job_id: str, progress: Progress | None = None,
-               interrupt: Callable[[int], None] | None = None) -> DurableInfo:
+               interrupt: Callable[[int], None] | None = None, *, cleanup: bool = True) -> DurableInfo:
         """Make the committed local checkpoint ``local_ckpt_dir`` durable; return what was sent.
 
         ``interrupt(n)`` is called before each chunk of ``n`` bytes of each file is read
         (``Store.put_file``); an :class:`.base.Interrupted` it raises abandons the upload mid-file,
-        unretried, as itself.
+        unretried, as itself. With ``cleanup=False`` the pending note is left for the caller's
+        :meth:`cleanup`, so that a slow delete does not delay what it does once the step is durable.
 
         Raises :class:`ManifestError` for a bad local manifest, :class:`IntegrityError` when a
         local file does not match its manifest, and the store's errors (retry later on
@@ -151,16 +154,22 @@ class Durable:
         body = json.dumps({**manifest, "durable": durable}, indent=1).encode()
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
         self._advance_pointer(job_id, manifest["step"])
-        try:
-            self.store.delete([pending])
-        except StoreError as exc:  # durable already; prune removes the note once it is stale
-            log.info("durable %s: could not remove %s: %s", job_id, pending, exc)
         total = sum(size for _, size in by_hash.values())
         info = DurableInfo(job_id, manifest["step"], key, len(manifest["files"]), len(sent),
-                           len(by_hash) - len(sent), sum(sent), total, time.monotonic() - started)
+                           len(by_hash) - len(sent), sum(sent), total, time.monotonic() - started, pending)
         log.info("durable %s step %d: %d/%d objects sent, %d bytes in %.2fs", job_id, info.step,
                  info.objects_uploaded, len(by_hash), info.bytes_uploaded, info.seconds)
+        if cleanup:
+            self.cleanup(info)
         return info
+
+    def cleanup(self, info: DurableInfo) -> None:
+        """Remove the pending note of an upload that is durable; a failure is logged (prune removes
+        the note once it is stale)."""
+        try:
+            self.store.delete([info.pending_key])
+        except StoreError as exc:
+            log.info("durable %s: could not remove %s: %s", info.job_id, info.pending_key, exc)
 
     def _send_objects(self, ckpt: Path, by_hash: dict[str, tuple[str, int]],
                       progress: Progress | None,

@@ -16,6 +16,11 @@ Sockets (ZeroMQ):
 Exceptions::
 
     ProtocolError            a message that is not valid JSON, too large, or not a known message
+
+Every number and time on the wire is bounded here, at the protocol, so that nothing a client sends
+can overflow what the daemon later derives from it (a ledger, a metric, an object in the store):
+steps, sizes and counts are exact JSON integers (``MAX_COUNT``), pids are Linux pids, ranks fit any
+real world size, durations are at most a week and times lie between 2000 and 2200.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ import json
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 __all__ = [
     "PROTOCOL_VERSION",
     "MAX_MESSAGE_BYTES",
+    "MAX_COUNT",
+    "MAX_PID",
+    "MAX_RANK",
     "Kind",
     "Notice",
     "NoticeEvent",
@@ -60,8 +68,35 @@ MAX_MESSAGE_BYTES = 64 * 1024
 """Largest request the daemon accepts; larger ones get an error reply without being parsed."""
 
 
+MAX_COUNT = 2**53 - 1
+"""The largest step, size or count on the wire: every JSON reader holds it exactly (a double's
+integers), and sums of a few of them stay far inside every 64-bit field the daemon keeps."""
+MAX_PID = 2**22
+"""Linux's ``PID_MAX_LIMIT``: no process, in any PID namespace, has a larger pid."""
+MAX_RANK = 2**20 - 1
+"""The largest rank: past every real world size, far below any overflow."""
+WEEK = 7 * 24 * 3600.0
+_EARLIEST = datetime(2000, 1, 1, tzinfo=timezone.utc)
+_LATEST = datetime(2200, 1, 1, tzinfo=timezone.utc)
+
+
 class ProtocolError(ValueError):
     """A message that is not valid JSON, is too large, or is not a known message of this version."""
+
+
+def _plausible(when: datetime) -> datetime:
+    if not _EARLIEST <= when < _LATEST:
+        raise ValueError(f"time {when.isoformat()} is not between {_EARLIEST.year} and {_LATEST.year}")
+    return when
+
+
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+"""A step, a size in bytes or a number of things."""
+Pid = Annotated[int, Field(gt=0, le=MAX_PID)]
+Rank = Annotated[int, Field(ge=0, le=MAX_RANK)]
+Seconds = Annotated[float, Field(ge=0, le=WEEK)]
+Stamp = Annotated[AwareDatetime, AfterValidator(_plausible)]
+"""A time a client reports (timezone-aware, between 2000 and 2200)."""
 
 
 def utcnow() -> datetime:
@@ -92,7 +127,7 @@ TERMINATING_KINDS = frozenset(
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class Notice(_Model):
@@ -145,18 +180,18 @@ class HeartbeatEvent(_Message):
     """Sent every heartbeat interval; ``pending`` lets a subscriber notice an event it missed."""
 
     type: Literal["heartbeat"] = "heartbeat"
-    seq: int
-    daemon_id: str
+    seq: Count
+    daemon_id: str = Field(max_length=256)
     pending: list[str] = Field(default_factory=list)
-    interval: float = 1.0
+    interval: float = Field(default=1.0, gt=0, le=3600)
 
 
 class DurableEvent(_Message):
     """A committed checkpoint became durable in the configured store."""
 
     type: Literal["durable"] = "durable"
-    job_id: str = ""
-    step: int
+    job_id: str = Field(default="", max_length=256)
+    step: Count
     location: str
 
 
@@ -172,15 +207,15 @@ class RegisterRequest(_Message):
     ``resumed_from_step`` (optional; older clients leave it out), which the daemon counts as a restart."""
 
     type: Literal["register"] = "register"
-    pid: int = Field(gt=0)
-    rank: int = Field(default=0, ge=0)
+    pid: Pid
+    rank: Rank = 0
     job_id: str = Field(default="", max_length=256)
-    resumed_from_step: int | None = Field(default=None, ge=0)
+    resumed_from_step: Count | None = None
 
 
 class UnregisterRequest(_Message):
     type: Literal["unregister"] = "unregister"
-    pid: int = Field(gt=0)
+    pid: Pid
 
 
 class StatusRequest(_Message):
@@ -191,7 +226,7 @@ class SafeRequest(_Message):
     """The client reached a safe state for these notices (checkpoint committed, or nothing to save)."""
 
     type: Literal["safe"] = "safe"
-    pid: int = Field(gt=0)
+    pid: Pid
     notice_ids: list[str] = Field(default_factory=list, max_length=64)
 
 
@@ -202,15 +237,15 @@ class CommitRequest(_Message):
     """
 
     type: Literal["commit"] = "commit"
-    pid: int = Field(gt=0)
+    pid: Pid
     job_id: str = Field(default="", max_length=256)
     path: str = Field(min_length=1, max_length=4096)
-    step: int = Field(ge=0)
-    size_bytes: int = Field(default=0, ge=0)
-    files: int = Field(default=0, ge=0)
-    save_seconds: float | None = Field(default=None, ge=0, le=7 * 24 * 3600)
+    step: Count
+    size_bytes: Count = 0
+    files: Count = 0
+    save_seconds: Seconds | None = None
     """How long the training loop was blocked by this save (optional; for the goodput metrics)."""
-    reached_at: AwareDatetime | None = None
+    reached_at: Stamp | None = None
     """When the training loop reached ``step`` (optional; for the goodput metrics). A commit is
     reported after its write, by then later steps may have been reported: without this stamp the
     daemon can only bound the time from above, by the commit's arrival."""
@@ -221,7 +256,7 @@ class NotifyRequest(_Message):
 
     type: Literal["notify"] = "notify"
     kind: Kind = Kind.DRILL
-    deadline_seconds: float | None = Field(default=None, ge=0, le=7 * 24 * 3600)
+    deadline_seconds: Seconds | None = None
     detail: str = Field(default="", max_length=1024)
 
 
@@ -233,10 +268,10 @@ class ProgressRequest(_Message):
     """
 
     type: Literal["progress"] = "progress"
-    pid: int = Field(gt=0)
+    pid: Pid
     job_id: str = Field(default="", max_length=256)
-    step: int = Field(ge=0, lt=2**63)
-    at: AwareDatetime
+    step: Count
+    at: Stamp
 
 
 Request = Annotated[

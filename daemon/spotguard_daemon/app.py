@@ -19,6 +19,9 @@ daemon keeps serving until every registered client reported safe for it (or unre
 state file for the next run, clients reconnect to it. A second signal exits at once.
 
 A platform that cannot be reached never stops the daemon: the runners back off and count errors.
+No loop's failure stops it either: every background loop runs under :class:`~.tasks.Supervisor`,
+which logs, counts and restarts a loop that fails, so what a client sent can at worst cost a loop a
+restart.
 
 Exceptions: :class:`~spotguard_daemon.server.ServerError` (sockets or runtime directory unusable)
 and ``OSError`` (metrics port taken) escape :meth:`Daemon.run` at start-up; nothing escapes later.
@@ -49,6 +52,7 @@ from spotguard_daemon.metrics import Metrics
 from spotguard_daemon.server import Server, ServerError, lock_runtime_dir
 from spotguard_daemon.settings import Settings
 from spotguard_daemon.store import NoticeStore
+from spotguard_daemon.tasks import Supervisor
 from spotguard_daemon.watchers import detect
 from spotguard_daemon.watchers import manual as manual_source
 from spotguard_daemon.watchers import signal as signal_source
@@ -104,10 +108,9 @@ class Daemon:
         self._acked: set[str] = set()
         self._signal_notice: Notice | None = None
         self._force = False
-        self._failed = False
         self._restoring = False
         self._settle_soon = False
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks = Supervisor(self.metrics.task_restarts)
 
     @property
     def on_commit(self) -> Callable[[CommitRequest, Path], None]:
@@ -149,12 +152,14 @@ class Daemon:
         try:
             self._start_serving()
             self._install_signal_handlers()
-            runners = [self._runner(w) for w in watchers]
             self.queue.start()
             self.progress.start()
-            for coro in [self.server.serve(), self.server.heartbeats(), self._housekeeping(),
-                         self._check_storage(), *runners]:
-                self._spawn(coro)
+            self.tasks.keep("serve", self.server.serve)
+            self.tasks.keep("heartbeats", self.server.heartbeats)
+            self.tasks.keep("housekeeping", self._housekeeping)
+            self.tasks.once("storage-check", self._check_storage())
+            for watcher in watchers:
+                self.tasks.keep(f"watcher {watcher.name}", self._runner(watcher))
             systemd.notify("READY=1")
             log.info("spotguard daemon %s ready (platform %s, %d watchers)", __version__,
                      self.platform, len(watchers))
@@ -162,7 +167,7 @@ class Daemon:
             await self._until_done()
         finally:
             await self._shutdown(watchers)
-        return 1 if self._failed else 0
+        return 0
 
     def _start_watching(self, http: httpx.AsyncClient) -> list:
         """Resolve ``auto`` to a platform and build its watchers (unless given to the constructor)."""
@@ -190,7 +195,7 @@ class Daemon:
         self.store.on_cancel(self._cancel)
         restored = self.store.restore()
         if restored:
-            self._spawn(self._announce_restored(restored))
+            self.tasks.once("announce-restored", self._announce_restored(restored))
 
     async def _announce_restored(self, restored: list[Notice]) -> None:
         await asyncio.sleep(RESTORE_HEARTBEATS * self.settings.zmq.heartbeat_interval)
@@ -200,25 +205,11 @@ class Daemon:
         finally:
             self._restoring = False
 
-    def _runner(self, watcher) -> Awaitable[None]:
+    def _runner(self, watcher) -> Callable[[], Awaitable[None]]:
         def sink(source, notices) -> None:
             self.store.reconcile(source.name, notices)
 
-        return Runner(watcher, sink, self.settings.runner, self.metrics).run()
-
-    def _spawn(self, coro: Awaitable) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        """A loop that ends by itself is a bug: exit 1 so that systemd (or the pod) restarts us,
-        rather than stay up without serving."""
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and not self._force:
-            log.critical("daemon task failed; stopping: %r", task.exception(), exc_info=task.exception())
-            self._failed = True
-            self.stop()
+        return Runner(watcher, sink, self.settings.runner, self.metrics).run
 
     # ------------------------------------------------------------------ notices
 
@@ -323,7 +314,7 @@ class Daemon:
             left = notice.seconds_left()
             if (left is not None and left <= 0) or self._all_safe(notice.id, need_one=True):
                 self._acked.add(notice.id)
-                self._spawn(self._acknowledge(watcher, notice))
+                self.tasks.once("acknowledge", self._acknowledge(watcher, notice))
 
     async def _acknowledge(self, watcher, notice: Notice) -> None:
         raw = notice.raw if isinstance(notice.raw, dict) else {}
@@ -407,9 +398,7 @@ class Daemon:
 
     async def _shutdown(self, watchers: list) -> None:
         systemd.notify("STOPPING=1")
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tasks.cancel_all()
         await self.delivery.drain(timeout=2.0)
         for watcher in watchers:
             try:

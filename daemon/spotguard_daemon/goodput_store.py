@@ -109,7 +109,11 @@ class DurableProgress:
         now = time.monotonic()
         with self._cond:
             for job, record in due:
-                self._writes[job] = _encode(job, record)
+                try:
+                    self._writes[job] = _encode(job, record)
+                except ValueError as exc:  # a record the schema refuses is not written, never fatal
+                    log.error("not writing the progress of job %r to the store: %s", job[:64], exc)
+                    continue
                 self._failed.pop(job, None)
             for job, (body, retry_at) in list(self._failed.items()):
                 if force or retry_at <= now:

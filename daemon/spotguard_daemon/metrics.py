@@ -77,6 +77,9 @@ class Metrics:
                           "and platform.", ["version", "platform"], registry=r)
         self.requests = Counter("spotguard_requests_total", "Requests served, by type and outcome.",
                                 ["type", "outcome"], registry=r)
+        self.task_restarts = Counter("spotguard_daemon_task_failures_total",
+                                     "Background loops of the daemon that failed (and were started "
+                                     "again), by task.", ["task"], registry=r)
         self.deliveries = Counter("spotguard_deliveries_total", "Notice deliveries beside the sockets, "
                                   "by channel (signal, hook, webhook) and outcome.",
                                   ["channel", "outcome"], registry=r)

@@ -120,7 +120,7 @@ def malformed(rng: random.Random) -> list[bytes]:
         return [rng.choice([b'{"type": "notify", "deadline_seconds": NaN}', b'{"type": "safe", "pid": Infinity}'])]
     if kind == 7:  # several frames
         return [b"{}"] * rng.randrange(2, 5)
-    return [encode(RegisterRequest(pid=rng.randrange(1, 2**31), job_id="\u2603" * 10))]
+    return [json.dumps({"type": "register", "pid": rng.randrange(1, 2**31), "job_id": "\u2603" * 10}).encode()]
 
 
 @pytest.mark.slow
@@ -471,3 +471,31 @@ def test_a_client_in_its_own_pid_namespace_is_signalled_by_its_real_pid(daemon_f
         assert "sent SIGWINCH to 1 of 1 processes" in daemon.output()
     finally:
         stop(client)
+
+
+@pytest.mark.parametrize("numbers", [
+    {"type": "register", "pid": os.getpid(), "rank": 0, "job_id": "victim", "resumed_from_step": 2**63},
+    {"type": "register", "pid": os.getpid(), "rank": 2**63, "job_id": "victim"},
+    {"type": "progress", "pid": os.getpid(), "job_id": "victim", "step": 2**63, "at": utcnow().isoformat()},
+    {"type": "progress", "pid": os.getpid(), "job_id": "victim", "step": 3, "at": "0001-01-01T00:00:00Z"},
+    {"type": "commit", "pid": os.getpid(), "path": "x", "step": 1, "size_bytes": 2**64},
+    {"type": "notify", "deadline_seconds": 1e308},
+    {"type": "safe", "pid": 2**40},
+], ids=["resumed-2**63", "rank-2**63", "progress-2**63", "progress-year-1", "size-2**64",
+        "deadline-1e308", "pid-2**40"])
+def test_a_number_out_of_bounds_is_refused_at_the_protocol_and_the_daemon_lives_on(daemon_factory, tmp_path,
+                                                                                   numbers):
+    """One register with ``resumed_from_step: 2**63`` used to be accepted; the housekeeping loop then
+    failed the ledger's schema and the daemon exited 1. Every integer and time on the wire is bounded."""
+    daemon = daemon_factory(env={**NO_SIGNAL, "SPOTGUARD_STORAGE__URL": f"file://{tmp_path}/store",
+                                 "SPOTGUARD_STORAGE__PROGRESS_SECONDS": "0.1"})
+    field = next(k for k, v in numbers.items() if v in (2**63, 2**64, 2**40, 1e308, "0001-01-01T00:00:00Z"))
+    reply = daemon.request(json.dumps(numbers).encode())
+    assert not reply.ok and field in reply.error, reply
+    largest = {**numbers, field: {"at": "2199-12-31T00:00:00Z", "deadline_seconds": 7 * 24 * 3600,
+                                  "pid": os.getpid(), "rank": 2**20 - 1}.get(field, 2**53 - 1)}
+    assert daemon.request(json.dumps(largest).encode()).ok or numbers["type"] == "commit"
+    time.sleep(1.5)  # several housekeeping passes and progress writes, each of which used to fail
+    assert daemon.proc.poll() is None, daemon.output()[-3000:]
+    assert daemon.request(StatusRequest()).ok
+    assert "Traceback" not in daemon.output() and "task" not in daemon.output(), daemon.output()[-3000:]

@@ -53,6 +53,10 @@ class Proxy:
             self.injected.append((fault, method, path))
             return fault
 
+    def rewrite(self, method: str, path: str, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The reply headers passed on to the client (subclasses play a lying server)."""
+        return headers
+
     def bytes_sent_to(self, needle: str) -> int:
         """Request-body bytes of every request whose decoded path contains ``needle``."""
         with self.lock:
@@ -122,7 +126,7 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
             status, headers, data = self._forward(body)
             if fault == "reset_after":
                 return self._abort()
-            self._respond(status, headers, data)
+            self._respond(status, proxy.rewrite(self.command, self.path, headers), data)
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
 

@@ -15,11 +15,14 @@ connection errors -> ``TransientError``.
 from __future__ import annotations
 
 import contextlib
+import io
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from spotguard.storage._bounded import BoundedWriter
 from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
+    MAX_SMALL_BYTES,
     CredentialsError,
     Interrupted,
     NotFound,
@@ -115,16 +118,21 @@ class AzureStore:
             self._container.upload_blob(self._name(key), data, overwrite=True, validate_content=True)
 
     def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
-        with _translate(f"{self.url}: download {key}"):
+        what = f"{self.url}: download {key}"
+        with _translate(what):
             stream = self._container.download_blob(self._name(key), validate_content=True,
                                                    max_concurrency=self.options.concurrency)
-            check_size(f"{self.url}: download {key}", stream.size, max_size)
-            with open(path, "wb") as out:
-                stream.readinto(out)
+            check_size(what, stream.size, max_size)
+            with open(path, "wb") as raw:
+                stream.readinto(BoundedWriter(raw, max_size, what))
 
-    def get_bytes(self, key: str) -> bytes:
-        with _translate(f"{self.url}: get {key}"):
-            return self._container.download_blob(self._name(key), validate_content=True).readall()
+    def get_bytes(self, key: str, *, max_size: int = MAX_SMALL_BYTES) -> bytes:
+        what, buffer = f"{self.url}: get {key}", io.BytesIO()
+        with _translate(what):
+            stream = self._container.download_blob(self._name(key), validate_content=True)
+            check_size(what, stream.size, max_size)
+            stream.readinto(BoundedWriter(buffer, max_size, what))
+        return buffer.getvalue()
 
     def exists(self, key: str) -> bool:
         with _translate(f"{self.url}: head {key}"):

@@ -39,6 +39,7 @@ from urllib.parse import unquote, urlsplit
 __all__ = [
     "CredentialsError",
     "IntegrityError",
+    "MAX_SMALL_BYTES",
     "Interrupted",
     "NotFound",
     "Store",
@@ -51,6 +52,10 @@ __all__ = [
     "join_key",
     "open_store",
 ]
+
+
+MAX_SMALL_BYTES = 64 * 1024 * 1024
+"""The default bound of :meth:`Store.get_bytes`: small objects are pointers, manifests and notes."""
 
 
 class Interrupted(Exception):
@@ -102,10 +107,12 @@ class Store(Protocol):
 
     def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         """Download ``key`` into ``path`` (created or truncated). :class:`NotFound` when absent;
-        :class:`IntegrityError`, before any byte is written, when the object is over ``max_size``."""
+        :class:`IntegrityError` when the object is over ``max_size``: before any byte is written
+        when the store says so, else at the first byte past it (:mod:`._bounded`)."""
 
-    def get_bytes(self, key: str) -> bytes:
-        """Read a small object whole. :class:`NotFound` when absent."""
+    def get_bytes(self, key: str, *, max_size: int = MAX_SMALL_BYTES) -> bytes:
+        """Read a small object whole. :class:`NotFound` when absent; :class:`IntegrityError` when
+        it is over ``max_size`` (no more than ``max_size + 1`` bytes are read)."""
 
     def exists(self, key: str) -> bool: ...
 

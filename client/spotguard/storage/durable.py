@@ -53,6 +53,8 @@ Progress = Callable[[int, int], None]
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 """A manifest lists files, not data: anything larger is damage or an attack."""
+MAX_POINTER_BYTES = 64
+"""``latest`` holds ``step-NNNNNNNNNN\n``."""
 
 
 def _step_of(text: str) -> int:
@@ -220,7 +222,7 @@ class Durable:
         """The step ``latest`` names if that step has a manifest; else (pointer missing, unreadable,
         or naming a step that does not exist: a damaged or hostile bucket) the newest manifest."""
         try:
-            text = self.store.get_bytes(f"jobs/{_job(job_id)}/latest")[:64].decode().strip()
+            text = self.store.get_bytes(f"jobs/{_job(job_id)}/latest", max_size=MAX_POINTER_BYTES).decode().strip()
             step = _step_of(text.removeprefix("step-"))
             if self.store.exists(manifest_key(job_id, step)):
                 return step
@@ -228,7 +230,7 @@ class Durable:
                         job_id, step_name(step))
         except NotFound:
             pass
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, IntegrityError):
             log.warning("durable %s: unreadable latest pointer, using the newest manifest", job_id)
         steps = self.list(job_id)
         return steps[-1] if steps else None
@@ -237,9 +239,10 @@ class Durable:
         """The durable manifest of ``step``. :class:`NotFound`, or :class:`ManifestError` if corrupt,
         oversized, not plain JSON (NaN, deep nesting) or naming another step than its key."""
         key, where = manifest_key(job_id, step), f"{self.store.url}/{manifest_key(job_id, step)}"
-        body = self.store.get_bytes(key)
-        if len(body) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{where}: manifest of {len(body)} bytes is implausibly large")
+        try:
+            body = self.store.get_bytes(key, max_size=MAX_MANIFEST_BYTES)
+        except IntegrityError as exc:  # over MAX_MANIFEST_BYTES, or no regular file
+            raise ManifestError(f"implausible manifest: {exc}") from exc
         try:
             data = validate_manifest(json.loads(body, parse_constant=_refuse_constant), where)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:

@@ -8,16 +8,19 @@ are the owner's data. Errors: ``NotFound`` for missing keys; other ``OSError`` b
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
 from spotguard._fsync import fsync_dir
-from spotguard.storage.base import NotFound, StoreError, check_key, check_size
+from spotguard.storage._bounded import BoundedWriter, read_bounded
+from spotguard.storage.base import MAX_SMALL_BYTES, IntegrityError, NotFound, StoreError, check_key, check_size
 
 __all__ = ["FileStore", "TMP_PREFIX", "atomic_write", "fsync_dir", "make_private_dirs"]
 
@@ -92,24 +95,36 @@ class FileStore:
         except OSError as exc:
             raise StoreError(f"{self.url}: cannot write {key}: {exc.strerror}") from exc
 
-    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
+    @contextlib.contextmanager
+    def _reading(self, key: str, what: str, max_size: int | None) -> Iterator[BinaryIO]:
+        """``key`` opened for reading, without blocking (a FIFO), refused unless a regular file
+        (a device such as ``/dev/zero`` is endless) no larger than ``max_size``."""
         try:
-            with open(self._path(key), "rb") as src:
-                check_size(f"{self.url}: read {key}", os.fstat(src.fileno()).st_size, max_size)
-                with open(path, "wb") as out:
-                    shutil.copyfileobj(src, out, 4 * 1024 * 1024)
-        except FileNotFoundError as exc:
-            raise NotFound(f"{self.url}: no object {key}") from exc
-        except OSError as exc:
-            raise StoreError(f"{self.url}: cannot read {key}: {exc.strerror}") from exc
-
-    def get_bytes(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise NotFound(f"{self.url}: no object {key}") from exc
         except OSError as exc:
-            raise StoreError(f"{self.url}: cannot read {key}: {exc.strerror}") from exc
+            raise StoreError(f"{what}: {exc.strerror}") from exc
+        with open(fd, "rb") as src:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise IntegrityError(f"{what}: not a regular file; refused")
+            check_size(what, info.st_size, max_size)
+            try:
+                yield src
+            except OSError as exc:
+                raise StoreError(f"{what}: {exc.strerror}") from exc
+
+    def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
+        """Copies at most ``max_size`` bytes: a file that grows while it is read is refused too."""
+        what = f"{self.url}: read {key}"
+        with self._reading(key, what, max_size) as src, open(path, "wb") as raw:
+            shutil.copyfileobj(src, BoundedWriter(raw, max_size, what), 4 * 1024 * 1024)
+
+    def get_bytes(self, key: str, *, max_size: int = MAX_SMALL_BYTES) -> bytes:
+        what = f"{self.url}: read {key}"
+        with self._reading(key, what, max_size) as src:
+            return read_bounded(src.read, max_size, what)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

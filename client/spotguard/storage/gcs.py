@@ -18,12 +18,15 @@ connection errors -> ``TransientError``, a checksum mismatch -> ``IntegrityError
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from spotguard.storage._bounded import BoundedWriter
 from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
+    MAX_SMALL_BYTES,
     CredentialsError,
     IntegrityError,
     Interrupted,
@@ -120,15 +123,18 @@ class GcsStore:
             self._blob(key).upload_from_string(data, checksum="crc32c", retry=self._retry, timeout=self._timeout)
 
     def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
-        """Large objects are read as ``part_size`` ranges by ``concurrency`` threads, then the
-        whole file's CRC32C is checked against the object's."""
-        with _translate(f"{self.url}: download {key}"):
+        """Large objects are read as ``part_size`` ranges (of the size checked) by ``concurrency``
+        threads, then the whole file's CRC32C is checked against the object's."""
+        what = f"{self.url}: download {key}"
+        with _translate(what):
             blob = self._bucket.get_blob(join_key(self.prefix, key), retry=self._retry, timeout=self._timeout)
             if blob is None:
-                raise NotFound(f"{self.url}: download {key}: not found")
-            check_size(f"{self.url}: download {key}", blob.size, max_size)
+                raise NotFound(f"{what}: not found")
+            check_size(what, blob.size, max_size)
             if (blob.size or 0) <= self.options.part_size:
-                return blob.download_to_filename(str(path), checksum="crc32c", retry=self._retry, timeout=self._timeout)
+                with open(path, "wb") as raw:
+                    return blob.download_to_file(BoundedWriter(raw, max_size, what), checksum="crc32c",
+                                                 retry=self._retry, timeout=self._timeout)
             from google.cloud.storage import transfer_manager
 
             transfer_manager.download_chunks_concurrently(
@@ -136,9 +142,12 @@ class GcsStore:
                 max_workers=self.options.concurrency, download_kwargs={"retry": self._retry, "timeout": self._timeout},
                 crc32c_checksum=True)
 
-    def get_bytes(self, key: str) -> bytes:
-        with _translate(f"{self.url}: get {key}"):
-            return self._blob(key).download_as_bytes(checksum="crc32c", retry=self._retry, timeout=self._timeout)
+    def get_bytes(self, key: str, *, max_size: int = MAX_SMALL_BYTES) -> bytes:
+        what, buffer = f"{self.url}: get {key}", io.BytesIO()
+        with _translate(what):
+            self._blob(key).download_to_file(BoundedWriter(buffer, max_size, what), checksum="crc32c",
+                                             retry=self._retry, timeout=self._timeout)
+        return buffer.getvalue()
 
     def exists(self, key: str) -> bool:
         with _translate(f"{self.url}: head {key}"):

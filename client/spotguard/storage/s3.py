@@ -24,8 +24,10 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from spotguard.storage._bounded import BoundedWriter, read_bounded
 from spotguard.storage._verify import VerifyingReader
 from spotguard.storage.base import (
+    MAX_SMALL_BYTES,
     CredentialsError,
     Interrupted,
     NotFound,
@@ -152,15 +154,22 @@ class S3Store:
                                     ChecksumSHA256=_b64(hashlib.sha256(data).digest()))
 
     def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
-        with _translate(f"{self.url}: download {key}"):
+        what = f"{self.url}: download {key}"
+        with _translate(what):
             if max_size is not None:
                 head = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
-                check_size(f"{self.url}: download {key}", head.get("ContentLength"), max_size)
-            self._client.download_file(self.bucket, self._key(key), str(path), Config=self._transfer)
+                check_size(what, head.get("ContentLength"), max_size)
+            with open(path, "wb") as raw:
+                self._client.download_fileobj(self.bucket, self._key(key), BoundedWriter(raw, max_size, what),
+                                              Config=self._transfer)
 
-    def get_bytes(self, key: str) -> bytes:
-        with _translate(f"{self.url}: get {key}"):
-            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+    def get_bytes(self, key: str, *, max_size: int = MAX_SMALL_BYTES) -> bytes:
+        what = f"{self.url}: get {key}"
+        with _translate(what):
+            reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+            with contextlib.closing(reply["Body"]) as body:
+                check_size(what, reply.get("ContentLength"), max_size)
+                return read_bounded(body.read, max_size, what)
 
     def exists(self, key: str) -> bool:
         try:

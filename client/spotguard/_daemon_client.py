@@ -13,6 +13,10 @@ must go on whether or not a daemon runs beside it. What it tracks:
   the link register again and ask for ``status``, so pending notices published while nobody
   listened (the ZeroMQ "slow joiner" gap) are still learnt.
 
+An ``ipc://`` socket is used only in a directory that no other user could have made or can write
+(:func:`spotguard._paths.untrusted`, checked before every request and before subscribing): a fake
+daemon in another user's ``/tmp/spotguard-<uid>`` is refused with one error line, as no daemon.
+
 Requests use a fresh REQ socket each (``linger=0``, short timeout): a REQ socket whose reply never
 came is stuck in its state machine, and a fresh one costs microseconds. Requests are thread-safe
 (the checkpointer's commit callback runs in its persist thread).
@@ -78,7 +82,10 @@ class DaemonLink:
         self._sub.setsockopt(zmq.RCVHWM, 1000)
         for topic in (b"notice", b"cancel", b"heartbeat", b"durable"):
             self._sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self._sub.connect(pub_endpoint or _paths.pub_endpoint())
+        self._pub_endpoint = pub_endpoint or _paths.pub_endpoint()
+        self._attached = False
+        self._distrust: str | None = None
+        """Why the socket directory is not trusted (:func:`spotguard._paths.untrusted`), logged once."""
         self._lock = threading.Lock()
         self._daemon_id: str | None = None
         self._last_seen = 0.0
@@ -101,7 +108,7 @@ class DaemonLink:
         An ``ipc://`` endpoint whose socket file does not exist has no daemon: no request is sent,
         so a job without a daemon does not wait ``request_timeout`` at start-up.
         """
-        if _absent(self._request_endpoint):
+        if not self._attach():
             return False
         reply = self.request(RegisterRequest(pid=os.getpid(), rank=self._rank, job_id=self._job_id))
         if reply is None or not reply.ok:
@@ -118,7 +125,7 @@ class DaemonLink:
 
     def poll(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for events, pass them to the sink, update liveness."""
-        if self._closed:
+        if self._closed or not self._attach():
             time.sleep(timeout)
             return
         deadline = time.monotonic() + timeout
@@ -128,7 +135,7 @@ class DaemonLink:
 
     def request(self, message: Any) -> Reply | None:
         """Send one request and wait briefly for its reply; None when none came or it was invalid."""
-        if self._closed:
+        if self._closed or not self._trusted():
             return None
         sock = self._ctx.socket(zmq.REQ)
         try:
@@ -161,6 +168,23 @@ class DaemonLink:
         self._ctx.term()
 
     # ------------------------------------------------------------------ internals
+
+    def _trusted(self) -> bool:
+        """Whether the sockets' directories may be trusted now; an error line once per cause
+        when not (another user's ``/tmp/spotguard-<uid>`` may hold a fake daemon)."""
+        why = _paths.untrusted(self._request_endpoint) or _paths.untrusted(self._pub_endpoint)
+        if why and why != self._distrust:
+            log.error("not talking to the daemon: %s", why)
+        self._distrust = why
+        return why is None
+
+    def _attach(self) -> bool:
+        """Subscribe once the daemon's socket exists in a trusted directory: ZeroMQ would connect
+        by itself to whatever appears at the path later, whoever made it."""
+        if not self._attached and not _absent(self._request_endpoint) and self._trusted():
+            self._sub.connect(self._pub_endpoint)
+            self._attached = True
+        return self._attached
 
     def _receive_one(self) -> None:
         try:

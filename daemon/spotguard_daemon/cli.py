@@ -20,6 +20,7 @@ from typing import Any
 import click
 
 from spotguard import __version__
+from spotguard._paths import untrusted
 from spotguard.protocol import Kind
 from spotguard_daemon.settings import Settings, SettingsError, load_settings, redacted
 
@@ -139,16 +140,18 @@ def _announce_root(settings: Settings) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status reply as JSON.")
 @click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon.")
 def status(config: str | None, as_json: bool, timeout: float) -> None:
-    """Show the daemon's pending notices and clients; exit 1 when it does not answer (with
+    """Show the daemon's pending notices and clients; exit 1 when it does not answer or its socket
+    directory could have been made by another user (with
     ``--json``, a JSON object ``{"ok": false, "error": ...}`` on stdout as well)."""
     from spotguard.protocol import StatusRequest
 
     from spotguard_daemon.redact import redact_data
 
     endpoint = _settings(config).request_endpoint
-    reply = request(endpoint, StatusRequest(), timeout)
+    distrust = untrusted(endpoint)  # another user's directory: a fake daemon
+    reply = None if distrust else request(endpoint, StatusRequest(), timeout)
     if reply is None:
-        error = f"no daemon answered on {endpoint} within {timeout:g} s"
+        error = distrust or f"no daemon answered on {endpoint} within {timeout:g} s"
         if as_json:
             click.echo(json.dumps({"ok": False, "error": error, "endpoint": endpoint}))
         _fail(1, error)
@@ -221,6 +224,8 @@ def notify(config: str | None, kind: str, deadline: float | None, detail: str, t
     from spotguard.protocol import NotifyRequest
 
     endpoint = _settings(config).request_endpoint
+    if distrust := untrusted(endpoint):
+        _fail(1, distrust)
     reply = request(endpoint, NotifyRequest(kind=Kind(kind), deadline_seconds=deadline,
                                             detail=detail), timeout)
     if reply is None:

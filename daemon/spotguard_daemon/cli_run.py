@@ -11,7 +11,10 @@ with the supervisor's stdin, stdout and stderr. When it ends:
   cancelled notice, or one due further away does not stop the relaunch; the ids of the manual ones
   are passed to the job (``$SPOTGUARD_HANDLED_NOTICES``), which the earlier launch already obeyed.
   A launcher's failure status after the job recorded a clean stop or a lost peer and no finish
-  counts as 75 (``torchrun`` exits 1 when its workers exit 75 or 77);
+  counts as 75 (``torchrun`` exits 1 when its workers exit 75 or 77). A launch that made no
+  progress (its record shows no step past the one it resumed from; without a record, it ran under
+  a minute) is relaunched after ``--backoff`` seconds doubled each time, and after three such
+  launches in a row not at all;
 * any other status ends the run, unless ``--max-restarts N``: then up to N relaunches, after
   ``--backoff`` seconds doubled each time up to ``--backoff-max``.
 
@@ -22,7 +25,12 @@ stopped at the end, and one that cannot start leaves the job running without a d
 the job's processes that catch the daemon's delivery signal (``delivery.signal``, SIGUSR1 by
 default) with the daemon over its ``ipc://`` socket, so that jobs that do not import spotguard learn
 of notices too, and reports them safe after their exit 75; the daemon accepts only the sender's own
-descendants (:mod:`spotguard_daemon.peers`). SIGTERM, SIGINT and SIGHUP to the supervisor are
+descendants (:mod:`spotguard_daemon.peers`). Over ``tcp://`` nothing is registered (the daemon would
+signal none of them), which it says at start. A socket directory another user could have made
+(:func:`spotguard._paths.untrusted`) is refused at start: one line, exit 1, nothing launched.
+What a launch leaves running after it exited (a background child) is ended before the next launch
+and at the end: the supervisor is a subreaper, so every process under the command stays its
+descendant. SIGTERM, SIGINT and SIGHUP to the supervisor are
 forwarded to the command's process group (a launcher passes them on to its workers) and end the
 relaunching; SIGUSR1 and SIGUSR2 are forwarded only. As PID 1 (a container's entry point) it reaps
 orphans too.
@@ -47,14 +55,17 @@ import time
 from pathlib import Path
 
 import click
+from spotguard._paths import untrusted
 from spotguard._record import ENV as RECORD_ENV, read_new
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
 
 from spotguard_daemon.run_summary import PREEMPTED, Launch, human, summary
-from spotguard_daemon.supervise import (CommandNotFound, LaunchError, Registrar, command_after_options,
-                                        daemon_status, killpg, reap, spawn, start_daemon, stop)
+from spotguard_daemon.supervise import (STOP_S, CommandNotFound, LaunchError, Registrar,
+                                        become_subreaper, command_after_options, daemon_status,
+                                        killpg, leftovers, reap, signal_each, spawn, start_daemon,
+                                        stop)
 
 __all__ = ["run", "Supervisor"]
 
@@ -64,11 +75,23 @@ FORWARDED = ENDING + (signal.SIGUSR1, signal.SIGUSR2)
 POLL_S, SCAN_S = 0.05, 0.5
 GOING = "node going away"
 STUCK = 3
-"""Preempted launches in a row without progress (by their records) after which relaunching stops."""
+"""Preempted launches in a row without progress after which relaunching stops."""
+QUICK_S = 60.0
+"""A preempted launch without a record made no progress when it ran shorter than this."""
 
 
 def _say(message: str) -> None:
     click.echo(f"spotguard run: {message}", err=True)
+
+
+def _without_progress(launch: Launch) -> bool:
+    """A preempted launch that got nowhere: its record shows no step past the one it resumed from,
+    or, without a record (a job that does not import spotguard), it ran under QUICK_S seconds."""
+    if not launch.preempted:
+        return False
+    if launch.resumed_from is None:
+        return launch.t_end - launch.t_start < QUICK_S
+    return launch.reached == launch.resumed_from
 
 
 class Supervisor:
@@ -96,6 +119,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Launch until the command ends for good; return its status."""
+        become_subreaper()  # what a launch leaves running is reparented here, found and ended
         while True:
             status = self._launch()
             delay = self._next(status)
@@ -150,15 +174,25 @@ class Supervisor:
                  "places the job elsewhere")
         else:
             why = "a peer was lost" if self.launches[-1].peer_lost else "a notice"
-            _say(f"the command stopped with status {status} after {why}; relaunching it")
-            return 0.0
+            idle = self._idle_in_a_row()
+            delay = min(self.backoff * 2 ** (idle - 1), self.backoff_max) if idle else 0.0
+            _say(f"the command stopped with status {status} after {why}; relaunching it"
+                 + (f" in {delay:g} s ({idle} launch(es) in a row without progress)" if delay else ""))
+            return delay
         return None
 
+    def _idle_in_a_row(self) -> int:
+        """How many of the last launches in a row were preempted without progress."""
+        count = 0
+        for launch in reversed(self.launches):
+            if not _without_progress(launch):
+                break
+            count += 1
+        return count
+
     def _stuck(self) -> bool:
-        """The last STUCK launches were all preempted before their record showed any progress."""
-        last = self.launches[-STUCK:]
-        return len(last) == STUCK and all(l.preempted and l.resumed_from is not None
-                                          and l.reached == l.resumed_from for l in last)
+        """The last STUCK launches were all preempted without progress."""
+        return self._idle_in_a_row() >= STUCK
 
     def _node_going(self) -> Notice | None:
         """A pending terminating notice that is not manual and due within ``useful`` seconds."""
@@ -203,6 +237,7 @@ class Supervisor:
         launch.pid = proc.pid
         launch.status = self._wait(proc)
         launch.t_end = time.time()
+        self._end_leftovers(launch)
         launch.events, self._offset = read_new(self.record, self._offset)
         if self.registrar is not None and launch.status == EXIT_PREEMPTED:
             self.registrar.report_safe()
@@ -214,12 +249,33 @@ class Supervisor:
         self.reason = message
         return status
 
+    def _end_leftovers(self, launch: Launch) -> None:
+        """End what the launch left running (a background child, a worker its launcher did not
+        stop) before the next launch or the exit: SIGTERM to each process of its process group and
+        under the supervisor but the daemon it started, SIGKILL after STOP_S seconds.
+        The orphans are the supervisor's own children (a subreaper), so their pids cannot be
+        reused before they are reaped here."""
+        left = leftovers(launch.pid, [p.pid for p in self.others])
+        if not left:
+            return
+        _say(f"launch {launch.index} left {len(left)} process(es) running after it exited (pids "
+             f"{', '.join(map(str, sorted(left)))}): ending them")
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            signal_each(left, signum)  # by pid: the group's leader is reaped, its pgid may be reused
+            until = time.monotonic() + STOP_S
+            while left and time.monotonic() < until:
+                time.sleep(POLL_S)
+                reap(self.others)
+                left = leftovers(launch.pid, [p.pid for p in self.others])
+            if not left:
+                return
+        _say(f"could not end pids {', '.join(map(str, sorted(left)))} (still running)")
+
     def _wait(self, proc: subprocess.Popen) -> int:
         scan_at = 0.0
         while proc.poll() is None:
             self._take_signals(proc)
-            if os.getpid() == 1:
-                reap([proc, *self.others])
+            reap([proc, *self.others])  # orphans reparented here (PID 1 or a subreaper)
             if time.monotonic() >= scan_at and self.registrar is not None:
                 scan_at = time.monotonic() + SCAN_S
                 self.registrar.scan(proc.pid)
@@ -277,8 +333,27 @@ def _child_env(settings, record: Path) -> dict[str, str]:
 
 
 def _delivery_signal(settings) -> int | None:
+    """The signal whose handlers are registered with the daemon; None for none, and over
+    ``tcp://``, where the daemon cannot prove who registers and so signals nobody (said once)."""
     name = settings.delivery.signal
-    return None if name == "none" else int(signal.Signals[name])
+    if name == "none":
+        return None
+    if settings.request_endpoint.startswith("tcp://"):
+        _say(f"the daemon is reached over {settings.request_endpoint}, which cannot prove which "
+             f"processes are the job's: it sends {name} to none of them, so a job that does not "
+             "import spotguard hears no notice; to have it signalled, reach the daemon over "
+             "ipc:// on a volume shared with it (SPOTGUARD_RUNTIME_DIR)")
+        return None
+    return int(signal.Signals[name])
+
+
+def _refuse_untrusted(settings) -> None:
+    """Exit 1 with one line when a socket's directory could have been made by another user (who
+    would then serve a fake daemon: forged notices, a job stopped for nothing)."""
+    for endpoint in (settings.request_endpoint, settings.pub_endpoint):
+        if why := untrusted(endpoint):
+            _say(why)
+            sys.exit(1)
 
 
 @click.command("run", context_settings={"ignore_unknown_options": True,
@@ -312,6 +387,7 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
     from spotguard_daemon.cli import _settings
 
     settings = _settings(config)
+    _refuse_untrusted(settings)
     private = Path(tempfile.mkdtemp(prefix="spotguard-run-"))
     started = time.time()
     daemon = None
@@ -319,7 +395,8 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
         reached, daemon = _daemon(settings, config, not no_daemon)
         sup = Supervisor(list(command), _child_env(settings, private / "record.jsonl"),
                          Path(os.environ.get(RECORD_ENV) or private / "record.jsonl"),
-                         settings.request_endpoint if reached else None, _delivery_signal(settings),
+                         settings.request_endpoint if reached else None,
+                         _delivery_signal(settings) if reached else None,
                          **options)
         sup.others = [daemon] if daemon else []
         for signum in FORWARDED:

@@ -4,8 +4,9 @@ supervise a job (``spotguard drill``, ``spotguard run``).
 A command runs in a session (and process group) of its own, so that a signal to the group reaches
 the command and every child it did not move elsewhere, and never the supervisor itself. Launchers
 such as ``torchrun`` may start workers in sessions of their own: :func:`descendants` finds them
-in ``/proc``, never by name. :func:`start_daemon` starts ``spotguard daemon`` and waits until it
-answers on its request socket. :class:`Registrar` registers a job's processes with the daemon for
+in ``/proc``, never by name. A supervisor that is a subreaper (:func:`become_subreaper`) also finds
+what a command left running after it exited (:func:`leftovers`). :func:`start_daemon` starts
+``spotguard daemon`` and waits until it answers on its request socket. :class:`Registrar` registers a job's processes with the daemon for
 its signal fallback, and :func:`reap` collects orphans for a supervisor that is PID 1.
 
 Exceptions::
@@ -27,7 +28,7 @@ from typing import IO, Callable, Iterable
 
 __all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "daemon_status", "killpg",
            "signal_each", "stop", "reap", "descendants", "descends", "parent_of", "catches",
-           "Registrar", "STOP_S", "command_after_options"]
+           "Registrar", "STOP_S", "command_after_options", "become_subreaper", "leftovers"]
 
 STOP_S = 10.0
 """Seconds a process gets after SIGTERM before SIGKILL when a supervisor stops it."""
@@ -71,12 +72,16 @@ def spawn(argv: list[str], env: dict[str, str], out: IO | int | None = None,
 
 def daemon_status(endpoint: str, timeout: float = 0.5) -> dict | None:
     """The daemon's ``status`` reply data, or None when nothing answered within ``timeout`` (at
-    once for an ``ipc://`` socket that does not exist)."""
+    once for an ``ipc://`` socket that does not exist, or one in a directory another user could
+    have made: :func:`spotguard._paths.untrusted`, which the caller reports)."""
+    from spotguard._paths import untrusted
     from spotguard.protocol import StatusRequest
 
     from spotguard_daemon.cli import request
 
     if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
+        return None
+    if untrusted(endpoint):
         return None
     reply = request(endpoint, StatusRequest(), timeout, strict=False)
     return reply.data if reply is not None else None
@@ -121,13 +126,47 @@ def stop(proc: subprocess.Popen, timeout: float = STOP_S) -> None:
             proc.wait()
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state, ppid, pgrp, ...); None
+    when the process is not visible."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields if len(fields) > 2 else None
+
+
 def parent_of(pid: int) -> int | None:
     """The parent pid of ``pid`` (0 for a namespace's first process); None when it is not
     visible."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields and fields[1].isdigit() else None
+
+
+def become_subreaper() -> bool:
+    """Have this process's orphaned descendants reparented to it rather than to init (Linux's
+    ``PR_SET_CHILD_SUBREAPER``), so that a supervisor still finds, ends and reaps what a command
+    left running after it exited; False where the kernel refuses."""
+    import ctypes
+
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def leftovers(pgid: int, spare: Iterable[int] = ()) -> set[int]:
+    """The live processes of process group ``pgid`` and below this process (a subreaper's
+    orphans included), but ``spare`` and their descendants (a daemon the supervisor started):
+    what a launch whose leader was ``pgid`` left running. Zombies are left out."""
+    spared = set(spare).union(*(descendants(pid) for pid in spare))
+    found = descendants(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat(int(stat.parent.name))
+        if fields and fields[2] == str(pgid):
+            found.add(int(stat.parent.name))
+    return {pid for pid in found - spared - {os.getpid()}
+            if (fields := _stat(pid)) is not None and fields[0] not in "ZX"}
 
 
 def descends(pid: int, ancestor: int) -> bool:

@@ -186,11 +186,9 @@ def test_it_starts_its_own_daemon_when_none_runs_and_stops_it(tmp_path, sock_dir
 
 
 def test_a_daemon_that_cannot_start_leaves_the_job_running_without_one(tmp_path, sock_dir):
-    shared = sock_dir / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)  # a runtime directory others can write to: the daemon refuses it
+    (sock_dir / "file").write_text("where the daemon's runtime directory should go")
     run = Supervised(tmp_path, [], ["--finish-at", "1"], {
-        "SPOTGUARD_RUNTIME_DIR": str(shared), "SPOTGUARD_STATE_DIR": str(tmp_path / "state"),
+        "SPOTGUARD_RUNTIME_DIR": str(sock_dir / "file" / "run"), "SPOTGUARD_STATE_DIR": str(tmp_path / "state"),
         "SPOTGUARD_METRICS__ENABLED": "false"})
     status, figures = run.finish()
     assert status == 0 and figures["launches"] == 1, run.stderr()
@@ -288,3 +286,54 @@ def test_a_lost_peer_relaunches_the_command_like_a_preemption(tmp_path, how, sta
     assert [r["status"] for r in figures["runs"]] == [status, 0]
     why = "a notice" if how == "forced_exit" else "a peer was lost"
     assert f"stopped with status {status} after {why}; relaunching it" in done.stderr
+
+
+def test_a_job_that_exits_75_at_once_without_a_record_backs_off_and_stops_after_three(tmp_path):
+    """Exit 75 at once, no record (a job that does not import spotguard, under a notice it cannot
+    ignore): three launches, the relaunches --backoff seconds apart and doubling, then it stops."""
+    starts = tmp_path / "starts"
+    script = f"import sys, time; open({str(starts)!r}, 'a').write(f'{{time.time()}}\\n'); sys.exit(75)"
+    done = subprocess.run([*RUN, "--json", "--no-daemon", "--backoff", "0.5", "--", sys.executable, "-c",
+                           script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    figures = json.loads(done.stdout.splitlines()[-1])
+    assert done.returncode == 75 and figures["launches"] == 3, done.stderr
+    assert figures["reason"] == "3 launches in a row stopped without progress"
+    first, second, third = (float(t) for t in starts.read_text().split())
+    assert second - first >= 0.5 and third - second >= 1.0, (first, second, third)
+    assert "relaunching it in 0.5 s (1 launch(es) in a row without progress)" in done.stderr
+    assert "relaunching it in 1 s (2 launch(es) in a row without progress)" in done.stderr
+
+
+LEAVES_A_CHILD = """\
+echo $$ >> "$1/launches"
+sleep 1000 & echo $! >> "$1/left"
+setsid sleep 1000 & echo $! >> "$1/left"
+launch=$(wc -l < "$1/launches")
+[ "$launch" -ge 2 ] || exit 75
+for pid in $(head -n 2 "$1/left"); do kill -0 "$pid" 2>/dev/null && echo "$pid" >> "$1/overlap"; done
+exit 0
+"""
+
+
+def test_what_a_launch_leaves_running_is_ended_before_the_relaunch_and_at_the_exit(tmp_path):
+    """Each launch starts two background sleeps (one in its own session) and exits: the first
+    launch's are gone before the second starts, the second's before the supervisor exits."""
+    job = tmp_path / "job.sh"
+    job.write_text(LEAVES_A_CHILD)
+    out, err = tmp_path / "run.out", tmp_path / "run.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:  # files: a leftover holds no pipe open
+        proc = subprocess.Popen([*RUN, "--json", "--no-daemon", "--backoff", "0", "--", "sh", str(job),
+                                 str(tmp_path)], stdout=stdout, stderr=stderr,
+                                env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    try:
+        status, figures = finished(proc, out, 60)
+    finally:
+        left = [int(pid) for pid in (tmp_path / "left").read_text().split()]
+        alive = [pid for pid in left if Path(f"/proc/{pid}").exists()]
+        for pid in alive:  # the test's own cleanup, before any assertion
+            os.kill(pid, signal.SIGKILL)
+    assert status == 0 and figures["launches"] == 2, err.read_text()
+    assert len(left) == 4 and not alive, f"still running: {alive}"
+    assert not (tmp_path / "overlap").exists(), "the first launch's children ran beside the second"
+    assert err.read_text().count("left 2 process(es) running after it exited") == 2, err.read_text()

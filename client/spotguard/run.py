@@ -77,6 +77,7 @@ from datetime import datetime
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 from spotguard import _ddp, _exit, _jobid, rng
+from spotguard._audit import Audit
 from spotguard._record import Recorder
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
@@ -175,6 +176,7 @@ class Run:
                                     signal_deadlines=signal_deadlines)
         self._job_id, self._durable = job_id, durable
         self.record = Recorder(rank=_rank(), job=job_id)
+        self._audit = Audit(self.record, self.state)  # samples per step, state left out
         self._save_kinds: dict[int, str] = {}
         self._save_reached: dict[int, datetime] = {}
         """Step saved -> when the loop reached it, for the daemon's goodput (the commit comes later)."""
@@ -210,7 +212,8 @@ class Run:
             self.guard.report_resume(self.step)
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,
-                          skipped=self.checkpointer.skipped, total=total, entries=sorted(self.state))
+                          skipped=self.checkpointer.skipped, total=total, entries=sorted(self.state),
+                          loaded_digest=getattr(self.resumed_from, "digest", None))
         if self.step >= total:
             log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
             return  # a completed job relaunched under a pending notice must exit 0, not 75
@@ -318,6 +321,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        self._audit.close()
         try:
             self.checkpointer.close()
         finally:
@@ -340,6 +344,7 @@ class Run:
             self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)  # arms it
         self._observe()
         self.record.progress(done)
+        self._audit.step(done)
         self.guard.report_progress(done)
         due = self.cadence.due(done)  # asked at every boundary so its count moves alike everywhere
         if due and self._fixed_cadence:

@@ -142,6 +142,10 @@ class ResumableSampler:
         self._iterated = self._advanced = False
         self._owner: Any = None
         self._plain_loader = self._warned_plain = False
+        self.consumed: list[tuple[int, int, int]] | None = None
+        """With a list here (a run that records itself), each advance appends (epoch, position, n):
+        :meth:`take_ids_digest` names the sample ids the loop drew since the last call."""
+        self._order: tuple[tuple[int, int], list[int]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next ``__iter__`` draws; a new epoch starts at position 0."""
@@ -165,8 +169,24 @@ class ResumableSampler:
             raise SamplerStateError(
                 f"advance({n_samples}) at position {self.position} passes the end of the epoch "
                 f"({self.num_samples} samples on this rank)")
+        if self.consumed is not None:
+            self.consumed.append((self.epoch, self.position, int(n_samples)))
         self.position += int(n_samples)
         self._advanced = True
+
+    def take_ids_digest(self) -> str | None:
+        """A digest of the sample ids consumed since the last call (None when none were, or
+        nothing is tracked): equal for two runs exactly when they drew the same samples."""
+        import hashlib
+        from array import array
+
+        if not self.consumed:
+            return None
+        ids = array("q")
+        for epoch, start, n in self.consumed:
+            ids.extend(self._indices(epoch)[start:start + n])
+        self.consumed.clear()
+        return hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
 
     def __iter__(self) -> Iterator[int]:
         start = self.position if self._resume_pending else 0
@@ -181,13 +201,20 @@ class ResumableSampler:
         """Indices the next ``__iter__`` yields: the rest of a restored epoch, else a whole one."""
         return self.num_samples - (self.position if self._resume_pending else 0)
 
-    def _indices(self) -> list[int]:
-        """This rank's indices for ``self.epoch``, exactly as DistributedSampler computes them."""
+    def _indices(self, epoch: int | None = None) -> list[int]:
+        """This rank's indices for ``epoch`` (default ``self.epoch``), exactly as DistributedSampler
+        computes them; the last epoch's are kept."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._order is None or self._order[0] != (epoch, self.seed):
+            self._order = ((epoch, self.seed), self._compute_indices(epoch))
+        return self._order[1]
+
+    def _compute_indices(self, epoch: int) -> list[int]:
         import torch
 
         if self.shuffle:
             generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
+            generator.manual_seed(self.seed + epoch)
             indices = torch.randperm(self.num_items, generator=generator).tolist()
         else:
             indices = list(range(self.num_items))

@@ -4,12 +4,19 @@ The command runs as given, twice over:
 
 1. an uninterrupted *reference run* (``--no-reference`` skips it), without a daemon; its
    checkpoint directory is then moved into the report directory, so that the drill starts fresh;
-2. the *drill*: the same command under ``--preemptions`` interruptions at random steps, of four
-   kinds in turn (shuffled): ``notice`` (a daemon notice whose deadline leaves room to save),
-   ``short-notice`` (a deadline too close to save: the last commit must stand), ``sigterm`` (no
-   daemon, as Kubernetes or RunPod stop a pod) and ``sigkill`` (no warning at all, as on vast.ai).
-   Signals go to the command's process group and to every descendant seen (``torchrun`` starts
-   its workers in sessions of their own). Whatever survives a deadline is killed. The identical command is relaunched after each until it ends.
+2. the *drill*: the same command under ``--preemptions`` interruptions, of four kinds in turn
+   (shuffled): ``notice`` (a daemon notice whose deadline leaves room to save and makes the job
+   stop now), ``short-notice`` (a deadline too close to save: the last commit must stand),
+   ``sigterm`` (no daemon, as Kubernetes or RunPod stop a pod) and ``sigkill`` (no warning at
+   all, as on vast.ai). When and how: from the reference's measured step time and save cost
+   (else the first launch's), the preemptions are spread over the steps after the first commit
+   and early enough to land before the job ends; none is delivered before a step is committed
+   (nothing to resume from). Signals go to the command's process group and to every descendant
+   seen, each checked to still be the process seen (:mod:`spotguard_daemon.drill_tree`).
+   Whatever survives a deadline is killed. The identical command is relaunched after each until
+   it ends.
+3. when the job turns out not to be reproducible run to run, a second reference, to measure how
+   far apart two uninterrupted runs end (:mod:`spotguard_daemon.drill_spread`).
 
 Notices come from a private daemon (``--platform none``, embedded default settings, its sockets
 and state in private temporary directories), started for each launch that gets one and stopped
@@ -20,18 +27,24 @@ would stop every job on the node.
 The verdict comes only from the run records the library writes (``$SPOTGUARD_RECORD``, one file
 per launch), never from what the job prints; see :mod:`spotguard_daemon.drill_checks`. Output: a
 live timeline with a progress bar, a one-screen summary, and ``report.json`` plus
-``timeline.svg`` in the report directory (:mod:`spotguard_daemon.drill_report`).
+``timeline.svg`` in the report directory (:mod:`spotguard_daemon.drill_report`); ``--json``
+prints the report on stdout's last line too. The report directory must be the user's own and
+writable by no one else (:func:`~spotguard_daemon.drill_tree.private_dir`).
 
-Exit statuses: 0 every check passed; 1 a check failed (the diagnosis on stderr); 2 usage;
-130 interrupted. Every process the drill started is stopped on every path.
+Exit statuses: 0 PASSED; 1 FAILED (a check failed, the diagnosis on stderr); 2 usage; 3
+INCONCLUSIVE (nothing failed, but fewer preemptions took effect than asked, or the final states
+could not be compared: what to change is printed); 130 interrupted. Every process the drill
+started is stopped on every path.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -40,23 +53,27 @@ from pathlib import Path
 
 import click
 
-from spotguard._record import read_new
+from spotguard._record import RecordError, read_new
 from spotguard_daemon.cli_demo import guarded
-from spotguard_daemon.drill_checks import Launch, judge
+from spotguard_daemon.drill_checks import (Launch, judge, reproducible, save_figures, step_seconds,
+                                           SPREAD_FACTOR)
 from spotguard_daemon.drill_report import Live, write_report
-from spotguard_daemon.supervise import (LaunchError, command_after_options, descendants, killpg,
-                                         signal_each, spawn, start_daemon, stop)
+from spotguard_daemon.drill_spread import distance
+from spotguard_daemon.drill_tree import Tree, new_file, private_dir
+from spotguard_daemon.supervise import LaunchError, command_after_options, killpg, spawn, start_daemon, stop
 
-__all__ = ["drill", "KINDS"]
+__all__ = ["drill", "KINDS", "EXIT_INCONCLUSIVE"]
 
 KINDS = ("notice", "short-notice", "sigterm", "sigkill")
-ROOM_S = 30.0
-"""Deadline of a notice that leaves room to save, and grace after SIGTERM before the kill."""
+SAVE_MARGIN_S = 2.0
+"""``Run``'s default ``save_margin``: an emergency save is taken only when it fits this far before
+the deadline."""
 SHORT_S = 1.0
-"""Deadline of a notice too close to save (the library keeps a 2 s margin)."""
+"""Deadline of a notice too close to save (under the library's margin)."""
 POLL_S = 0.05
 STOP_S = 10.0
 """Seconds a launch gets after SIGTERM before SIGKILL, when the drill stops it."""
+EXIT_INCONCLUSIVE = 3
 
 
 class DrillError(RuntimeError):
@@ -73,35 +90,73 @@ class Drill:
         self.rng = random.Random(self.seed)
         self.kinds = [KINDS[i % len(KINDS)] for i in range(preemptions)]
         self.rng.shuffle(self.kinds)
-        self.fractions = sorted(self.rng.uniform(0.05, 0.9) for _ in range(preemptions))
+        self.slots = [(i + self.rng.uniform(0.2, 0.8)) / preemptions for i in range(preemptions)]
+        """Where in the span of steps that can be preempted each preemption falls (0..1)."""
         self.sockets = Path(tempfile.mkdtemp(prefix="sg-drill-", dir="/tmp"))
         self.procs: list[subprocess.Popen] = []
         self.root: Path | None = None
         """The job's checkpoint directory, from the reference's start: the drill's daemons watch it
         alone, never the working directory, where the moved reference checkpoints would be found,
         uploaded and restored by a relaunch that has no local checkpoint yet."""
-        self.tree: set[int] = set()
-        """Every descendant of the running launch seen so far: torchrun starts its workers in
-        sessions of their own, and they outlive a torchrun killed with SIGKILL."""
+        self.tree = Tree()
+        """The running launch's descendants, by identity: torchrun starts its workers in sessions
+        of their own, and they outlive a torchrun killed with SIGKILL."""
+        self.measured: Launch | None = None
+        """The run whose step time and save cost plan the preemptions: the reference, else the
+        first launch."""
+        self.problems: list[str] = []
 
     # ------------------------------------------------------------------ phases
 
-    def reference(self) -> Launch:
-        """The uninterrupted run; its checkpoints are moved aside so the drill starts fresh."""
-        self.live.phase("reference run: the command, never interrupted, no daemon")
+    def reference(self, name: str = "reference") -> Launch:
+        """An uninterrupted run; its checkpoints are moved aside so the drill starts fresh."""
+        self.live.phase(f"{name} run: the command, never interrupted, no daemon")
         launch = Launch(0)
-        self.run_launch(launch, None)
+        self.run_launch(launch, None, name)
         start = launch.first("start")
-        if start:
+        if start and self.root is None:
             self.root = Path(start["root"])
-        if start and start.get("resumed_from") is None and Path(start["root"]).is_dir():
-            shutil.move(start["root"], self.report / "reference-checkpoints")
+        self.measured = self.measured or launch
+        if start and start.get("resumed_from") is None:
+            self.move_aside(launch, f"{name}-checkpoints")
         return launch
+
+    def move_aside(self, launch: Launch, name: str) -> None:
+        """Move the launch's checkpoint root into the report directory, once it is shown to be the
+        directory the job itself used (see :meth:`_own_root`); else leave it and say why."""
+        root = Path((launch.first("start") or {}).get("root", ""))
+        why = self._own_root(launch, root)
+        if why is None:
+            shutil.move(str(root), self.report / name)
+        else:
+            self.live.line(f"checkpoints left in place: {why}")
+
+    def _own_root(self, launch: Launch, root: Path) -> str | None:
+        """Why ``root`` is not the checkpoint directory of this launch's job, or None when it is: a
+        real directory of this user, no one else's to write, neither the working directory, the
+        report directory nor one above them, written by the launch's own process (its start
+        event's pid), and holding every commit the launch recorded."""
+        try:
+            info = os.lstat(root)
+        except OSError as exc:
+            return f"{root}: {exc.strerror}"
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            return f"{root} is not a directory of this user that no one else can write"
+        real = root.resolve()
+        for place in (Path.cwd(), self.report, Path.home()):
+            if real == place.resolve() or real in place.resolve().parents:
+                return f"{root} is, or holds, {place}"
+        start = launch.first("start") or {}
+        if start.get("pid") not in {launch.pid, *launch.pids}:
+            return f"the record's start came from pid {start.get('pid')}, not from the launch"
+        paths = [Path(c["path"]) for c in launch.of("commit") if c.get("path")]
+        if any(real not in path.resolve().parents for path in paths):
+            return f"the launch's commits are not all under {root}"
+        return None
 
     def drill(self) -> list[Launch]:
         """Launch, preempt, relaunch, until the job ends or cannot go on."""
-        self.live.phase(f"drill: {len(self.kinds)} preemptions at random steps "
-                        f"(--seed {self.seed} repeats them)")
+        self.live.phase(f"drill: {len(self.kinds)} preemptions (--seed {self.seed} repeats them)")
         launches: list[Launch] = []
         while True:
             done = sum(launch.preempted for launch in launches)
@@ -109,29 +164,54 @@ class Drill:
             launches.append(launch)
             self.run_launch(launch, self._daemon(launch) if launch.kind in ("notice", "short-notice")
                             else None)
+            self.measured = self.measured or launch
             if not launch.preempted or launch.first("finish") or len(launches) > 2 * len(self.kinds) + 2:
                 return launches
             if launch.index == 1 and (launch.first("start") or {}).get("resumed_from") is not None:
                 return launches  # not a fresh start: nothing after it would mean anything
 
+    def spread(self, launches: list[Launch], reference: Launch) -> dict | None:
+        """For a job not reproducible run to run: a second reference, and the distances of the
+        drilled and the second final parameters from the first reference's."""
+        if reproducible(launches, reference)[0] is not False or self.root is None:
+            return None
+        self.live.line("the job is not reproducible run to run: a second reference measures "
+                       "how far apart two uninterrupted runs end")
+        if launches[-1].first("finish") is None:
+            return {"why": "the drilled run did not finish"}
+        self.move_aside(launches[-1], "drill-checkpoints")
+        second = self.reference("reference-2")
+        base = self.report / "reference-checkpoints"
+        try:
+            figures = {"reference": distance(self.report / "reference-2-checkpoints", base),
+                       "drill": distance(self.report / "drill-checkpoints", base)}
+        except (ValueError, OSError) as exc:
+            return {"why": str(exc), "second": second.point()}
+        figures["threshold"] = max(SPREAD_FACTOR * figures["reference"], 1e-6)
+        figures["second"] = second.point()
+        return figures
+
     # ------------------------------------------------------------------ one launch
 
-    def run_launch(self, launch: Launch, daemon: tuple[subprocess.Popen, str] | None) -> None:
-        name = "reference" if launch.index == 0 else f"launch-{launch.index:02d}"
+    def run_launch(self, launch: Launch, daemon: tuple[subprocess.Popen, str] | None,
+                   name: str | None = None) -> None:
+        name = name or f"launch-{launch.index:02d}"
         record, launch.log = self.report / f"{name}.record.jsonl", self.report / f"{name}.log"
         runtime = self.sockets / (f"d{launch.index}" if daemon else "none")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
         env.update(SPOTGUARD_RECORD=str(record), SPOTGUARD_RUNTIME_DIR=str(runtime))
         launch.t_launch = time.time()
-        with open(launch.log, "w") as log:
+        with new_file(launch.log) as log:
             proc = self._spawn(self.argv, env, log)
+        launch.pid = proc.pid
         self.live.launch(launch, proc.pid)
         try:
             self._watch(launch, proc, record, daemon[1] if daemon else None)
         finally:
             stop(proc, STOP_S)
-            signal_each(self.tree, signal.SIGKILL)  # workers orphaned by a killed launcher
-            self.tree = set()
+            launch.pids |= set(self.tree.known)
+            self.tree.signal(signal.SIGKILL)  # workers orphaned by a killed launcher
+            self.tree.clear()
             if daemon:
                 stop(daemon[0], STOP_S)
         launch.t_end, launch.status = time.time(), proc.returncode
@@ -141,13 +221,10 @@ class Drill:
         offset, kill_at, give_up = 0, None, time.monotonic() + self.timeout
         while True:
             running = proc.poll() is None
-            events, offset = read_new(record, offset)
-            for event in events:
-                launch.events.append(event)
-                self.live.event(launch, event)
+            offset = self._read(launch, record, offset)
             if not running:
                 return
-            self.tree |= descendants(proc.pid)
+            self.tree.note(proc.pid)
             if launch.kind and not launch.preempted and self._due(launch):
                 kill_at = self._preempt(launch, proc, endpoint)
             if time.monotonic() > give_up:
@@ -159,19 +236,79 @@ class Drill:
             self.live.bar(launch)
             time.sleep(POLL_S)
 
+    def _read(self, launch: Launch, record: Path, offset: int) -> int:
+        """Take the launch's new record events; a malformed line is said once and left out."""
+        problems: list[str] = []
+        try:
+            events, offset = read_new(record, offset, problems)
+        except RecordError as exc:
+            raise DrillError(str(exc)) from exc
+        for event in events:
+            launch.events.append(event)
+            self.live.event(launch, event)
+        for text in problems:
+            if text not in self.problems:
+                self.problems.append(text)
+                self.live.line(f"{self.live.name(launch)}: malformed record line left out: {text}")
+        return offset
+
+    # ------------------------------------------------------------------ when and how
+
+    def _rates(self, launch: Launch) -> tuple[float | None, float]:
+        """Seconds per step and per save, measured on the reference (else this launch so far)."""
+        runs = [self.measured] if self.measured is not None else [launch]
+        save = save_figures(runs)["save_cost_s"] or save_figures([launch])["save_cost_s"] or 0.0
+        return step_seconds(runs) or step_seconds([launch]), save
+
+    def deadline(self, kind: str, save_s: float, step_s: float) -> float:
+        """Seconds from delivery to the kill: for ``notice`` and ``sigterm`` room for the job's
+        emergency save (twice the measured cost), the library's margin and two steps, so that the
+        job stops at once and saves; ``short-notice`` leaves less than the margin; ``sigkill`` 0."""
+        if kind == "short-notice":
+            return SHORT_S
+        if kind == "sigkill":
+            return 0.0
+        return round(max(3.0, SAVE_MARGIN_S + 2 * save_s + 2 * step_s + 1.0), 1)
+
+    @staticmethod
+    def landing(kind: str, deadline: float) -> float:
+        """Seconds from delivery until the preemption has surely stopped the job: the kill for
+        ``short-notice`` and ``sigkill``; for ``notice`` and ``sigterm`` the job stops at its
+        next step and saves, well before the kill at the deadline (its margin unused)."""
+        return deadline if kind in ("short-notice", "sigkill") else max(1.0, deadline - SAVE_MARGIN_S)
+
     def _due(self, launch: Launch) -> bool:
-        """Whether the launch reached its random target step (chosen once its start is known)."""
+        """Whether the launch reached its target step. The target is chosen once the total, the
+        step time and a committed step after 0 are known (a preemption before it has nothing to
+        resume from), in this preemption's slot of the steps from just after the first commit to
+        the last one at which it still lands before the end; past that last step it never is."""
         start = launch.first("start")
-        if start is None or not start.get("total"):
+        commits = [c["step"] for c in launch.of("commit")]
+        if start is None or not start.get("total") or launch.target == -1:
             return False
         if launch.target is None:
-            fraction = self.fractions.pop(0) if self.fractions else 0.5
-            launch.target = max(int(fraction * start["total"]), launch.resumed_from + 1)
-        return launch.target < start["total"] and launch.reached >= launch.target
+            step_s, save_s = self._rates(launch)
+            if step_s is None or not (commits or launch.resumed_from):
+                return False
+            total = start["total"]
+            first = min(c["step"] for c in self.measured.of("commit")) if self.measured and \
+                self.measured.of("commit") else min(commits or [launch.resumed_from])
+            launch.deadline = self.deadline(launch.kind, save_s, step_s)
+            last = total - math.ceil((self.landing(launch.kind, launch.deadline) + 0.5) / step_s) - 2
+            lo = max(first, launch.resumed_from) + 1
+            slot = self.slots.pop(0) if self.slots else 0.5
+            launch.target = max(lo, first + 1 + int(slot * max(0, last - first - 1)))
+            if launch.target > last:
+                launch.skipped = (f"no room left for a {launch.kind} after step {launch.target - 1} "
+                                  f"(it would not land before the job's end at step {total})")
+                self.live.line(f"{self.live.name(launch)}: {launch.skipped}")
+                launch.target = -1
+                return False
+        return launch.reached >= launch.target and bool(commits or launch.resumed_from)
 
     def _preempt(self, launch: Launch, proc: subprocess.Popen, endpoint: str | None) -> float | None:
         """Deliver the preemption; return the monotonic time of the kill that follows, if any."""
-        launch.preempted_at = time.time()
+        launch.preempted_at, launch.preempted_step = time.time(), launch.reached
         self.live.preempt(launch)
         if launch.kind == "sigkill":
             launch.killed = True
@@ -179,10 +316,9 @@ class Drill:
             return None
         if launch.kind == "sigterm":
             self._kill(proc, signal.SIGTERM)
-            return time.monotonic() + ROOM_S
-        deadline = ROOM_S if launch.kind == "notice" else SHORT_S
-        _notify(endpoint, deadline)
-        return time.monotonic() + deadline
+        else:
+            _notify(endpoint, launch.deadline)
+        return time.monotonic() + launch.deadline
 
     # ------------------------------------------------------------------ processes
 
@@ -200,7 +336,7 @@ class Drill:
         config.write_text("[metrics]\nenabled = false\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
         endpoint = f"ipc://{runtime}/requests.sock"
-        with open(self.report / f"daemon-{launch.index:02d}.log", "w") as log:
+        with new_file(self.report / f"daemon-{launch.index:02d}.log") as log:
             try:
                 proc = start_daemon(["--config", str(config), "--platform", "none", "--runtime-dir",
                                      str(runtime), "--state-dir", str(state), "--checkpoint-root",
@@ -211,11 +347,12 @@ class Drill:
         return proc, endpoint
 
     def _kill(self, proc: subprocess.Popen, signum: int) -> None:
-        """``signum`` to the launch's process group and to every descendant, as a platform stops
-        a whole machine."""
-        self.tree |= descendants(proc.pid)
+        """``signum`` to the launch's process group (its leader not yet reaped, so the group is
+        still its) and to every descendant that is still the process seen, as a platform stops a
+        whole machine."""
+        self.tree.note(proc.pid)
         killpg(proc, signum)
-        signal_each(self.tree, signum)
+        self.tree.signal(signum)
 
     def close(self) -> None:
         for proc in reversed(self.procs):
@@ -241,25 +378,36 @@ def _notify(endpoint: str | None, deadline: float) -> None:
               help="Skip the uninterrupted run (then the final state is not compared).")
 @click.option("--seed", type=int, help="Seed of the random steps and kinds (default: random).")
 @click.option("--report-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="New or empty directory for the report, logs and records "
-                   "(default ./spotguard-drill-<time>).")
+              help="New or empty directory of yours, writable by no one else, for the report, "
+                   "logs and records (default ./spotguard-drill-<time>).")
 @click.option("--launch-timeout", default=3600.0, show_default=True, type=click.FloatRange(1),
               help="Seconds one launch may run before the drill kills it and fails.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print report.json on the last line of stdout too (for CI).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def drill(preemptions: int, no_reference: bool, seed: int | None, report_dir: Path | None,
-          launch_timeout: float, command: tuple[str, ...]) -> None:
-    """Run COMMAND under random preemptions and prove it resumes exactly (spotguard drill -- CMD)."""
+          launch_timeout: float, as_json: bool, command: tuple[str, ...]) -> None:
+    """Run COMMAND under random preemptions and prove it resumes exactly (spotguard drill -- CMD).
+
+    \b
+    Exit status: 0 PASSED, 1 FAILED, 2 usage error, 3 INCONCLUSIVE (too few
+    preemptions took effect: make the job longer or save sooner), 130 interrupted.
+    """
     command = tuple(command_after_options(command, "spotguard drill [OPTIONS] -- COMMAND [ARGS]..."))
     report = report_dir or Path(f"spotguard-drill-{time.strftime('%Y%m%d-%H%M%S')}")
-    if report.exists() and any(report.iterdir()):
-        raise click.BadParameter(f"{report} is not empty", param_hint="'--report-dir'")
-    report.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        private_dir(report)
+    except (ValueError, OSError) as exc:
+        raise click.BadParameter(str(exc), param_hint="'--report-dir'") from exc
     live = Live(sys.stdout.isatty())
     run = Drill(list(command), report.absolute(), preemptions, seed, launch_timeout, live)
 
     def body() -> int:
         reference = None if no_reference else run.reference()
         launches = run.drill()
-        return write_report(report, list(command), launches, reference, judge(launches, reference), live)
+        spread = run.spread(launches, reference) if reference else None
+        checks = judge(launches, reference, preemptions, spread)
+        return write_report(report, list(command), launches, reference, checks, live,
+                            spread=spread, problems=run.problems, as_json=as_json)
 
     sys.exit(guarded("drill", body, lambda status: run.close(), DrillError))

@@ -6,6 +6,17 @@ Everything here reads only what the library appended to ``$SPOTGUARD_RECORD``
 :class:`Check` results, each with a diagnosis written for the person who owns the job, and
 :func:`losses` into the cost of each preemption, set against the Young/Daly prediction for the
 save cost the records measured.
+
+A preemption counts only when it took effect (:func:`ineffective`): the record shows the job's
+stop after it, or the drill's SIGKILL landed, and the next launch resumed from a committed step
+after 0. Fewer than asked makes the verdict INCONCLUSIVE (:func:`verdict`), never PASSED.
+
+A job that is not reproducible run to run (:func:`reproducible`: the reference and the first
+launch, not yet preempted, committed different states at the same step) cannot be judged by
+equal final digests. It is judged by what stays exact even then (each relaunch loaded the state
+that was committed, consumed the reference's samples at every step, its step continued) and by its
+final parameters' distance from the reference's, against the spread of two uninterrupted
+references (``spread``, measured by the drill).
 """
 
 from __future__ import annotations
@@ -17,10 +28,17 @@ from typing import Any
 
 from spotguard.cadence import DEFAULT_NODE_MTBF_S, expected_waste, young_interval
 
-__all__ = ["Check", "Launch", "judge", "losses", "save_figures"]
+__all__ = ["Check", "Launch", "judge", "verdict", "ineffective", "reproducible", "losses",
+           "save_figures", "step_seconds", "SPREAD_FACTOR", "DETERMINISM"]
 
 WARNED = ("notice", "sigterm")
 """Preemption kinds that leave room to save: they must lose no step."""
+SPREAD_FACTOR = 4.0
+"""A nondeterministic job's drilled final parameters may lie this many times the distance between
+two uninterrupted references from the first reference (with a floor of 1e-6): its noise compounds
+from a random step on, as a second reference's does."""
+DETERMINISM = ("torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8 and "
+               "torch.backends.cudnn.benchmark = False (and no unseeded generator)")
 
 
 @dataclass
@@ -36,7 +54,17 @@ class Launch:
     t_end: float = 0.0
     status: int | None = None
     preempted_at: float | None = None
+    preempted_step: int | None = None
+    """The step the record showed when the preemption was delivered (the log, table and picture
+    all use this one)."""
+    deadline: float | None = None
+    """Seconds from the preemption to the drill's kill (0 for sigkill)."""
+    skipped: str | None = None
+    """Why its planned preemption was not delivered, if it was not."""
     killed: bool = False
+    pid: int | None = None
+    pids: set[int] = field(default_factory=set)
+    """The launch's descendants the drill saw, by verified identity."""
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def first(self, name: str) -> dict[str, Any] | None:
@@ -65,10 +93,20 @@ class Launch:
     def preempted(self) -> bool:
         return self.preempted_at is not None
 
+    @property
+    def landed(self) -> bool:
+        """The preemption stopped the job: its record shows the stop after it, or the drill's
+        SIGKILL ended it, before it finished."""
+        if not self.preempted or self.first("finish") is not None:
+            return False
+        stopped = any(e["t"] >= self.preempted_at - 0.05 for e in self.of("stop"))
+        return stopped or (self.killed and self.status in (-9, 137))
+
     def point(self) -> dict[str, Any]:
         """The launch for the JSON report, without its raw events."""
         return {"launch": self.index, "preemption": self.kind if self.preempted else None,
-                "target_step": self.target, "status": self.status, "killed": self.killed,
+                "target_step": self.target, "preempted_at_step": self.preempted_step,
+                "status": self.status, "killed": self.killed,
                 "resumed_from": self.first("start") and self.first("start").get("resumed_from"),
                 "reached": self.reached, "seconds": round(self.t_end - self.t_launch, 3),
                 "log": str(self.log) if self.log else None}
@@ -79,19 +117,100 @@ class Check:
     name: str
     ok: bool
     detail: str
+    inconclusive: bool = False
+    """A failure of this check leaves the verdict INCONCLUSIVE, not FAILED: the drill could not
+    prove enough, the job did nothing wrong."""
 
 
-def judge(launches: list[Launch], reference: Launch | None) -> list[Check]:
-    """The drill's verdict, check by check; a failed check's ``detail`` says what to fix."""
+def verdict(checks: list[Check]) -> str:
+    """PASSED, FAILED (a check found a fault) or INCONCLUSIVE (nothing failed, but too little
+    was proven)."""
+    if any(not c.ok and not c.inconclusive for c in checks):
+        return "FAILED"
+    return "INCONCLUSIVE" if any(not c.ok for c in checks) else "PASSED"
+
+
+def judge(launches: list[Launch], reference: Launch | None, asked: int | None = None,
+          spread: dict[str, Any] | None = None) -> list[Check]:
+    """The drill's verdict, check by check; a failed check's ``detail`` says what to fix.
+    ``asked``: the preemptions asked for (default: those delivered); ``spread``: the distances the
+    drill measured for a nondeterministic job (see :func:`reproducible`)."""
     checks = [_started(launches), _fresh(launches[0]), _resumes(launches), _loads(launches),
-              _warned(launches), _finished(launches[-1])]
-    preempted = sum(launch.preempted for launch in launches)
-    checks.append(Check("preempted", preempted > 0, f"{preempted} preemption(s)" if preempted else
-                        "the job ended before the first preemption: make it longer (more steps) "
-                        "or the drill has nothing to prove"))
+              _warned(launches), _finished(launches[-1]), _data(launches, reference)]
+    checks.append(_took_effect(launches, asked))
     if reference is not None:
-        checks.append(_identical(launches, reference))
-    return checks
+        same, step = reproducible(launches, reference)
+        checks.append(_identical(launches, reference) if same is not False
+                      else _within_spread(launches, step, spread))
+    return [check for check in checks if check is not None]
+
+
+def ineffective(launch: Launch, after: Launch | None) -> str | None:
+    """Why a delivered preemption did not take effect, or None when it did (see the module
+    docstring)."""
+    if not launch.landed:
+        if launch.first("finish") is not None:
+            return f"the job finished at step {launch.reached} before it stopped"
+        return f"the job exited with status {launch.status} on its own, not stopped by it"
+    if after is None or not after.started:
+        return "no later launch resumed"
+    if after.resumed_from <= 0:
+        return "the next launch resumed from step 0 (nothing was committed before it)"
+    return None
+
+
+def _took_effect(launches: list[Launch], asked: int | None) -> Check:
+    preempted = [launch for launch in launches if launch.preempted]
+    asked = len(preempted) if asked is None else asked
+    why = [(launch, ineffective(launch, after)) for launch, after in
+           zip(launches, [*launches[1:], None]) if launch.preempted]
+    done = sum(reason is None for _, reason in why)
+    detail = (f"{done} of {asked} preemption(s) took effect (the record shows the stop or the kill "
+              "landed, and a later launch resumed from a committed step after 0)")
+    if done >= asked and asked > 0:
+        return Check("preemptions", True, detail)
+    misses = [f"launch {launch.index}'s {launch.kind} at step {launch.preempted_step}: {reason}"
+              for launch, reason in why if reason]
+    misses += [f"launch {launch.index}: {launch.skipped}" for launch in launches if launch.skipped]
+    if len(preempted) < asked:
+        misses.append(f"{asked - len(preempted)} never delivered: the job ended, or committed no "
+                      "step to resume from, before their turn")
+    return Check("preemptions", False, detail + "; " + "; ".join(misses) + ". Make the job run "
+                 "longer (more steps) or save sooner (a first commit well before the end), or ask "
+                 "for fewer preemptions (-n)", inconclusive=True)
+
+
+def reproducible(launches: list[Launch], reference: Launch) -> tuple[bool | None, int | None]:
+    """Whether the job is reproducible run to run: the reference and the first launch (the same
+    command, fresh, not yet preempted when it committed) hold equal states at every step both
+    committed. (False, the first step that differs); (True, None); (None, None) without a step
+    in common."""
+    theirs = {c["step"]: c.get("digest") for c in reference.of("commit")}
+    mine = {c["step"]: c.get("digest") for c in launches[0].of("commit")}
+    common = sorted(set(theirs) & set(mine))
+    differ = [step for step in common if theirs[step] != mine[step]]
+    if differ:
+        return False, differ[0]
+    return (True, None) if common else (None, None)
+
+
+def _within_spread(launches: list[Launch], step: int | None, spread: dict[str, Any] | None) -> Check:
+    source = (f"the job is not reproducible run to run: the reference and launch 1 (not yet "
+              f"preempted) committed different states at step {step}. The likely source: "
+              "nondeterministic kernels (atomics-based reductions, cuDNN autotuning) or an "
+              f"unseeded generator; {DETERMINISM} make it reproducible, and the drill exact. ")
+    if not spread or spread.get("drill") is None or spread.get("reference") is None:
+        return Check("identical", False, source + "The final states could not be compared "
+                     f"({(spread or {}).get('why', 'no second reference')})", inconclusive=True)
+    within = spread["drill"] <= spread["threshold"]
+    figures = (f"the drilled final parameters lie {spread['drill']:.3g} (relative) from the "
+               f"reference's; two uninterrupted references lie {spread['reference']:.3g} apart; "
+               f"threshold {spread['threshold']:.3g} ({SPREAD_FACTOR:g} x their spread)")
+    if within:
+        return Check("identical", True, source + "Judged by what stays exact (loads, data, steps) "
+                     "and " + figures)
+    return Check("identical", False, source + "Even so the resume changed the result: " + figures
+                 + ". " + _cause(launches))
 
 
 def _started(launches: list[Launch]) -> Check:
@@ -129,7 +248,16 @@ def _resumes(launches: list[Launch]) -> Check:
 
 
 def _loads(launches: list[Launch]) -> Check:
+    committed: dict[int, str] = {}
     for launch in launches:
+        start = launch.first("start") or {}
+        loaded = start.get("loaded_digest")
+        if loaded and committed.get(launch.resumed_from, loaded) != loaded:
+            return Check("loads", False, f"launch {launch.index} loaded a state of step "
+                         f"{launch.resumed_from} other than the one committed at that step (digest "
+                         f"{loaded[:16]}, committed {committed[launch.resumed_from][:16]}): another "
+                         "checkpoint was put in its place (a store restore, another job's files)")
+        committed.update((c["step"], c.get("digest")) for c in launch.of("commit") if c.get("digest"))
         for event in launch.of("load_failed"):
             return Check("loads", False, f"launch {launch.index} could not load its checkpoint: "
                          f"{event.get('error')}")
@@ -168,13 +296,58 @@ def _identical(launches: list[Launch], reference: Launch) -> Check:
         return Check("identical", mine is not None, "final state bit-identical to the "
                      f"uninterrupted run (digest {theirs.get('digest', '')[:16]})" if mine else
                      "no final state to compare")
-    entries = (last.first("start") or {}).get("entries")
-    holds = f" Its checkpoint holds: {', '.join(entries)}." if entries else ""
     return Check("identical", False, "the final training state differs from the uninterrupted "
-                 "run's: something the job depends on is not in its checkpoint (the optimizer, "
-                 "the scheduler, the data position, or an RNG: e.g. a DataLoader whose shuffling "
-                 "draws from the global RNG); pass every stateful object to spotguard.Run."
-                 + holds + _diverged(launches, reference))
+                 "run's. " + _cause(launches) + _diverged(launches, reference))
+
+
+def _cause(launches: list[Launch]) -> str:
+    """What most likely makes a resumed run differ: a stateful object the job uses but did not
+    hand to spotguard.Run (the library records it), else the arithmetic of the first resumed step
+    (DDP's buckets, autocast, nondeterministic kernels): the state and data were restored."""
+    unsaved = sorted({e["what"] for launch in launches for e in launch.events
+                      if e["event"] == "unsaved" and isinstance(e.get("what"), str)})
+    entries = (launches[-1].first("start") or {}).get("entries")
+    holds = f" Its checkpoint holds: {', '.join(map(str, entries))}." if entries else ""
+    if unsaved:
+        return (f"The job uses state that is not in its checkpoint: {', '.join(unsaved)}; pass it "
+                "to spotguard.Run (optimizer=, scheduler=, loader=, or state={...})." + holds)
+    layouts = [c.get("ddp_layout") for launch in launches for c in launch.of("commit")
+               if isinstance(c.get("ddp_layout"), dict)]
+    wrong = next((l for l in layouts if l.get("restorable") is False), None)
+    if wrong is not None:
+        return ("Everything the job uses is in its checkpoint, but DDP's gradient bucket layout "
+                f"cannot be restored ({wrong.get('why')}): the first step after a resume "
+                "all-reduces other buckets, so its arithmetic differs." + holds)
+    if not any(e["event"] == "data" for launch in launches for e in launch.events):
+        return ("Something the job depends on is not in its checkpoint: the data position and "
+                "its seeds are not recorded (a torch DataLoader shuffles from the global RNG and "
+                "restarts its epoch; use spotguard.DataLoader and pass it as loader=), or the "
+                "optimizer, the scheduler or an RNG; pass every stateful object to spotguard.Run."
+                + holds)
+    return ("The job's state and data were restored exactly (every stateful object it uses is "
+            "in the checkpoint; loaded digests and samples match), so the arithmetic of the "
+            "resumed steps differs: DDP's gradient buckets, autocast, or nondeterministic "
+            f"kernels ({DETERMINISM})." + holds)
+
+
+def _data(launches: list[Launch], reference: Launch | None) -> Check | None:
+    """Each launch consumed, at every step it recorded, the samples the reference consumed at that
+    step (digests of sample ids, recorded by spotguard.DataLoader / ResumableSampler)."""
+    if reference is None:
+        return None
+    theirs = {e["step"]: e["ids"] for e in reference.of("data")}
+    if not theirs:
+        return None
+    for launch in launches:
+        for event in launch.of("data"):
+            if theirs.get(event["step"], event["ids"]) != event["ids"]:
+                after = (f" after it resumed from step {launch.resumed_from}"
+                         if launch.resumed_from else "")
+                return Check("data", False, f"launch {launch.index} consumed other samples at step "
+                             f"{event['step']}{after} than the uninterrupted run: its data "
+                             "position or order is not restored (a loader shuffling from the "
+                             "global RNG, or one not passed to spotguard.Run as loader=)")
+    return Check("data", True, "every step consumed the samples the uninterrupted run did")
 
 
 def _diverged(launches: list[Launch], reference: Launch) -> str:
@@ -215,25 +388,27 @@ def losses(launches: list[Launch], figures: dict[str, Any]) -> list[dict[str, An
     """Steps and seconds each preemption cost, against the prediction: an unwarned preemption at a
     uniformly random instant loses half a save interval (Young/Daly's rework term), a warned one
     nothing; plus the restart (kill to the relaunch's start)."""
-    step_s = _step_seconds(launches)
+    step_s = step_seconds(launches)
     rows = []
-    for launch, after in zip(launches, launches[1:]):
+    for launch, after in zip(launches, [*launches[1:], None]):
         if not launch.preempted:
             continue
-        lost = max(0, launch.reached - after.resumed_from)
-        start = after.first("start")
-        restart = (start["t"] if start else after.t_launch) - launch.preempted_at
+        resumed = after.resumed_from if after is not None and after.started else None
+        lost = None if resumed is None else max(0, launch.reached - resumed)
+        start = after.first("start") if after is not None else None
+        restart = None if start is None else start["t"] - launch.preempted_at
         interval = figures.get("save_interval_s")
         predicted = 0.0 if launch.kind in WARNED else (interval / 2 if interval else None)
-        rows.append({"launch": launch.index, "kind": launch.kind, "at_step": launch.reached,
-                     "resumed_from": after.resumed_from, "steps_lost": lost,
-                     "seconds_lost": round(lost * step_s, 3) if step_s else None,
+        rows.append({"launch": launch.index, "kind": launch.kind, "at_step": launch.preempted_step,
+                     "stopped_at": launch.reached, "effective": ineffective(launch, after) is None,
+                     "resumed_from": resumed, "steps_lost": lost,
+                     "seconds_lost": round(lost * step_s, 3) if step_s and lost is not None else None,
                      "predicted_s": None if predicted is None else round(predicted, 3),
-                     "restart_s": round(restart, 3)})
+                     "restart_s": None if restart is None else round(restart, 3)})
     return rows
 
 
-def _step_seconds(launches: list[Launch]) -> float | None:
+def step_seconds(launches: list[Launch]) -> float | None:
     """Median seconds per step between consecutive progress events."""
     rates = []
     for launch in launches:

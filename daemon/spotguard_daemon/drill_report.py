@@ -3,12 +3,17 @@
 
 The live timeline prints one line per event that matters (launch, resume, emergency save, stop,
 preemption, exit) and, on a terminal only, redraws a progress bar on the line below; piped output
-gets the lines alone. The picture is a small SVG written here, with no plotting dependency.
+gets the lines alone. The picture is a small SVG written here, with no plotting dependency: its
+axes carry round ticks (1, 2 or 5 times a power of ten) and its legend is sized to its longest
+entry, inside the canvas. Every step shown (log, table, checks, report, picture) is the one the
+record showed: a preemption's step is the launch's at delivery. Files are written through a private
+temporary file renamed into place (:func:`~spotguard_daemon.drill_tree.write_private`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from html import escape
@@ -17,13 +22,17 @@ from typing import Any
 
 import click
 
-from spotguard_daemon.drill_checks import Check, Launch, losses, save_figures
+from spotguard_daemon.drill_checks import Check, Launch, losses, save_figures, verdict
+from spotguard_daemon.drill_tree import write_private
 
-__all__ = ["DESCRIBE", "Live", "write_report", "svg"]
+__all__ = ["DESCRIBE", "EXIT", "Live", "write_report", "svg", "round_ticks"]
 
-DESCRIBE = {"notice": "daemon notice, deadline 30 s (room to save)",
-            "short-notice": "daemon notice, deadline 1 s (no room to save)",
+DESCRIBE = {"notice": "daemon notice with room to save",
+            "short-notice": "daemon notice, no room to save",
             "sigterm": "SIGTERM, no daemon", "sigkill": "SIGKILL, no warning"}
+EXIT = {"PASSED": 0, "FAILED": 1, "INCONCLUSIVE": 3}
+CHAR_W = 7.0
+"""Width allowed per character of the 11 px sans-serif text (wider than any such font's average)."""
 COLOURS = {"notice": "#1f77b4", "short-notice": "#9467bd", "sigterm": "#ff7f0e", "sigkill": "#d62728"}
 BAR = 30
 
@@ -46,6 +55,10 @@ class Live:
     def launch(self, launch: Launch, pid: int) -> None:
         self.line(f"{_name(launch)}: started (pid {pid})")
 
+    @staticmethod
+    def name(launch: Launch) -> str:
+        return _name(launch)
+
     def event(self, launch: Launch, event: dict[str, Any]) -> None:
         name, kind = _name(launch), event["event"]
         if event.get("rank", 0) != 0:
@@ -66,7 +79,7 @@ class Live:
             self.line(f"{name}: finished at step {event['step']} (digest {event['digest'][:16]})")
 
     def preempt(self, launch: Launch) -> None:
-        self.line(f"{_name(launch)}: PREEMPTED at step {launch.reached}: {DESCRIBE[launch.kind]}")
+        self.line(f"{_name(launch)}: PREEMPTED at step {launch.preempted_step}: {_describe(launch)}")
 
     def ended(self, launch: Launch) -> None:
         how = "killed" if launch.killed else f"exited with status {launch.status}"
@@ -89,40 +102,54 @@ def _name(launch: Launch) -> str:
     return "reference" if launch.index == 0 else f"launch {launch.index}"
 
 
+def _describe(launch: Launch) -> str:
+    deadline = f", deadline {launch.deadline:g} s" if launch.deadline else ""
+    return DESCRIBE[launch.kind] + deadline
+
+
 def write_report(report: Path, command: list[str], launches: list[Launch], reference: Launch | None,
-                 checks: list[Check], live: Live) -> int:
-    """Write report.json and timeline.svg, print the summary; return the exit status."""
+                 checks: list[Check], live: Live, *, spread: dict[str, Any] | None = None,
+                 problems: list[str] = (), as_json: bool = False) -> int:
+    """Write report.json and timeline.svg, print the summary (and with ``as_json`` the report on
+    stdout's last line); return the exit status (:data:`EXIT`)."""
     figures = save_figures(launches)
     rows = losses(launches, figures)
-    passed = all(check.ok for check in checks)
-    data = {"command": command, "passed": passed, "checks": [vars(c) for c in checks],
+    outcome = verdict(checks)
+    data = {"command": command, "verdict": outcome, "passed": outcome == "PASSED",
+            "checks": [vars(c) for c in checks],
             "reference": reference.point() if reference else None,
-            "launches": [launch.point() for launch in launches], "preemptions": rows, "save": figures}
-    (report / "report.json").write_text(json.dumps(data, indent=2) + "\n")
-    (report / "timeline.svg").write_text(svg(launches, reference))
+            "launches": [launch.point() for launch in launches], "preemptions": rows,
+            "effective_preemptions": sum(row["effective"] for row in rows), "save": figures,
+            "spread": spread, "malformed_record_lines": list(problems)}
+    write_private(report / "report.json", json.dumps(data, indent=2) + "\n")
+    write_private(report / "timeline.svg", svg(launches, reference))
     live.line("done")
     click.echo("\n".join(summary(data, report)))
     for check in checks:
         if not check.ok:
-            click.echo(f"spotguard drill: FAILED ({check.name}): {check.detail}", err=True)
-    return 0 if passed else 1
+            click.echo(f"spotguard drill: {'INCONCLUSIVE' if check.inconclusive else 'FAILED'} "
+                       f"({check.name}): {check.detail}", err=True)
+    if as_json:
+        click.echo(json.dumps(data))
+    return EXIT[outcome]
 
 
 def summary(data: dict[str, Any], report: Path) -> list[str]:
     """The one-screen summary."""
     ok, bad = _marks()
-    lines = ["", f"spotguard drill: {'PASSED' if data['passed'] else 'FAILED'}"]
+    lines = ["", f"spotguard drill: {data['verdict']}"]
     if data["reference"]:
         ref = data["reference"]
         lines.append(f"  reference: {ref['reached']} steps in {ref['seconds']:.1f} s, uninterrupted")
     lines.append(f"  drill:     {len(data['launches'])} launches, {len(data['preemptions'])} "
-                 "preemptions")
-    lines.append(f"  {'preemption':<14}{'at step':>8}{'resumed':>9}{'lost':>6}{'lost s':>8}"
-                 f"{'predicted s':>12}{'restart s':>10}")
+                 f"preemptions delivered, {data['effective_preemptions']} took effect")
+    lines.append(f"  {'preemption':<14}{'at step':>8}{'stopped':>8}{'resumed':>8}{'lost':>6}"
+                 f"{'lost s':>8}{'predicted s':>12}{'restart s':>10}  effect")
     for row in data["preemptions"]:
-        lines.append(f"  {row['kind']:<14}{row['at_step']:>8}{row['resumed_from']:>9}"
-                     f"{row['steps_lost']:>6}{_num(row['seconds_lost']):>8}"
-                     f"{_num(row['predicted_s']):>12}{_num(row['restart_s']):>10}")
+        lines.append(f"  {row['kind']:<14}{_cell(row['at_step']):>8}{_cell(row['stopped_at']):>8}"
+                     f"{_cell(row['resumed_from']):>8}{_cell(row['steps_lost']):>6}"
+                     f"{_num(row['seconds_lost']):>8}{_num(row['predicted_s']):>12}"
+                     f"{_num(row['restart_s']):>10}  {'yes' if row['effective'] else 'NO'}")
     save = data["save"]
     if save["save_cost_s"] is not None:
         lines.append(f"  save cost {save['save_cost_s']:.3f} s; saves every "
@@ -131,6 +158,10 @@ def summary(data: dict[str, Any], report: Path) -> list[str]:
     lines += [f"  {ok if c['ok'] else bad} {c['name']}: {c['detail']}" for c in data["checks"]]
     lines.append(f"  report: {report / 'report.json'}  picture: {report / 'timeline.svg'}")
     return lines
+
+
+def _cell(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _num(value: float | None) -> str:
@@ -145,33 +176,57 @@ def _marks() -> tuple[str, str]:
     return "\u2714", "\u2718"
 
 
+def round_ticks(top: float, count: int = 5) -> list[float]:
+    """Ticks from 0 at a round spacing (1, 2, 2.5 or 5 times a power of ten), about ``count`` of
+    them, the last at or above ``top``: the axis ends on a tick."""
+    top = max(top, 1e-9)
+    raw = top / count
+    power = 10 ** math.floor(math.log10(raw))
+    spacing = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    return [round(i * spacing, 10) for i in range(math.ceil(top / spacing - 1e-9) + 1)]
+
+
+def _tick(value: float) -> str:
+    return f"{value:g}"
+
+
+def _legend_items() -> list[tuple[str, str]]:
+    return ([("#aaaaaa", "reference run"), ("#2ca02c", "drilled launches, saves"),
+             ("#ff7f0e", "emergency save")] + [(COLOURS[k], DESCRIBE[k]) for k in COLOURS]
+            + [("#d62728", "x  process killed")])
+
+
 def svg(launches: list[Launch], reference: Launch | None, width: int = 860, height: int = 380) -> str:
     """Step against wall time: the reference in grey, each launch a line, saves as dots,
-    preemptions as dashed lines in their kind's colour, kills as red crosses."""
+    preemptions as dashed lines in their kind's colour, kills as red crosses; the legend right of
+    the plot, inside the canvas."""
     t0 = launches[0].t_launch
-    t1 = max([launch.t_end for launch in launches] + [t0 + (reference.t_end - reference.t_launch)
-                                                      if reference else t0]) - t0 or 1.0
+    span = max([launch.t_end for launch in launches] + [t0 + (reference.t_end - reference.t_launch)
+                                                        if reference else t0]) - t0 or 1.0
     total = max([(launch.first("start") or {}).get("total") or launch.reached
                  for launch in launches + ([reference] if reference else [])] + [1])
-    left, top, right, bottom = 60, 20, width - 170, height - 40
+    t_ticks, s_ticks = round_ticks(span), round_ticks(total)
+    t1, s1 = t_ticks[-1], s_ticks[-1]
+    legend_w = 14 + CHAR_W * max(len(text) for _, text in _legend_items())
+    left, top, right, bottom = 60, 20, width - 20 - legend_w, height - 40
 
     def x(t: float) -> float:
         return left + (right - left) * (t - t0) / t1
 
     def y(step: float) -> float:
-        return bottom - (bottom - top) * step / total
+        return bottom - (bottom - top) * step / s1
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>',
-             f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="black"/>',
+             f'<line x1="{left}" y1="{bottom}" x2="{right:.1f}" y2="{bottom}" stroke="black"/>',
              f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="black"/>',
-             f'<text x="{(left + right) / 2}" y="{height - 8}" text-anchor="middle">wall time (s)</text>',
+             f'<text x="{(left + right) / 2:.1f}" y="{height - 8}" text-anchor="middle">wall time (s)</text>',
              f'<text x="14" y="{(top + bottom) / 2}" transform="rotate(-90 14 {(top + bottom) / 2})" '
              'text-anchor="middle">step</text>']
-    for i in range(6):
-        parts.append(f'<text x="{x(t0 + t1 * i / 5):.1f}" y="{bottom + 14}" text-anchor="middle">'
-                     f'{t1 * i / 5:.0f}</text><text x="{left - 4}" y="{y(total * i / 5) + 4:.1f}" '
-                     f'text-anchor="end">{total * i // 5}</text>')
+    parts += [f'<text class="tick-x" x="{x(t0 + t):.1f}" y="{bottom + 14}" text-anchor="middle">'
+              f'{_tick(t)}</text>' for t in t_ticks]
+    parts += [f'<text class="tick-y" x="{left - 4}" y="{y(s) + 4:.1f}" text-anchor="end">{_tick(s)}</text>'
+              for s in s_ticks]
     if reference is not None:
         shift = reference.t_launch - t0
         parts.append(_path(reference, lambda t: x(t - shift), y, "#aaaaaa"))
@@ -182,7 +237,8 @@ def svg(launches: list[Launch], reference: Launch | None, width: int = 860, heig
         if launch.preempted:
             colour, px = COLOURS[launch.kind], x(launch.preempted_at)
             parts.append(f'<line x1="{px:.1f}" y1="{top}" x2="{px:.1f}" y2="{bottom}" stroke="{colour}" '
-                         f'stroke-dasharray="4 3"><title>{escape(DESCRIBE[launch.kind])}</title></line>')
+                         f'stroke-dasharray="4 3"><title>{escape(_describe(launch))} at step '
+                         f'{launch.preempted_step}</title></line>')
         if launch.killed:
             cx, cy = x(launch.t_end), y(launch.reached)
             parts.append(f'<path d="M{cx - 5:.1f},{cy - 5:.1f}L{cx + 5:.1f},{cy + 5:.1f}M{cx - 5:.1f},'
@@ -201,10 +257,7 @@ def _path(launch: Launch, x: Any, y: Any, colour: str) -> str:
     return f'<polyline points="{d}" fill="none" stroke="{colour}" stroke-width="1.5"/>'
 
 
-def _legend(lx: int, ly: int) -> list[str]:
-    items = [("#aaaaaa", "reference run"), ("#2ca02c", "drilled launches, saves"),
-             ("#ff7f0e", "emergency save")] + [(COLOURS[k], DESCRIBE[k].split(" (")[0]) for k in COLOURS]
-    items.append(("#d62728", "x  process killed"))
-    return [f'<rect x="{lx}" y="{ly + 16 * i}" width="10" height="10" fill="{colour}"/>'
-            f'<text x="{lx + 14}" y="{ly + 16 * i + 9}">{escape(text)}</text>'
-            for i, (colour, text) in enumerate(items)]
+def _legend(lx: float, ly: int) -> list[str]:
+    return [f'<rect x="{lx:.1f}" y="{ly + 16 * i}" width="10" height="10" fill="{colour}"/>'
+            f'<text class="legend" x="{lx + 14:.1f}" y="{ly + 16 * i + 9}">{escape(text)}</text>'
+            for i, (colour, text) in enumerate(_legend_items())]

@@ -91,3 +91,23 @@ def test_state_digest_ignores_rng_but_not_any_trained_byte(tmp_path):
     assert digest(tmp_path / "c", seed=1, big_delta=1e-6) != base
     assert digest(tmp_path / "d", seed=1, small_delta=1e-6) != base
     assert digest(tmp_path / "e", seed=1, step_value=8) != base
+
+
+def test_one_schema_reports_each_malformed_line_and_keeps_the_rest(tmp_path):
+    """What crashed both tools: a progress event with ``"t": "x"`` (spotguard run's TypeError), a
+    stop without ``step`` (the drill's KeyError); also out-of-bound and wrongly typed fields."""
+    path = tmp_path / "r.jsonl"
+    _record.Recorder(path).emit("progress", step=4)
+    common = '"v": 1, "pid": 5, "rank": 0'
+    with open(path, "a") as out:
+        out.write('{%s, "event": "progress", "t": "x", "step": 5}\n' % common)
+        out.write('{%s, "event": "stop", "t": 1.0, "saved": true}\n' % common)
+        out.write('{%s, "event": "commit", "t": 1.0, "step": %d}\n' % (common, 2**63))
+        out.write('{%s, "event": "finish", "t": 1.0, "step": true, "digest": "d"}\n' % common)
+        out.write('[1, 2]\nnot json\n')
+    problems: list[str] = []
+    assert [(e["event"], e["step"]) for e in _record.read(path, problems)] == [("progress", 4)]
+    assert [p.split(":")[0] for p in problems] == [
+        "progress event with t='x' (not a time)", "stop event without 'step'",
+        f"commit event with step='{2**63}' (not a count)", "finish event with step='True' (not a count)",
+        "not a JSON object", "not JSON"]

@@ -17,7 +17,7 @@ import torch
 import spotguard
 from spotguard._record import Recorder, read, read_new
 from spotguard.checkpoint import CheckpointCorruptError
-from spotguard_daemon.drill_checks import Launch, judge, losses, save_figures
+from spotguard_daemon.drill_checks import Launch, judge, losses, save_figures, verdict
 from spotguard_daemon.drill_report import Live, write_report
 
 
@@ -38,10 +38,12 @@ def recorded(tmp_path, index, *, resumed=None, steps=(), commits=(), stop=None, 
         rec.emit("stop", step=stop, saved=True, seconds_left=30.0, notice=None)
     if finish is not None:
         rec.emit("finish", step=100, digest=finish)
+    killed = kind == "sigkill"
     launch = Launch(index, kind, log=tmp_path / f"{index}.log", events=list(read(path)),
-                    status=0 if finish else 75)
+                    status=0 if finish else -9 if killed else 75, killed=killed)
     launch.t_launch, launch.t_end = launch.events[0]["t"] - 1, launch.events[-1]["t"] + 0.1
-    launch.preempted_at = launch.events[-1]["t"] if kind else None
+    if kind:  # delivered at the last progress the record showed
+        launch.preempted_at, launch.preempted_step = launch.events[-1]["t"] - 0.01, launch.reached
     return launch
 
 
@@ -68,9 +70,12 @@ def test_restarting_from_zero_fails_the_resume_check(tmp_path):
     first = recorded(tmp_path, 1, steps=(30,), commits=((10, "periodic"), (20, "periodic")),
                      kind="sigkill")
     again = recorded(tmp_path, 2, resumed=None, steps=(100,), finish="abc")
-    problems = failed(judge([first, again], None))
-    assert set(problems) == {"resume"}
+    checks = judge([first, again], None)
+    problems = failed(checks)
+    assert verdict(checks) == "FAILED" and set(problems) == {"resume", "preemptions"}
     assert "launch 2 started from scratch although step 20 was committed" in problems["resume"]
+    assert "0 of 1 preemption(s) took effect" in problems["preemptions"]
+    assert "the next launch resumed from step 0" in problems["preemptions"]
 
 
 def test_a_different_final_state_is_named(tmp_path):
@@ -138,7 +143,7 @@ def test_read_new_leaves_a_partial_line_for_later(tmp_path):
     events, offset = read_new(path, 0)
     assert [e["step"] for e in events] == [1]
     with open(path, "a") as file:
-        file.write('ess", "step": 2}\n')
+        file.write('ess", "step": 2, "t": 1.5, "pid": 7, "rank": 0}\n')
     events, _ = read_new(path, offset)
     assert [e["step"] for e in events] == [2]
     assert read_new(tmp_path / "missing", 0) == ([], 0)

@@ -1,0 +1,58 @@
+"""How far apart the final parameters of two runs of a job are, read from their checkpoints.
+
+For a job that is not reproducible run to run, ``spotguard drill`` compares the drilled final state
+with the reference's by distance rather than digest, against the distance between two
+uninterrupted references: :func:`distance` is ``||a - b|| / ||b||`` over every floating-point
+tensor of the ``model`` entry (of every entry but ``rng`` when there is none), read from the newest
+committed checkpoint of each root, each file checked against the manifest on the way.
+
+Exceptions: :func:`distance` raises ``ValueError`` saying why two checkpoints cannot be compared.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+__all__ = ["distance"]
+
+
+def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield prefix, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{prefix}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}/{i}")
+
+
+def final_parameters(root: Path) -> dict[str, Any]:
+    """Name -> tensor of the newest committed checkpoint under ``root`` (rank 0's part)."""
+    from spotguard.checkpoint.layout import read_latest
+    from spotguard.checkpoint.load import read_entries, read_manifest
+
+    name = read_latest(root)
+    if name is None:
+        raise ValueError(f"{root} holds no committed checkpoint")
+    path = root / name
+    manifest = read_manifest(path)
+    entries = read_entries(path, manifest, "rank-0", verify=True)
+    chosen = {"model": entries["model"]} if "model" in entries else {
+        key: value for key, value in entries.items() if key != "rng"}
+    return dict(_tensors({key: value for key, (_, value) in chosen.items()}))
+
+
+def distance(root: Path, base: Path) -> float:
+    """``||a - b|| / ||b||`` between the final parameters under ``root`` (a) and ``base`` (b)."""
+    mine, theirs = final_parameters(root), final_parameters(base)
+    if mine.keys() != theirs.keys() or any(mine[k].shape != theirs[k].shape for k in mine):
+        raise ValueError(f"{root} and {base} hold different parameters")
+    diff = sum(float((mine[k].double() - theirs[k].double()).pow(2).sum()) for k in mine)
+    norm = sum(float(theirs[k].double().pow(2).sum()) for k in theirs)
+    return math.sqrt(diff) / (math.sqrt(norm) or 1.0)

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import click
 from spotguard._paths import untrusted
-from spotguard._record import ENV as RECORD_ENV, read_new
+from spotguard._record import ENV as RECORD_ENV, RecordError, check_path, read_new
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
@@ -238,10 +238,22 @@ class Supervisor:
         launch.status = self._wait(proc)
         launch.t_end = time.time()
         self._end_leftovers(launch)
-        launch.events, self._offset = read_new(self.record, self._offset)
+        launch.events = self._read_record()
         if self.registrar is not None and launch.status == EXIT_PREEMPTED:
             self.registrar.report_safe()
         return launch.status
+
+    def _read_record(self) -> list[dict]:
+        """The launch's valid record events; a malformed line or an untrusted file is said once per
+        cause and left out, never a crash."""
+        problems: list[str] = []
+        try:
+            events, self._offset = read_new(self.record, self._offset, problems)
+        except RecordError as exc:
+            events, problems = [], [str(exc)]
+        for text in dict.fromkeys(problems):
+            _say(f"ignored in the run record: {text}")
+        return events
 
     def _not_started(self, launch: Launch, status: int, message: str) -> int:
         _say(message)
@@ -386,6 +398,10 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
     command = command_after_options(command, "spotguard run [OPTIONS] -- COMMAND [ARGS]...")
     from spotguard_daemon.cli import _settings
 
+    try:  # a record another user made (or a FIFO) could forge preemptions or hang the supervisor
+        check_path(os.environ.get(RECORD_ENV) or "")
+    except RecordError as exc:
+        raise click.UsageError(f"${RECORD_ENV}: {exc}") from exc
     settings = _settings(config)
     _refuse_untrusted(settings)
     private = Path(tempfile.mkdtemp(prefix="spotguard-run-"))

@@ -13,11 +13,20 @@ thread once the shapes are known, so the first save is a plain memcpy too. A sna
 while the preparation runs stops it after the page range in progress, keeps what is ready and
 allocates the rest itself: the snapshot never depends on the preparation, only its speed does.
 Large buffers start on a page boundary so that the writer can hand them to ``O_DIRECT`` writes.
+
+Interpreter exit: a preparation still running is stopped and joined by an ``atexit`` handler, with
+or without :meth:`~spotguard.checkpoint.Checkpointer.close`. Its thread is a daemon thread that
+spends its time inside torch calls with the GIL released; left running, finalisation ends it where
+it next takes the GIL back, inside a C++ destructor (``noexcept``) of torch's binding, and the
+forced unwinding of ``pthread_exit`` through it calls ``std::terminate``: "terminate called without
+an active exception", status 134, about one exit in two after a ``load_latest``.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +47,16 @@ _TOUCH_BYTES = 64 << 20
 """Pre-faulting works in ranges of this size: the most a racing snapshot waits for it."""
 
 Spec = tuple[torch.Size, torch.dtype]
+
+_RUNNING: "weakref.WeakSet[_Preparation]" = weakref.WeakSet()
+"""Preparations whose thread may still run, stopped at interpreter exit (see the module docstring)."""
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop every running preparation before finalisation cuts its thread off inside torch."""
+    for prep in list(_RUNNING):
+        prep.stop()
 
 
 @dataclass
@@ -177,6 +196,7 @@ class _Preparation:
         throttle = Throttle(None if share is None or share >= 1 else share, threads=1)
         self._thread = threading.Thread(target=self._run, args=(nice, throttle),
                                         name="spotguard-ckpt-prepare", daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
 
     def _run(self, nice: int | None, throttle: Throttle) -> None:
@@ -200,6 +220,7 @@ class _Preparation:
         the old ones at the positions not reached (positional reuse stays right for what is left)."""
         self._stopping.set()
         self._thread.join()
+        _RUNNING.discard(self)
         return self._ready + self._old[len(self._ready) :]
 
 

@@ -55,8 +55,9 @@ log = logging.getLogger(__name__)
 
 MAX_JOBS = 1024
 MAX_COMMITS = 16
-MAX_REPORT_AGE = 3600.0
-"""A progress report older than this is refused: it would count its age as downtime."""
+MAX_REPORT_AGE = 300.0
+"""A progress report older than this is refused (reports go every few seconds): it would count its
+age as training time or downtime."""
 FLUSH_SECONDS = 5.0
 STATE_VERSION = 1
 
@@ -104,14 +105,17 @@ class GoodputLedger:
         """Job -> when (monotonic) :meth:`due` last handed it out."""
         self._load()
 
-    def progress(self, job: str, step: int, at: datetime, pid: int) -> float:
+    def progress(self, job: str, step: int, at: datetime, pid: int, *, not_before: float | None = None) -> float:
         """Record ``pid``'s progress report; return the training seconds since the previous report
         of the same process (0 for a first report, or one whose step went back). A report from the
-        future counts as now; one older than ``MAX_REPORT_AGE`` raises ValueError."""
+        future counts as now; one older than ``MAX_REPORT_AGE``, or dated before ``not_before`` (the
+        process's registration), raises ValueError."""
         now = self._clock()
         when = min(at.timestamp(), now)
         if when < now - MAX_REPORT_AGE:
             raise ValueError(f"the report is {now - when:.0f} s old, more than {MAX_REPORT_AGE:.0f} s")
+        if not_before is not None and when < not_before - 1.0:  # registered_at is the daemon's clock
+            raise ValueError(f"the report is dated {not_before - when:.0f} s before its process registered")
         record = self._jobs.get(job) or JobRecord(step, when, pid=pid)
         same_run = record.pid == pid and step >= record.step
         trained = when - record.at if same_run else 0.0

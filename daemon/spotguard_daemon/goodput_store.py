@@ -12,6 +12,10 @@ and the restart's loss counted from it, as the node that ran the job would have.
 * **Bounded rate.** A job's object is written at its first change, then at most every
   ``storage.progress_seconds`` (30 s by default) and only when it changed; while a terminating notice
   is pending, at most every ``URGENT_SECONDS``; at the daemon's stop, once more for what changed.
+* **Bounded count.** At most ``MAX_STORE_JOBS`` distinct jobs' objects are written per
+  ``STORE_JOBS_WINDOW`` (an hour): a node runs a few jobs, and progress for made-up job ids (only
+  proven ``ipc://`` peers may report any, see :mod:`.handlers`) must not fill the bucket. A job
+  beyond the cap is not copied, with one warning per window.
 * **Out of the way of checkpoints.** Writes and reads run on a thread of their own (niced like the
   upload worker) that shares the store's client, never on the upload worker: a slow or unreachable
   store delays only these small requests, never a checkpoint upload nor the notice loop. A failed
@@ -59,6 +63,8 @@ MAX_BYTES = 16 * 1024
 MAX_AGE = 30 * 24 * 3600.0
 """An object older than this at a restart is ignored (its age would count as downtime)."""
 MAX_RECALLS = 256
+MAX_STORE_JOBS = 32
+STORE_JOBS_WINDOW = 3600.0
 _Step = Annotated[int, Field(ge=0, lt=2**63)]
 
 
@@ -94,6 +100,9 @@ class DurableProgress:
         self._writes: dict[str, bytes] = {}
         self._failed: dict[str, tuple[bytes, float]] = {}
         self._recalls: deque[tuple[str, int, float]] = deque(maxlen=MAX_RECALLS)
+        self._stored: dict[str, float] = {}
+        """Job -> when (monotonic) its object was last queued; at most MAX_STORE_JOBS in a window."""
+        self._capped_at = float("-inf")
         self._failing = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -109,6 +118,8 @@ class DurableProgress:
         now = time.monotonic()
         with self._cond:
             for job, record in due:
+                if not self._admit(job, now):
+                    continue
                 try:
                     self._writes[job] = _encode(job, record)
                 except ValueError as exc:  # a record the schema refuses is not written, never fatal
@@ -121,6 +132,21 @@ class DurableProgress:
                     del self._failed[job]
             if self._writes:
                 self._cond.notify()
+
+    def _admit(self, job: str, now: float) -> bool:
+        """Whether ``job``'s object may be written: it was within the window, or the window has
+        room for one more job; lock held."""
+        for old in [j for j, at in self._stored.items() if at < now - STORE_JOBS_WINDOW]:
+            del self._stored[old]
+        if job not in self._stored and len(self._stored) >= MAX_STORE_JOBS:
+            if now - self._capped_at >= STORE_JOBS_WINDOW:
+                self._capped_at = now
+                log.warning("not copying the progress of job %r to %s: %d jobs were copied in the last "
+                            "%.0f s, the most allowed (further jobs are skipped silently for that long)",
+                            job[:64], self.store.url, MAX_STORE_JOBS, STORE_JOBS_WINDOW)
+            return False
+        self._stored[job] = now
+        return True
 
     def recall(self, job: str, resumed_from: int) -> None:
         """Rank 0 of ``job``, unknown here, registered now as resumed from ``resumed_from``: read the

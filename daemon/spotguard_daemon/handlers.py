@@ -10,6 +10,11 @@ the sender's own processes (root: any); a process is signalled only when its own
 ``progress`` likewise names a process of the sender's. ``status``, ``commit`` and ``notify`` are open
 to every peer that can reach the socket.
 
+Goodput is fed by proven peers only (``ipc://``, whose credentials the kernel reports): an unproven
+(``tcp://``) peer's ``progress`` is refused, and its commits and restarts touch no job's ledger, so
+they reach neither the metrics nor the durable store's ``progress.json``. A report may date back no
+further than its process's registration, nor more than ``goodput.MAX_REPORT_AGE``.
+
 Bounds: at most ``MAX_CLIENTS`` registrations (dead ones are reaped a slice at a time by
 :meth:`RequestHandler.reap`, and all at once when the table is full) and ``MAX_MANUAL`` pending
 manual notices; beyond them a request is refused, so a ``status`` reply stays far below the
@@ -224,7 +229,8 @@ class RequestHandler:
         if not known and not self._make_room(client):
             return Reply(ok=False, error=f"register refused: {MAX_CLIENTS} clients are registered")
         self.clients[request.pid] = client
-        self._count_restart(request)
+        if client.proven:  # an unproven peer could name any job: it must not count or reset its loss
+            self._count_restart(request)
         log.info("client pid %d registered (rank %d, job %r, signal %s)", request.pid, request.rank,
                  request.job_id, "yes" if client.uid is not None else "no")
         self._on_change()
@@ -282,15 +288,23 @@ class RequestHandler:
             self._refused("commit", exc)
             return Reply(ok=False, error=f"commit refused: {exc}")
         self.on_commit(request, path)
-        self.ledger.committed(request.job_id or DEFAULT_JOB, request.step, request.reached_at)
-        self.metrics.save_reported(request.save_seconds)
+        if current_peer.get().uid is not None:  # goodput from proven peers only (module docstring)
+            self.ledger.committed(request.job_id or DEFAULT_JOB, request.step, request.reached_at)
+            self.metrics.save_reported(request.save_seconds)
         return Reply(ok=True, data={"path": str(path)})
 
     def _progress(self, request: ProgressRequest) -> Reply:
-        if not may_act_for(current_peer.get(), request.pid, self.clients.get(request.pid)):
+        peer, client = current_peer.get(), self.clients.get(request.pid)
+        if peer.uid is None:
+            exc = PermissionError("the sender is unproven (tcp://): goodput is counted only from ipc:// "
+                                  "peers, whose credentials the kernel reports")
+            self._refused("progress", exc)
+            return Reply(ok=False, error=f"progress refused: {exc}")
+        if not may_act_for(peer, request.pid, client):
             return Reply(ok=False, error=f"progress refused: pid {request.pid} is not the sender's")
         try:
-            trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at, request.pid)
+            trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at, request.pid,
+                                           not_before=None if client is None else client.registered)
         except ValueError as exc:
             self._refused("progress", exc)
             return Reply(ok=False, error=f"progress refused: {exc}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from spotguard.protocol import utcnow
@@ -97,6 +98,11 @@ class Client:
             raise PermissionError(f"pid {pid} is neither the sender nor one of its descendants; "
                                   "a client may register only those")
         return cls(pid, rank, job_id, start_time=start, uid=uid, target=target)
+
+    @property
+    def registered(self) -> float:
+        """When it registered (Unix seconds)."""
+        return datetime.fromisoformat(self.registered_at).timestamp()
 
     @property
     def proven(self) -> bool:

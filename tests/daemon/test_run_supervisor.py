@@ -337,3 +337,31 @@ def test_what_a_launch_leaves_running_is_ended_before_the_relaunch_and_at_the_ex
     assert len(left) == 4 and not alive, f"still running: {alive}"
     assert not (tmp_path / "overlap").exists(), "the first launch's children ran beside the second"
     assert err.read_text().count("left 2 process(es) running after it exited") == 2, err.read_text()
+
+
+def test_over_tcp_it_says_at_start_that_the_job_is_not_signalled_and_registers_nothing(tmp_path, daemon_factory):
+    """The sidecar's tcp:// endpoints: the daemon cannot prove which processes are the job's, so
+    it would never signal them. One line at start says so and names the fix."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    endpoints = {"SPOTGUARD_ZMQ__PUB_ENDPOINT": f"tcp://127.0.0.1:{ports[0]}",
+                 "SPOTGUARD_ZMQ__REQUEST_ENDPOINT": f"tcp://127.0.0.1:{ports[1]}"}
+    daemon = daemon_factory(env=endpoints)
+    run = Supervised(tmp_path, [], [], endpoints)
+    run.wait_file("ready-1")  # its SIGUSR1 handler is installed: over ipc:// it would be registered
+    until = time.monotonic() + 4 * 0.5  # four of the supervisor's scans
+    while time.monotonic() < until:
+        assert daemon.request(StatusRequest()).data["clients"] == [], "registered, never signalled"
+        time.sleep(0.1)
+    run.proc.send_signal(signal.SIGTERM)
+    status, figures = run.finish()
+    assert status == 75 and figures["launches"] == 1, run.stderr()
+    line = [l for l in run.stderr().splitlines() if "cannot prove which processes" in l]
+    assert len(line) == 1 and "sends SIGUSR1 to none of them" in line[0], run.stderr()
+    assert "ipc:// on a volume shared with it (SPOTGUARD_RUNTIME_DIR)" in line[0]
+    assert "started one" not in run.stderr()

@@ -150,6 +150,7 @@ class Run:
         peer_timeout: float | None = 600.0,
     ) -> None:
         self.state = _build_state(model, optimizer, scheduler, sampler, state)
+        self.state.update(_ddp.entries(self.state))  # DDP's real bucket layout, for an exact resume
         if stop_lead < 0:
             raise ValueError("stop_lead must be >= 0")
         if loader is not None:
@@ -208,7 +209,7 @@ class Run:
         self.start_step = self.step
         if self.resumed_from is not None:
             log.info("resumed from step %d (%s)", self.step, self.resumed_from.path)
-            _ddp.align_buckets(self.state.values())  # the first step all-reduces as if never stopped
+            _ddp.restore(self.state)  # DDP's recorded buckets: the next steps all-reduce as if never stopped
             self.guard.report_resume(self.step)
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,
@@ -444,6 +445,7 @@ class Run:
     def _save(self, done: int, kind: str = "periodic") -> None:
         self._save_kinds[done] = kind
         self._save_reached[done] = utcnow()
+        _ddp.settle(self.state)  # every rank: DDP's due bucket rebuild happens before the snapshot
         self.checkpointer.save(done, self.state, blocking=kind == "emergency")
         self._saved_step = done
         self.cadence.mark_saved(done)

@@ -62,7 +62,7 @@ from typing import Any, Mapping
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from spotguard import _exit
+from spotguard import _ddp, _exit
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.integrations._hf_commit import COMMITTED, NotCommitted, commit_copy, newest_committed
 from spotguard.distributed import Agreement, Decision
@@ -70,6 +70,7 @@ from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
 from spotguard.run import ASSUMED_THROUGHPUT, save_fits
 from spotguard.storage import StoreError, restore_newer, store_from_env
+from spotguard.storage._local import step_name
 
 __all__ = ["SpotguardTrainerCallback", "latest_checkpoint"]
 
@@ -128,6 +129,7 @@ class SpotguardTrainerCallback(TrainerCallback):
         self._save_started: float | None = None
         self._checked = False
         self.durable = durable
+        self._layouts: _ddp.Layouts | None = None
 
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
@@ -144,6 +146,7 @@ class SpotguardTrainerCallback(TrainerCallback):
         if self.durable is None:
             store = ((self.guard.daemon_status() or {}).get("uploads") or {}).get("store")
             self.durable = bool(store_from_env()[0] or store)
+        self._layouts = _ddp.trainer_layouts(kwargs.get("model"), _resumed_dirs(args, state))  # DDP's buckets
         if state.global_step > 0:  # the Trainer loaded a checkpoint's state before this event
             log.info("resumed from step %d", state.global_step)
             self.guard.report_resume(state.global_step)
@@ -173,6 +176,8 @@ class SpotguardTrainerCallback(TrainerCallback):
         # The Trainer calls on_save on each rank as soon as that rank has written its part (its
         # rng_state_<rank>.pth among them), with no barrier: rank 0 copies only once all have. Every
         # rank takes part, whatever its own settings say, or a mismatch would hang the others.
+        if self._layouts is not None:  # every rank; rank 0 writes DDP's bucket layout beside the files
+            self._layouts.save_beside(path, state.is_world_process_zero)
         self.agreement.barrier(state.global_step)
         if self.guard is not None and self.durable and state.is_world_process_zero and path.is_dir():
             self._commit(state, path)
@@ -238,6 +243,15 @@ class SpotguardTrainerCallback(TrainerCallback):
             return self.save_seconds
         size = _tensor_bytes(kwargs.get("model")) + _tensor_bytes(kwargs.get("optimizer"))
         return size / ASSUMED_THROUGHPUT if size else None
+
+
+def _resumed_dirs(args: TrainingArguments, state: TrainerState) -> list[Path]:
+    """Where the checkpoint the Trainer resumed from may be (a ``checkpoint-N`` or its committed
+    copy); none for a fresh start."""
+    if state.global_step == 0:
+        return []
+    root = Path(args.output_dir)
+    return [root / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", root / COMMITTED / step_name(state.global_step)]
 
 
 def _warn_inexact(args: TrainingArguments) -> None:

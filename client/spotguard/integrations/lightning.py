@@ -69,7 +69,7 @@ from typing import Any, Callable, Mapping
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from spotguard import _exit
+from spotguard import _ddp, _exit
 from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import encode
 from spotguard.exit_codes import EXIT_PREEMPTED
@@ -132,8 +132,9 @@ class SpotguardCallback(pl.Callback):
         """Build the Run and restore the latest spotguard checkpoint, if there is one."""
         self.stopped = False
         self.data = DataPosition(trainer)
-        self.run = Run(self.root, state={"lightning": _TrainerState(trainer), "data": self.data},
-                       **self._run_kwargs)
+        state = {"lightning": _TrainerState(trainer), "data": self.data,
+                 **_ddp.entries({"model": trainer.strategy.model})}  # DDP's bucket layout
+        self.run = Run(self.root, state=state, **self._run_kwargs)
         _keep_slurm_requeue(trainer)
         self._steps = self.run.steps(_ENDLESS)  # loads the latest checkpoint on the first next()
         self._advance(trainer, trainer.global_step)

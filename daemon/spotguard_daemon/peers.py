@@ -117,8 +117,10 @@ class Client:
         return self.proven and self.alive() and owner_uid(self.target) == self.uid
 
     def public(self) -> dict:
+        """As ``status`` shows it; ``signal`` is what a notice would do now (:meth:`signallable`:
+        a process that has since run a setuid program, or changed owner, is not signalled)."""
         return {"pid": self.pid, "rank": self.rank, "job_id": self.job_id,
-                "registered_at": self.registered_at, "signal": self.proven}
+                "registered_at": self.registered_at, "signal": self.signallable()}
 
 
 def _target(pid: int, peer_pid: int) -> int | None:

@@ -74,3 +74,38 @@ def test_lock_is_exclusive_within_one_process_too(sock_dir):
     finally:
         os.close(fd)
     os.close(lock_runtime_dir(sock_dir / "run"))  # free again once released
+
+
+def test_status_says_a_registered_process_that_now_runs_setuid_is_not_signalled(daemon_factory):
+    """A process of another user is registered (by root), then runs a setuid program (su, waiting
+    for a password): its effective uid is root's now, so the daemon would not signal it, and
+    ``status`` must not say it would."""
+    import shutil
+    import time
+
+    from spotguard.protocol import RegisterRequest, StatusRequest
+
+    su = shutil.which("su")
+    if os.geteuid() != 0 or su is None or not os.stat(su).st_mode & stat.S_ISUID:
+        pytest.skip("needs root and a setuid su")
+    daemon = daemon_factory()
+    user = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "sh", "-c",
+                             f"read line; exec {su} root -c true"], stdin=subprocess.PIPE)
+    try:
+        assert daemon.request(RegisterRequest(pid=user.pid)).data["signal"] is True
+
+        def shown() -> bool:
+            clients = daemon.request(StatusRequest()).data["clients"]
+            return next(c["signal"] for c in clients if c["pid"] == user.pid)
+
+        assert shown() is True
+        user.stdin.write(b"go\n")
+        user.stdin.flush()
+        deadline = time.monotonic() + 20
+        while "Uid:\t65534\t0\t" not in open(f"/proc/{user.pid}/status").read():
+            assert time.monotonic() < deadline and user.poll() is None, "su did not start"
+            time.sleep(0.02)
+        assert shown() is False
+    finally:
+        user.kill()
+        user.wait()

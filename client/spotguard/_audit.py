@@ -8,7 +8,8 @@ the real cause of a resume that is not exact:
   every :class:`~spotguard.ResumableSampler` in the state (a ``spotguard.DataLoader``'s too);
 * ``unsaved``: once per object (``what``), an optimizer that stepped without being in the state,
   or a learning-rate scheduler attached to a stepping optimizer while no scheduler is in the state
-  (torch marks an optimizer's ``step`` its scheduler wraps).
+  (torch marks an optimizer's ``step`` its scheduler wraps). Not for a state that holds a
+  framework's own (the Lightning callback's trainer state covers its optimizers and schedulers).
 
 Exceptions: none; nothing here raises into the training loop.
 """
@@ -35,14 +36,16 @@ def _samplers(state: Mapping[str, Any]) -> list[Any]:
 
 
 def _reachable(state: Mapping[str, Any]) -> set[int]:
-    """Ids of the state's objects and the objects they wrap (an accelerate or Lightning wrapper's
-    ``optimizer``, a scheduler's)."""
+    """Ids of the state's objects and the optimizers that optimizer wrappers in it wrap (an
+    accelerate ``AcceleratedOptimizer``'s ``optimizer``); a scheduler's optimizer is not saved by
+    saving the scheduler, so it is not counted."""
+    from torch.optim import Optimizer
+
     ids = set()
     for value in state.values():
-        for obj in (value, getattr(value, "optimizer", None),
-                    getattr(getattr(value, "optimizer", None), "optimizer", None)):
-            if obj is not None:
-                ids.add(id(obj))
+        while value is not None and id(value) not in ids:
+            ids.add(id(value))
+            value = getattr(value, "optimizer", None) if isinstance(value, Optimizer) else None
     return ids
 
 
@@ -55,7 +58,8 @@ class Audit:
         for sampler in self.samplers:
             sampler.consumed = []
         torch = sys.modules.get("torch")
-        if record.enabled and record.rank == 0 and torch is not None:
+        framework = any(type(v).__module__.startswith("spotguard.integrations") for v in state.values())
+        if record.enabled and record.rank == 0 and torch is not None and not framework:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             self._hook = register_optimizer_step_post_hook(self._stepped)

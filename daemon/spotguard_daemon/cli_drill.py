@@ -58,7 +58,7 @@ from spotguard_daemon.cli_demo import guarded
 from spotguard_daemon.drill_checks import (Launch, judge, reproducible, save_figures, step_seconds,
                                            SPREAD_FACTOR)
 from spotguard_daemon.drill_report import Live, write_report
-from spotguard_daemon.drill_spread import distance
+from spotguard_daemon.drill_spread import distance, entry_of
 from spotguard_daemon.drill_tree import Tree, new_file, private_dir
 from spotguard_daemon.supervise import LaunchError, command_after_options, killpg, spawn, start_daemon, stop
 
@@ -111,7 +111,7 @@ class Drill:
     def reference(self, name: str = "reference") -> Launch:
         """An uninterrupted run; its checkpoints are moved aside so the drill starts fresh."""
         self.live.phase(f"{name} run: the command, never interrupted, no daemon")
-        launch = Launch(0)
+        launch = Launch(0, label=name)
         self.run_launch(launch, None, name)
         start = launch.first("start")
         if start and self.root is None:
@@ -275,7 +275,7 @@ class Drill:
         """Seconds from delivery until the preemption has surely stopped the job: the kill for
         ``short-notice`` and ``sigkill``; for ``notice`` and ``sigterm`` the job stops at its
         next step and saves, well before the kill at the deadline (its margin unused)."""
-        return deadline if kind in ("short-notice", "sigkill") else max(1.0, deadline - SAVE_MARGIN_S)
+        return deadline if kind in ("short-notice", "sigkill") else max(0.5, deadline - SAVE_MARGIN_S - 0.5)
 
     def _due(self, launch: Launch) -> bool:
         """Whether the launch reached its target step. The target is chosen once the total, the
@@ -360,6 +360,17 @@ class Drill:
         shutil.rmtree(self.sockets, ignore_errors=True)
 
 
+def _layout(launches: list[Launch], reference: Launch | None) -> dict | None:
+    """The ``ddp_layout`` entry of the job's last commit (a DDP job's bucket layout, and whether a
+    resume can restore it), read only when the final state differs from the reference's."""
+    mine, theirs = launches[-1].first("finish"), reference and reference.first("finish")
+    if not mine or not theirs or mine.get("digest") == theirs.get("digest"):
+        return None
+    commits = [c for launch in launches for c in launch.of("commit") if c.get("path")]
+    value = entry_of(Path(commits[-1]["path"]), "ddp_layout") if commits else None
+    return value if isinstance(value, dict) else None
+
+
 def _notify(endpoint: str | None, deadline: float) -> None:
     from spotguard.protocol import Kind, NotifyRequest
     from spotguard_daemon.cli import request
@@ -405,8 +416,9 @@ def drill(preemptions: int, no_reference: bool, seed: int | None, report_dir: Pa
     def body() -> int:
         reference = None if no_reference else run.reference()
         launches = run.drill()
+        layout = _layout(launches, reference)  # before spread() moves the checkpoints aside
         spread = run.spread(launches, reference) if reference else None
-        checks = judge(launches, reference, preemptions, spread)
+        checks = judge(launches, reference, preemptions, spread, layout)
         return write_report(report, list(command), launches, reference, checks, live,
                             spread=spread, problems=run.problems, as_json=as_json)
 

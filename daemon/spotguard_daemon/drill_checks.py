@@ -33,7 +33,7 @@ __all__ = ["Check", "Launch", "judge", "verdict", "ineffective", "reproducible",
 
 WARNED = ("notice", "sigterm")
 """Preemption kinds that leave room to save: they must lose no step."""
-SPREAD_FACTOR = 4.0
+SPREAD_FACTOR = 10.0
 """A nondeterministic job's drilled final parameters may lie this many times the distance between
 two uninterrupted references from the first reference (with a floor of 1e-6): its noise compounds
 from a random step on, as a second reference's does."""
@@ -47,6 +47,8 @@ class Launch:
 
     index: int
     kind: str | None = None
+    label: str | None = None
+    """Its name in the log, for the reference runs (``reference``, ``reference-2``)."""
     """The preemption planned for it (notice, short-notice, sigterm, sigkill), None for none."""
     target: int | None = None
     log: Path | None = None
@@ -131,17 +133,18 @@ def verdict(checks: list[Check]) -> str:
 
 
 def judge(launches: list[Launch], reference: Launch | None, asked: int | None = None,
-          spread: dict[str, Any] | None = None) -> list[Check]:
+          spread: dict[str, Any] | None = None, layout: dict[str, Any] | None = None) -> list[Check]:
     """The drill's verdict, check by check; a failed check's ``detail`` says what to fix.
     ``asked``: the preemptions asked for (default: those delivered); ``spread``: the distances the
-    drill measured for a nondeterministic job (see :func:`reproducible`)."""
+    drill measured for a nondeterministic job (see :func:`reproducible`); ``layout``: the
+    ``ddp_layout`` entry of the job's last checkpoint, when it has one."""
     checks = [_started(launches), _fresh(launches[0]), _resumes(launches), _loads(launches),
               _warned(launches), _finished(launches[-1]), _data(launches, reference)]
     checks.append(_took_effect(launches, asked))
     if reference is not None:
         same, step = reproducible(launches, reference)
-        checks.append(_identical(launches, reference) if same is not False
-                      else _within_spread(launches, step, spread))
+        checks.append(_identical(launches, reference, layout) if same is not False
+                      else _within_spread(launches, step, spread, layout))
     return [check for check in checks if check is not None]
 
 
@@ -194,7 +197,8 @@ def reproducible(launches: list[Launch], reference: Launch) -> tuple[bool | None
     return (True, None) if common else (None, None)
 
 
-def _within_spread(launches: list[Launch], step: int | None, spread: dict[str, Any] | None) -> Check:
+def _within_spread(launches: list[Launch], step: int | None, spread: dict[str, Any] | None,
+                   layout: dict[str, Any] | None) -> Check:
     source = (f"the job is not reproducible run to run: the reference and launch 1 (not yet "
               f"preempted) committed different states at step {step}. The likely source: "
               "nondeterministic kernels (atomics-based reductions, cuDNN autotuning) or an "
@@ -210,7 +214,7 @@ def _within_spread(launches: list[Launch], step: int | None, spread: dict[str, A
         return Check("identical", True, source + "Judged by what stays exact (loads, data, steps) "
                      "and " + figures)
     return Check("identical", False, source + "Even so the resume changed the result: " + figures
-                 + ". " + _cause(launches))
+                 + ". " + _cause(launches, layout))
 
 
 def _started(launches: list[Launch]) -> Check:
@@ -286,7 +290,7 @@ def _finished(last: Launch) -> Check:
                  f"finishing; see {last.log}")
 
 
-def _identical(launches: list[Launch], reference: Launch) -> Check:
+def _identical(launches: list[Launch], reference: Launch, layout: dict[str, Any] | None) -> Check:
     last = launches[-1]
     mine, theirs = last.first("finish"), reference.first("finish")
     if theirs is None:
@@ -297,10 +301,10 @@ def _identical(launches: list[Launch], reference: Launch) -> Check:
                      f"uninterrupted run (digest {theirs.get('digest', '')[:16]})" if mine else
                      "no final state to compare")
     return Check("identical", False, "the final training state differs from the uninterrupted "
-                 "run's. " + _cause(launches) + _diverged(launches, reference))
+                 "run's. " + _cause(launches, layout) + _diverged(launches, reference))
 
 
-def _cause(launches: list[Launch]) -> str:
+def _cause(launches: list[Launch], layout: dict[str, Any] | None) -> str:
     """What most likely makes a resumed run differ: a stateful object the job uses but did not
     hand to spotguard.Run (the library records it), else the arithmetic of the first resumed step
     (DDP's buckets, autocast, nondeterministic kernels): the state and data were restored."""
@@ -311,12 +315,9 @@ def _cause(launches: list[Launch]) -> str:
     if unsaved:
         return (f"The job uses state that is not in its checkpoint: {', '.join(unsaved)}; pass it "
                 "to spotguard.Run (optimizer=, scheduler=, loader=, or state={...})." + holds)
-    layouts = [c.get("ddp_layout") for launch in launches for c in launch.of("commit")
-               if isinstance(c.get("ddp_layout"), dict)]
-    wrong = next((l for l in layouts if l.get("restorable") is False), None)
-    if wrong is not None:
+    if isinstance(layout, dict) and layout.get("restorable") is False:
         return ("Everything the job uses is in its checkpoint, but DDP's gradient bucket layout "
-                f"cannot be restored ({wrong.get('why')}): the first step after a resume "
+                f"cannot be restored ({layout.get('why')}): the first step after a resume "
                 "all-reduces other buckets, so its arithmetic differs." + holds)
     if not any(e["event"] == "data" for launch in launches for e in launch.events):
         return ("Something the job depends on is not in its checkpoint: the data position and "

@@ -99,7 +99,7 @@ class Live:
 
 
 def _name(launch: Launch) -> str:
-    return "reference" if launch.index == 0 else f"launch {launch.index}"
+    return launch.label or ("reference" if launch.index == 0 else f"launch {launch.index}")
 
 
 def _describe(launch: Launch) -> str:

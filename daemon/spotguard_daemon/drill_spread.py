@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["distance"]
+__all__ = ["distance", "final_parameters", "entry_of"]
 
 
 def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -46,6 +46,19 @@ def final_parameters(root: Path) -> dict[str, Any]:
     chosen = {"model": entries["model"]} if "model" in entries else {
         key: value for key, value in entries.items() if key != "rng"}
     return dict(_tensors({key: value for key, (_, value) in chosen.items()}))
+
+
+def entry_of(path: Path, name: str) -> Any:
+    """The value of the state entry ``name`` in the committed checkpoint ``path`` (rank 0's part),
+    None when it has none or cannot be read (such as DDP's ``ddp_layout``)."""
+    from spotguard.checkpoint import CheckpointError
+    from spotguard.checkpoint.load import read_entries, read_manifest
+
+    try:
+        found = read_entries(path, read_manifest(path), "rank-0", verify=True).get(name)
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return None if found is None else found[1]
 
 
 def distance(root: Path, base: Path) -> float:

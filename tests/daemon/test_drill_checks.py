@@ -9,6 +9,7 @@ files (JSON, SVG) and the live timeline are checked on the same records.
 from __future__ import annotations
 
 import json
+import math
 import xml.dom.minidom
 
 import pytest
@@ -18,7 +19,7 @@ import spotguard
 from spotguard._record import Recorder, read, read_new
 from spotguard.checkpoint import CheckpointCorruptError
 from spotguard_daemon.drill_checks import Launch, judge, losses, save_figures, verdict
-from spotguard_daemon.drill_report import Live, write_report
+from spotguard_daemon.drill_report import CHAR_W, Live, write_report
 
 
 def recorded(tmp_path, index, *, resumed=None, steps=(), commits=(), stop=None, finish=None,
@@ -166,3 +167,52 @@ def test_the_library_records_a_failed_load_and_the_state_entries(tmp_path, monke
     assert events[0]["event"] == "start" and events[0]["entries"] == ["model", "rng"]
     (failure,) = [e for e in events if e["event"] == "load_failed"]
     assert "CheckpointCorruptError" in failure["error"]
+
+
+def _round(values):
+    """Ticks from 0, evenly spaced by 1, 2, 2.5 or 5 times a power of ten."""
+    gaps = {round(b - a, 9) for a, b in zip(values, values[1:])}
+    if values[0] != 0 or len(gaps) != 1:
+        return False
+    gap = gaps.pop()
+    mantissa = gap / 10 ** math.floor(math.log10(gap))
+    return any(math.isclose(mantissa, m) for m in (1, 2, 2.5, 5))
+
+
+def test_picture_table_log_and_report_agree_legend_inside_round_ticks(tmp_path, capsys):
+    """Each preemption's step is the one the record showed at delivery, everywhere; the legend
+    fits in the canvas; both axes carry round ticks reaching past the data."""
+    first = recorded(tmp_path, 1, steps=(10, 20, 37), commits=((10, "periodic"), (30, "periodic")),
+                     kind="sigkill")
+    first.killed, first.deadline = True, 0.0
+    first.events.append({**first.events[-1], "event": "progress", "step": 39})  # after delivery
+    second = recorded(tmp_path, 2, resumed=30, steps=(41, 55), stop=56, kind="notice")
+    second.deadline = 3.5
+    last = recorded(tmp_path, 3, resumed=56, steps=(97,), finish="abc")
+    reference = recorded(tmp_path, 0, steps=(97,), finish="abc")
+    last.t_end = first.t_launch + 39.3  # a span that is no round number
+    live = Live(tty=False)
+    for launch in (first, second):
+        live.preempt(launch)
+    launches = [first, second, last]
+    assert write_report(tmp_path, ["job"], launches, reference, judge(launches, reference, 2),
+                        live) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    picture = (tmp_path / "timeline.svg").read_text()
+    for row, launch in zip(report["preemptions"], (first, second)):
+        step = launch.preempted_step
+        assert row["at_step"] == step and row["effective"]
+        assert f"PREEMPTED at step {step}" in out and f"at step {step}</title>" in picture
+    assert report["preemptions"][0]["stopped_at"] == 39
+    assert "deadline 3.5 s" in out
+    svg = xml.dom.minidom.parseString(picture)
+    width = float(svg.documentElement.getAttribute("width"))
+    texts = svg.getElementsByTagName("text")
+    legend = [t for t in texts if t.getAttribute("class") == "legend"]
+    assert len(legend) == 8
+    for text in legend:
+        assert float(text.getAttribute("x")) + CHAR_W * len(text.firstChild.data) <= width
+    for axis, top in (("tick-x", 39.3), ("tick-y", 100)):
+        ticks = [float(t.firstChild.data) for t in texts if t.getAttribute("class") == axis]
+        assert _round(ticks) and ticks[-1] >= top, ticks

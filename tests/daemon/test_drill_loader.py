@@ -35,7 +35,8 @@ def test_the_dataloader_example_passes_every_kind_of_preemption(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_plain_torch_dataloader_fails_with_the_diverging_resume(tmp_path):
     done = drill(tmp_path, "-n", "1", "--seed", "1", job=[
-        sys.executable, str(Path(__file__).with_name("drill_loader_job.py")), "--ckpt-dir", "ckpt"])
+        sys.executable, str(Path(__file__).with_name("drill_loader_job.py")), "--steps", "30",
+        "--step-sleep", "0.1", "--ckpt-dir", "ckpt"])
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAILED (identical): the final training state differs" in done.stderr
     assert "what diverges is the resume" in done.stderr

@@ -1,0 +1,65 @@
+"""``spotguard drill``'s verdicts on jobs written the way users write them: a PASS rests on
+preemptions that took effect, a nondeterministic job is judged by what stays exact, and a broken
+twin fails with the part it left out named, nondeterministic or not.
+
+drill_job.py ``--noise`` adds 1e-7 relative gradient noise from a generator seeded from OS
+entropy, as atomics-based GPU reductions do; ``--broken`` leaves one object out of ``Run``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_drill_e2e import drill, job
+
+
+def report_of(tmp_path) -> dict:
+    return json.loads((tmp_path / "report" / "report.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_job_shorter_than_a_save_is_inconclusive_never_passed(tmp_path):
+    done = drill(tmp_path, "--no-reference", "-n", "2", job=job(
+        "--steps", "8", "--save-every", "50", "--step-sleep", "0.01"))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "spotguard drill: INCONCLUSIVE" in done.stdout and "PASSED" not in done.stdout
+    assert "INCONCLUSIVE (preemptions): 0 of 2 preemption(s) took effect" in done.stderr
+    assert "Make the job run longer" in done.stderr
+    report = report_of(tmp_path)
+    assert report["verdict"] == "INCONCLUSIVE" and not report["passed"]
+    assert report["effective_preemptions"] == 0 and len(report["launches"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_nondeterministic_job_passes_on_what_stays_exact(tmp_path):
+    done = drill(tmp_path, "-n", "2", "--seed", "2", "--json", job=job(
+        "--noise", "--steps", "120", "--step-sleep", "0.02"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not reproducible run to run" in done.stdout
+    assert "torch.use_deterministic_algorithms(True)" in done.stdout
+    report = json.loads(done.stdout.splitlines()[-1])  # --json: the report on the last line
+    assert report == report_of(tmp_path)
+    assert report["effective_preemptions"] == 2 and all(row["effective"] for row in report["preemptions"])
+    spread = report["spread"]
+    assert 0 < spread["reference"] and spread["drill"] <= spread["threshold"]
+    assert {check["name"] for check in report["checks"]} >= {"data", "loads", "identical"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("broken, noise, named", [
+    ("no-optimizer", True, "not in its checkpoint: optimizer (AdamW)"),
+    ("no-scheduler", False, "not in its checkpoint: LR scheduler"),
+    ("global-rng-loader", True, "the data position and its seeds are not recorded"),
+    ("no-loader", False, "the data position and its seeds are not recorded")])
+def test_a_broken_twin_fails_with_the_part_it_left_out_named(tmp_path, broken, noise, named):
+    done = drill(tmp_path, "-n", "1", "--seed", "1", job=job(
+        "--broken", broken, *(["--noise"] if noise else []), "--steps", "100", "--step-sleep", "0.02"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAILED (identical)" in done.stderr and named in done.stderr
+    assert ("not reproducible run to run" in done.stderr) == noise
+    assert report_of(tmp_path)["effective_preemptions"] == 1

@@ -88,6 +88,7 @@ from spotguard.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
 from spotguard.protocol import utcnow
 from spotguard.storage import StoreError, restore_newer, store_from_env
+from spotguard.storage.fresh_node import RestoreFailed
 
 __all__ = ["Run", "save_fits"]
 
@@ -257,12 +258,18 @@ class Run:
         """The fresh-node case: when the durable store holds a newer checkpoint than the local root,
         fetch it first, so the load below finds it. The store is ``durable=``, else
         ``$SPOTGUARD_STORAGE__URL``, else the daemon's; one process per node fetches while the others
-        wait. An unreachable store is logged and training goes on from what is local."""
+        wait. A store that keeps failing (transient errors are retried for a minute) is logged and
+        training goes on from what is local; when the store held, or may have held, a newer
+        checkpoint, that is an error and a ``restore_failed`` record event (work is lost)."""
         url, options = store_from_env()
         url = self._durable or url or self._daemon_store()
         if url and _local_rank() == 0:
             try:
                 restore_newer(self.checkpointer.root, self._job_id, url, options)
+            except RestoreFailed as exc:
+                log.error("%s; going on with local checkpoints (steps after them are trained again)", exc)
+                self.record.emit("restore_failed", store=url.split("?", 1)[0], store_step=exc.store_step,
+                                 local_step=exc.local_step, error=str(exc))
             except (StoreError, OSError) as exc:
                 log.warning("could not restore from %s (%s); going on with local checkpoints", url, exc)
         if self.agreement.enabled:

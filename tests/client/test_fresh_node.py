@@ -54,3 +54,28 @@ def test_a_preempted_job_resumes_on_a_new_node_from_what_the_daemon_made_durable
     resumed = run_to_end(ckpt, 60, *ARGS, "--step-sleep", "0.05", env=env)  # the identical command
     assert f"start step={stopped}" in resumed.output
     assert final(resumed) == reference
+
+
+def test_a_newer_durable_checkpoint_not_loaded_is_an_error_and_a_record_event(tmp_path):
+    """Issue 21.10: the store's step 40 cannot be restored (its object is no regular file: damaged),
+    so the job trains from step 0: that is said as an error and recorded (``restore_failed``, with
+    both steps), not a warning that scrolls by."""
+    import json
+
+    from spotguard.storage.durable import object_key
+
+    bucket, node1, node2, record = tmp_path / "bucket", tmp_path / "node1", tmp_path / "node2", tmp_path / "rec"
+    env = isolated_env(tmp_path / "rt", SPOTGUARD_JOB_ID="default")
+    run_to_end(node1, 40, *ARGS, env=env)
+    durable = Durable(FileStore(bucket))
+    durable.upload(node1 / "step-0000000040", "default")
+    for meta in durable.manifest("default", 40)["files"].values():
+        (bucket / object_key(meta["sha256"])).unlink()
+        (bucket / object_key(meta["sha256"])).mkdir()
+    resumed = run_to_end(node2, 2, env={**env, "SPOTGUARD_STORAGE__URL": f"file://{bucket}",
+                                          "SPOTGUARD_RECORD": str(record)})
+    assert "start step=0" in resumed.output
+    assert "holds step 40 of 'default', newer than the local step None, and it was not restored" in resumed.output
+    events = [json.loads(line) for line in record.read_text().splitlines()]
+    failed = [e for e in events if e["event"] == "restore_failed"]
+    assert len(failed) == 1 and failed[0]["store_step"] == 40 and failed[0]["local_step"] is None, failed

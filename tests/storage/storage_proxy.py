@@ -4,7 +4,9 @@ Sits between a store's SDK and an emulator on 127.0.0.1. Every request is record
 ``(method, path, body_bytes)``. With ``fault_rate > 0`` a seeded RNG picks requests to break:
 ``reset`` (connection reset before forwarding), ``reset_after`` (forwarded, then reset instead of the
 reply: the server did it but the client cannot know), ``500``/``503`` (error reply, not forwarded),
-``slow`` (forwarded after a delay). At most ``max_faults`` faults are injected, so loops end.
+``slow`` (forwarded after a delay); ``truncate`` (not among the defaults: forwarded, then the reply's
+head with its full Content-Length and half its body, then the connection closed). At most
+``max_faults`` faults are injected, so loops end.
 """
 
 from __future__ import annotations
@@ -100,13 +102,14 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
             finally:
                 conn.close()
 
-        def _respond(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+        def _respond(self, status: int, headers: list[tuple[str, str]], data: bytes,
+                     length: int | None = None) -> None:
             self.send_response(status)
             for key, value in headers:
                 if key.lower() not in _HOP and (key.lower() != "content-length" or self.command == "HEAD"):
                     self.send_header(key, value)
             if self.command != "HEAD":
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", str(len(data) if length is None else length))
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
@@ -125,6 +128,10 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 time.sleep(proxy.slow_s)
             status, headers, data = self._forward(body)
             if fault == "reset_after":
+                return self._abort()
+            if fault == "truncate" and len(data) > 1:
+                self._respond(status, proxy.rewrite(self.command, self.path, headers), data[:len(data) // 2],
+                              length=len(data))
                 return self._abort()
             self._respond(status, proxy.rewrite(self.command, self.path, headers), data)
 

@@ -22,7 +22,7 @@ from tcp_fault_proxy import MODES, TcpFaultProxy
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 EMULATOR = {"s3": "moto", "gcs": "fake_gcs", "azure": "azurite"}
 TIGHT = {"connect_timeout": 0.5, "read_timeout": 1.0, "max_attempts": 2, "part_size": 1024 * 1024,
-         "concurrency": 2}
+         "concurrency": 2, "retry_seconds": 2.0}
 
 
 def target(direct, backend: str, endpoint: str) -> tuple[str, StoreOptions]:

@@ -6,6 +6,13 @@ engine does (rename, then ``latest``). A checkpoint whose manifest is corrupt or
 missing or do not hash right is skipped, with a warning, for the previous one; an explicitly
 requested step is never substituted. Partial downloads are removed on every failure path.
 
+Transient store errors (resets, truncated bodies, 5xx: :class:`TransientError`) are retried with
+backoff until :data:`RETRY_SECONDS` (``Durable.retry_seconds``) have passed since the restore began,
+one shared deadline for every request of the restore, like the upload path's retries. A checkpoint
+is skipped for the previous one only when it is really damaged: a manifest that fails to parse, or an
+object that fails its sha256, is read once more first, so a transfer cut short is never taken for
+damage; and a skipped checkpoint is logged as an error.
+
 A bucket is untrusted input: a ``latest`` naming a missing step falls back to the manifests; a
 manifest whose key and step disagree, that is not plain JSON, or names unsafe paths is skipped; no
 object larger than its manifest entry is downloaded, nor a checkpoint that cannot fit on disk;
@@ -23,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from spotguard.storage._local import MANIFEST, ManifestError, commit_dir, sha256_file, step_name, tmp_dir
 from spotguard.storage.base import CredentialsError, IntegrityError, NotFound, StoreError, TransientError
@@ -39,6 +46,34 @@ log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 10.0
 """At most one progress line per this many seconds while a restore downloads."""
+RETRY_SECONDS = 60.0
+"""How long one restore retries transient store errors before it gives up."""
+RETRY_MAX_DELAY = 8.0
+
+
+class Retry:
+    """Runs store calls, retrying :class:`TransientError` with backoff (0.5 s doubling, at most
+    ``RETRY_MAX_DELAY``) until ``until`` (monotonic); then the last error is raised, saying how long
+    it was retried. Thread-safe: one deadline for every download of a restore."""
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+        self.started = time.monotonic()
+
+    def __call__(self, call: Callable[[], Any], what: str) -> Any:
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except TransientError as exc:
+                left = self.until - time.monotonic()
+                if left <= 0:
+                    raise TransientError(f"{exc} (still failing after {time.monotonic() - self.started:.0f} s "
+                                         "of retries)") from exc
+                delay = min(0.5 * 2 ** attempt, RETRY_MAX_DELAY, left)
+                attempt += 1
+                log.info("%s failed (%s); retrying in %.1f s", what, exc, delay)
+                time.sleep(delay)
 
 
 class _Progress:
@@ -66,9 +101,11 @@ def _check_room(manifest: dict[str, Any], dest: Path) -> None:
         raise IntegrityError(f"checkpoint of {need} bytes does not fit in {dest} ({free} bytes free)")
 
 
-def _fetch(durable: "Durable", manifest: dict[str, Any], dest: Path) -> list[str]:
+def _fetch(durable: "Durable", manifest: dict[str, Any], dest: Path, retry: Retry) -> list[str]:
     """Download and hash every file of ``manifest`` under ``dest``; return the problems found.
-    Each download is refused when the object is larger than the manifest says."""
+    Each download is refused when the object is larger than the manifest says; transient errors
+    are retried (``retry``), and an object that fails its sha256 is downloaded once more before it
+    counts as corrupt."""
     from spotguard.storage.durable import object_key
 
     _check_room(manifest, dest)
@@ -77,20 +114,23 @@ def _fetch(durable: "Durable", manifest: dict[str, Any], dest: Path) -> list[str
 
     def one(item: tuple[str, dict[str, Any]]) -> str | None:
         rel, meta = item
-        path = dest / rel
+        path, key = dest / rel, object_key(meta["sha256"])
         make_private_dirs(path.parent)
-        try:
-            durable.store.get_file(object_key(meta["sha256"]), path, max_size=meta["size"])
-        except NotFound:
-            return f"{rel}: object {meta['sha256'][:12]}... is missing"
-        except (TransientError, CredentialsError):
-            raise  # not the checkpoint's fault: falling back to an older one would hide it
-        except StoreError as exc:
-            return f"{rel}: {exc}"
-        progress.add(meta["size"])
-        if path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
-            return f"{rel}: object {meta['sha256'][:12]}... is corrupt (sha256 mismatch)"
-        return None
+        for attempt in (1, 2):
+            try:
+                retry(lambda: durable.store.get_file(key, path, max_size=meta["size"]), f"download {key}")
+            except NotFound:
+                return f"{rel}: object {meta['sha256'][:12]}... is missing"
+            except (TransientError, CredentialsError):
+                raise  # not the checkpoint's fault: falling back to an older one would hide it
+            except StoreError as exc:
+                return f"{rel}: {exc}"
+            if path.stat().st_size == meta["size"] and sha256_file(path) == meta["sha256"]:
+                progress.add(meta["size"])
+                return None
+            if attempt == 1:
+                log.info("%s: %s does not hash to its address; downloading it once more", durable.store.url, key)
+        return f"{rel}: object {meta['sha256'][:12]}... is corrupt (sha256 mismatch)"
 
     with ThreadPoolExecutor(durable.concurrency, thread_name_prefix="spotguard-restore") as pool:
         return [p for p in pool.map(one, sorted(manifest["files"].items())) if p]
@@ -107,14 +147,24 @@ def verify(durable: "Durable", job_id: str, step: int, *, deep: bool) -> list[st
         return [f"{rel}: object {meta['sha256'][:12]}... is missing" for rel, meta in manifest["files"].items()
                 if not durable.store.exists(object_key(meta["sha256"]))]
     with tempfile.TemporaryDirectory(prefix="spotguard-verify-") as scratch:
-        return _fetch(durable, manifest, Path(scratch))
+        return _fetch(durable, manifest, Path(scratch), Retry(time.monotonic() + durable.retry_seconds))
 
 
-def _restore_one(durable: "Durable", job_id: str, dest_root: Path, step: int) -> Path:
-    manifest = durable.manifest(job_id, step)
+def _manifest(durable: "Durable", job_id: str, step: int, retry: Retry) -> dict[str, Any]:
+    """The manifest of ``step``, transient errors retried; one that fails to parse is read once
+    more before it counts as damaged (a reply cut short is not damage)."""
+    try:
+        return retry(lambda: durable.manifest(job_id, step), f"read the manifest of {step_name(step)}")
+    except ManifestError as exc:
+        log.info("%s; reading it once more", exc)
+    return retry(lambda: durable.manifest(job_id, step), f"read the manifest of {step_name(step)}")
+
+
+def _restore_one(durable: "Durable", job_id: str, dest_root: Path, step: int, retry: Retry) -> Path:
+    manifest = _manifest(durable, job_id, step, retry)
     tmp = tmp_dir(dest_root, step)
     try:
-        problems = _fetch(durable, manifest, tmp)
+        problems = _fetch(durable, manifest, tmp, retry)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise IntegrityError(f"{job_id} {step_name(step)}: {problems[0]}{more}")
@@ -134,19 +184,21 @@ def _candidates(durable: "Durable", job_id: str) -> list[int]:
     return ([pointer] if pointer in steps else []) + [s for s in reversed(steps) if s != pointer]
 
 
-def restore(durable: "Durable", job_id: str, dest_root: Path, step: int | None) -> Path:
+def restore(durable: "Durable", job_id: str, dest_root: Path, step: int | None,
+            retry_until: float | None = None) -> Path:
     make_private_dirs(dest_root)
+    retry = Retry(time.monotonic() + durable.retry_seconds if retry_until is None else retry_until)
     if step is not None:
-        return _restore_one(durable, job_id, dest_root, step)
-    candidates = _candidates(durable, job_id)
+        return _restore_one(durable, job_id, dest_root, step, retry)
+    candidates = retry(lambda: _candidates(durable, job_id), f"list the checkpoints of {job_id}")
     if not candidates:
         raise NotFound(f"{durable.store.url}: job {job_id!r} has no durable checkpoint")
     for number in candidates:
         try:
-            path = _restore_one(durable, job_id, dest_root, number)
+            path = _restore_one(durable, job_id, dest_root, number, retry)
         except (IntegrityError, ManifestError, NotFound) as exc:
-            log.warning("durable %s: skipping %s, falling back to the previous checkpoint: %s",
-                        job_id, step_name(number), exc)
+            log.error("durable %s: skipping %s, which is damaged, for the previous checkpoint: %s",
+                      job_id, step_name(number), exc)
             continue
         log.info("durable %s: restored %s into %s", job_id, step_name(number), path)
         return path

@@ -147,6 +147,8 @@ class StoreOptions:
     """Seconds to open a connection; an endpoint that does not answer is retried, not waited on."""
     read_timeout: float = 20.0
     """Seconds any one socket read may stall (botocore's default of 60 s is half an AWS notice)."""
+    retry_seconds: float = 60.0
+    """Seconds a restore (:func:`.fresh_node.restore_newer`) retries transient errors in all."""
 
     @property
     def deadline(self) -> float:

@@ -128,8 +128,11 @@ def _retrying(call: Callable[[], Any], attempts: int, what: str) -> Any:
 class Durable:
     """Checkpoints of many jobs in one store. Thread-safe for distinct jobs; see the module note."""
 
-    def __init__(self, store: Store, *, concurrency: int = 8, attempts: int = 4) -> None:
+    def __init__(self, store: Store, *, concurrency: int = 8, attempts: int = 4,
+                 retry_seconds: float = _restore.RETRY_SECONDS) -> None:
         self.store, self.concurrency, self.attempts = store, concurrency, attempts
+        self.retry_seconds = retry_seconds
+        """How long a restore retries transient errors (see :mod:`._restore`)."""
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -256,11 +259,14 @@ class Durable:
         object; otherwise only their presence is checked."""
         return _restore.verify(self, job_id, step, deep=deep)
 
-    def restore(self, job_id: str, dest_root: Path, step: int | None = None) -> Path:
+    def restore(self, job_id: str, dest_root: Path, step: int | None = None, *,
+                retry_until: float | None = None) -> Path:
         """Download ``step`` (default: the newest sound checkpoint) into ``dest_root/step-...``, commit
-        it like a local checkpoint (``latest`` updated) and return its path. Raises
-        :class:`NotFound` when the job has no checkpoint, :class:`IntegrityError` when none is sound."""
-        return _restore.restore(self, _job(job_id), Path(dest_root), step)
+        it like a local checkpoint (``latest`` updated) and return its path. Transient errors are
+        retried until ``retry_until`` (monotonic; default ``retry_seconds`` from now). Raises
+        :class:`NotFound` when the job has no checkpoint, :class:`IntegrityError` when none is sound,
+        :class:`TransientError` when the store kept failing."""
+        return _restore.restore(self, _job(job_id), Path(dest_root), step, retry_until)
 
     # -- retention -------------------------------------------------------------------------------
 

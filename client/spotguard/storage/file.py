@@ -105,10 +105,11 @@ class FileStore:
             raise NotFound(f"{self.url}: no object {key}") from exc
         except OSError as exc:
             raise StoreError(f"{what}: {exc.strerror}") from exc
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise IntegrityError(f"{what}: not a regular file; refused")
         with open(fd, "rb") as src:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise IntegrityError(f"{what}: not a regular file; refused")
             check_size(what, info.st_size, max_size)
             try:
                 yield src

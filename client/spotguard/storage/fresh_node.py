@@ -11,23 +11,31 @@ Where the store is comes from, in order: an explicit URL, ``$SPOTGUARD_STORAGE__
 own setting, so one environment serves both), or the daemon's ``status`` reply. The URL ``none``
 (:data:`NO_STORE`, the daemon's ``storage.url = "none"``) means there is no durable store.
 
+Transient store errors are retried for ``Durable.retry_seconds`` (60 s) in all, as uploads are
+(:mod:`._restore`): one reset or truncated reply does not send a fresh node back to step 0.
+
 Exceptions: :class:`~spotguard.storage.base.StoreError` subclasses from the store; callers that must not
-fail on an unreachable bucket (the training loop) catch them and go on with what is local.
+fail on an unreachable bucket (the training loop) catch them and go on with what is local. When the
+store held, or may have held, a checkpoint newer than every local one and it was not restored, the
+error is a :class:`RestoreFailed` naming both steps: training from the older step loses work, so
+callers say it loudly (``Run`` logs an error and records a ``restore_failed`` event).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Mapping
 
+from spotguard.storage import _restore
 from spotguard.storage._local import ManifestError, read_manifest
 from spotguard.storage.base import StoreError, StoreOptions, open_store
 from spotguard.storage.durable import Durable
 
 __all__ = ["restore_newer", "local_latest_step", "store_from_env", "no_store", "DEFAULT_JOB",
-           "NO_STORE"]
+           "NO_STORE", "RestoreFailed"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,16 @@ DEFAULT_JOB = "default"
 """The durable job name of checkpoints committed without a job id (the daemon uses the same)."""
 NO_STORE = "none"
 """The store URL that says there is no durable store: nothing is uploaded, nothing restored."""
+
+
+class RestoreFailed(StoreError):
+    """The store held (``store_step``), or may have held (None: its ``latest`` could not be read),
+    a checkpoint newer than the local ``local_step`` (None: no local checkpoint), and it was not
+    restored; ``__cause__`` is the store's error."""
+
+    def __init__(self, message: str, store_step: int | None, local_step: int | None) -> None:
+        super().__init__(message)
+        self.store_step, self.local_step = store_step, local_step
 
 
 def no_store(url: str | None) -> bool:
@@ -73,19 +91,28 @@ def restore_newer(root: str | os.PathLike[str], job_id: str, url: str | None,
     holds nothing for the job, or ``url`` names no store: ``none``)."""
     if no_store(url):
         return None
-    root = Path(root)
+    root, options = Path(root), StoreOptions.of(options)
     try:
-        durable = Durable(open_store(url, options))
+        durable = Durable(open_store(url, options), retry_seconds=options.retry_seconds)
     except ValueError as exc:  # a bad URL must not stop training either
         raise StoreError(str(exc)) from exc
-    job = job_id or DEFAULT_JOB
-    remote = durable.latest(job)
+    job, local = job_id or DEFAULT_JOB, local_latest_step(root)
+    retry = _restore.Retry(time.monotonic() + durable.retry_seconds)
+    try:
+        remote = retry(lambda: durable.latest(job), f"read the latest checkpoint of {job}")
+    except StoreError as exc:
+        raise RestoreFailed(f"cannot tell whether {durable.store.url} holds a checkpoint of {job!r} newer "
+                            f"than the local step {local}: {exc}", None, local) from exc
     if remote is None:
         return None
-    local = local_latest_step(root)
     if local is not None and local >= remote:
         return None
     log.warning("local checkpoints end at step %s, the store %s holds step %d: restoring it",
                 local, url, remote)
     root.mkdir(parents=True, exist_ok=True)
-    return durable.restore(job, root)
+    try:
+        path = durable.restore(job, root, retry_until=retry.until)
+    except StoreError as exc:
+        raise RestoreFailed(f"{durable.store.url} holds step {remote} of {job!r}, newer than the local step "
+                            f"{local}, and it was not restored: {exc}", remote, local) from exc
+    return path

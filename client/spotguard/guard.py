@@ -69,6 +69,8 @@ MAX_UNSENT_COMMITS = 16
 """Commit reports kept for re-sending while the daemon does not answer (the oldest go first)."""
 RESEND_SECONDS = 1.0
 """How often the background thread retries the kept commit reports."""
+_UNANSWERED_SAID = False
+"""Whether this process said that no daemon answered a commit (said once until one answers)."""
 
 PROGRESS_ENV = "SPOTGUARD_PROGRESS_SECONDS"
 DEFAULT_PROGRESS_SECONDS = 5.0
@@ -259,14 +261,19 @@ class Guard:
                 self.progress_acknowledged = progress[0]
 
     def _keep_unsent(self, message: CommitRequest) -> None:
+        global _UNANSWERED_SAID
         with self._lock:
             self._unsent[(message.job_id, message.path)] = message
             while len(self._unsent) > MAX_UNSENT_COMMITS:
                 self._unsent.pop(next(iter(self._unsent)))
-        log.info("daemon did not answer the commit of step %d; it will be announced again", message.step)
+        if not _UNANSWERED_SAID:  # once per process until a daemon answers, not per checkpoint
+            _UNANSWERED_SAID = True
+            log.info("no daemon answered the commit of step %d; commits are kept (the newest %d) and "
+                     "announced when one answers", message.step, MAX_UNSENT_COMMITS)
 
     def _resend_commits(self) -> None:
         """Re-announce kept commit reports, oldest first, while the daemon answers (guard thread)."""
+        global _UNANSWERED_SAID
         if not self._unsent or self._link is None or not self._link.alive \
                 or time.monotonic() < self._resend_at:
             return
@@ -279,6 +286,7 @@ class Guard:
                 return  # still down: try again later
             with self._lock:
                 self._unsent.pop(key, None)
+            _UNANSWERED_SAID = False
             if reply.ok:
                 log.info("commit of step %d announced again to the daemon", message.step)
             else:

@@ -36,7 +36,9 @@ At each step boundary (after the loop body, before the next step):
    stay ignored (:meth:`Guard.close` with ``exiting=True``).
 
 **A peer that vanished** (its node killed outright, no notice) must not leave the survivors hanging
-in a collective until torch's 30-minute default. With more than one rank, ``peer_timeout`` (600 s by
+in a collective until torch's 30-minute default. (A collective of the loop itself that fails at once,
+gloo's "Connection closed by peer" in DDP's backward, ends the process the same way when it leaves
+``with run:``.) With more than one rank, ``peer_timeout`` (600 s by
 default; None turns this off) bounds it twice: the agreement's own collective gives up after that
 long (:class:`~spotguard.distributed.PeerLostError`, logged with its cause), and a progress
 watchdog ends the process when no step boundary is reached for ``peer_timeout`` plus
@@ -77,6 +79,8 @@ from datetime import datetime
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 from spotguard import _ddp, _exit, _jobid, rng
+from spotguard._optim import hookable
+from spotguard._peer import exit_peer_lost, is_peer_failure
 from spotguard._audit import Audit
 from spotguard._record import Recorder
 from spotguard._watchdog import Watchdog
@@ -193,8 +197,7 @@ class Run:
         self._closed = False
         self._open_step: tuple[int, Any] | None = None  # (optimizer steps, loader state) at a yield
         self._optimizer_steps = 0
-        if hasattr(optimizer, "register_step_post_hook"):
-            optimizer.register_step_post_hook(self._count_optimizer_step)
+        self._counts_steps = _count_steps(optimizer, self._count_optimizer_step)
 
     # ------------------------------------------------------------------ the loop
 
@@ -280,10 +283,15 @@ class Run:
         store = uploads.get("store")
         return store if isinstance(store, str) and "://" in store else None
 
-    def finish(self) -> None:
-        """Save the final state (if not saved yet), wait until it is committed, and close."""
+    def finish(self, *, at_boundary: bool = False) -> None:
+        """Save the final state (if not saved yet), wait until it is committed, and close.
+
+        ``at_boundary``: the loop ended between two steps, not inside the step last yielded (a
+        framework's loop driving :meth:`steps` from its step-end hook ended on its own)."""
         if self._closed:
             return
+        if at_boundary:
+            self._open_step = None
         if not self.stopped:
             self._close_open_step()
         if not self.stopped and self._saved_step != self.step:
@@ -313,7 +321,7 @@ class Run:
             return
         optimizer_steps, mark = self._open_step
         self._open_step = None
-        if "optimizer" not in self.state or not hasattr(self.state["optimizer"], "register_step_post_hook"):
+        if not self._counts_steps:
             log.warning("the loop was left inside step %d and Run has no optimizer to tell whether it "
                         "updated the model: saving it as not done", self.step)
         elif self._optimizer_steps > optimizer_steps:
@@ -341,6 +349,8 @@ class Run:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.finish()
+        elif is_peer_failure(exc):  # the loop's own collective (DDP's backward) met a lost peer
+            self._peer_lost(self.step, exc)
         else:
             self.close(exiting=isinstance(exc, SystemExit))
 
@@ -403,13 +413,7 @@ class Run:
 
     def _peer_lost(self, done: int, exc: PeerLostError) -> NoReturn:
         """Say why, record it, and end the process now (see the module docstring: no teardown)."""
-        log.error("%s; exiting %d: relaunch the job on every node, it resumes from the last committed "
-                  "checkpoint", exc, EXIT_PEER_LOST)
-        self.record.emit("peer_lost", step=done, error=str(exc))
-        logging.shutdown()  # flushes every handler
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(EXIT_PEER_LOST)
+        exit_peer_lost(exc, self.record, done)
 
     def _stop(self, done: int, decision: Decision) -> bool:
         if self._progress is not None:
@@ -486,6 +490,16 @@ class Run:
         seed and each emergency save updates (:meth:`Checkpointer.emergency_seconds`)."""
         size = self.checkpointer.stats.bytes or _state_bytes(self.state)
         return self.checkpointer.emergency_seconds(size) if size else None
+
+
+def _count_steps(optimizer: Any, hook: Callable[..., None]) -> bool:
+    """Register ``hook`` to run after each real step of ``optimizer`` (unwrapped as
+    :func:`spotguard._optim.hookable` says); False when it cannot tell."""
+    inner = hookable(optimizer)
+    if inner is None:
+        return False
+    inner.register_step_post_hook(hook)
+    return True
 
 
 def _make_cadence(save_every: int | None, cadence: Any) -> Any:

@@ -82,6 +82,21 @@ def _flatten(obj, prefix=""):
         yield prefix, obj
 
 
+class HFModel(torch.nn.Module):
+    """The network as the Hugging Face ``Trainer`` wants it: keyword inputs, a ``loss`` output."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = network()
+
+    def forward(self, x, y):
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
+
+
+def collate(rows):
+    return {"x": torch.stack([r[0] for r in rows]), "y": torch.stack([r[1] for r in rows])}
+
+
 def lightning_job(out: str) -> None:
     import lightning.pytorch as pl
 
@@ -130,23 +145,12 @@ def hf_job(out: str) -> None:
 
     from spotguard.integrations.huggingface import SpotguardTrainerCallback, latest_checkpoint
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = network()
-
-        def forward(self, x, y):
-            return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
-
     class Stopper(transformers.TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             self.start = state.global_step
 
         def on_step_begin(self, args, state, control, **kwargs):
             maybe_stop(state.global_step, self.start, lambda: guard.guard)
-
-    def collate(rows):
-        return {"x": torch.stack([r[0] for r in rows]), "y": torch.stack([r[1] for r in rows])}
 
     class Trainer(transformers.Trainer):
         def _save_rng_state(self, output_dir):
@@ -161,7 +165,7 @@ def hf_job(out: str) -> None:
         dataloader_num_workers=0, learning_rate=0.01)
     daemon = os.environ.get("JOB_DAEMON") == "1"
     guard = SpotguardTrainerCallback(daemon=daemon, job_id="integration" if daemon else "")
-    trainer = Trainer(Model(), args, train_dataset=dataset(), data_collator=collate,
+    trainer = Trainer(HFModel(), args, train_dataset=dataset(), data_collator=collate,
                                    callbacks=[guard, Stopper()])
     trainer.train(resume_from_checkpoint=latest_checkpoint(out, job_id="integration" if daemon else ""))
     guard.exit_if_stopped()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -53,14 +54,26 @@ class Coordinator:
     def all_reduce(self, values: list[int], op: str = "sum") -> list[int]:
         """Reduce a few ints across ranks, waiting at most the timeout."""
         t = torch.tensor(values, dtype=torch.int64)
+        started = time.monotonic()
         try:
             work = dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
             done = work.wait(self.timeout)
         except RuntimeError as exc:  # gloo raises on timeout or a vanished peer
-            raise CheckpointError(f"checkpoint ranks did not agree within {self.timeout}: {exc}") from exc
+            raise CheckpointError(self._failed(time.monotonic() - started, exc)) from exc
         if done is False:
-            raise CheckpointError(f"checkpoint ranks did not agree within {self.timeout}")
+            raise CheckpointError(self._failed(time.monotonic() - started, None))
         return t.tolist()
+
+    def _failed(self, waited: float, exc: BaseException | None) -> str:
+        """Why the ranks' exchange failed, with the time it really waited: a peer that crashed
+        fails it at once (its connection closed), a peer that hangs or vanished only at the timeout."""
+        limit = self.timeout.total_seconds()
+        cause = " ".join(str(exc).split())[:300] if exc is not None else "no answer"
+        if exc is None or waited >= 0.9 * limit:
+            return (f"checkpoint ranks did not agree within {limit:.0f} s ({cause}): a peer rank is "
+                    "stuck or unreachable")
+        return (f"checkpoint ranks did not agree: the exchange failed after {waited:.1f} s ({cause}): "
+                "a peer rank is gone (it crashed or its node was killed)")
 
     def agree(self, value: int, op: str) -> int:
         return self.all_reduce([value], op)[0]

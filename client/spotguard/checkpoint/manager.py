@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from spotguard._optim import hookable
 from spotguard.checkpoint import commit, layout
 from spotguard.checkpoint._workers import Throttle, lower_priority
 from spotguard.checkpoint.emergency import Emergency, LiveWriter, live_snapshot
@@ -303,7 +304,7 @@ class Checkpointer:
             for handle in handles:
                 handle.remove()
             self.prepare(state, after_first_step=False)
-        handles += [opt.register_step_post_hook(first_step) for opt in optimizers]
+        handles += [inner.register_step_post_hook(first_step) for inner in map(hookable, optimizers) if inner]
 
     def _candidates(self) -> list[Path]:
         return [p for _, p in layout.committed_dirs(self.root)]

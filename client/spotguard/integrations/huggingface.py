@@ -44,9 +44,24 @@ and skips the consumed batches (``ignore_data_skip=False``, the default), so its
 loader with dropout resumes bit-identically on CPU (tested). Settings that turn either off are
 warned about once, at the first save.
 
-Distributed (``torchrun``/``accelerate``): the flags are agreed across ranks with one
-``all_reduce`` (:class:`spotguard.distributed.Agreement`), so every rank saves and stops at the
-same step even when only one received the notice (not tested across processes yet).
+Distributed (``torchrun``/``accelerate``): the flags are agreed across ranks with one small
+``all_reduce`` at every step end (:class:`spotguard.distributed.Agreement` with interval 1, on its
+own gloo group bounded by ``peer_timeout``), so every rank saves once and stops at the step end
+right after the notice, even when only one rank received it (tested under ``torchrun`` at 1-3
+ranks). As with ``Run``: a notice whose deadline is further away than the save, the margin, one step
+and ``stop_lead`` lets training go on; the exchange failing, or no step end for ``peer_timeout``
+plus ``PEER_LOST_GRACE`` (an evaluation's prediction steps count as progress), ends the process
+with 77, and so does a peer failure raised out of ``train()`` (DDP's backward usually meets the
+lost peer first) that nothing catches (``sys.excepthook``, set while the callback trains).
+The gradient bucket layout of the Trainer's DDP (found in its frames) is written beside each
+checkpoint as ``spotguard-ddp-layout.json`` and restored on resume (:mod:`spotguard._ddp`), so 3+
+ranks resume bit-identically with ``ddp_find_unused_parameters=False`` too.
+
+A finished job relaunched (``spotguard run``, a Slurm requeue, a Kubernetes restart after success):
+the Trainer, resuming from a checkpoint at ``max_steps`` mid-epoch, would run one step more before
+it looks at ``should_training_stop``. So at ``on_train_begin`` the callback empties the Trainer's
+train loader for that call (its batch sampler, put back at ``on_train_end``) and asks it to stop:
+nothing is trained or written, and the script goes on after ``train()`` (status 0).
 
 Exceptions: none of its own.
 """
@@ -63,12 +78,15 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spotguard import _ddp, _exit
+from spotguard._peer import exit_peer_lost, exit_peer_lost_when_uncaught
+from spotguard._record import Recorder
+from spotguard._watchdog import Watchdog
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.integrations._hf_commit import COMMITTED, NotCommitted, commit_copy, newest_committed
-from spotguard.distributed import Agreement, Decision
-from spotguard.exit_codes import EXIT_PREEMPTED
+from spotguard.distributed import Agreement, Decision, PeerLostError
+from spotguard.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
-from spotguard.run import ASSUMED_THROUGHPUT, save_fits
+from spotguard.run import ASSUMED_THROUGHPUT, PEER_LOST_GRACE, save_fits
 from spotguard.storage import StoreError, restore_newer, store_from_env
 from spotguard.storage._local import step_name
 
@@ -110,25 +128,40 @@ class SpotguardTrainerCallback(TrainerCallback):
 
     ``guard``: a :class:`~spotguard.Guard` to use (the caller closes it), else one is made at
     ``on_train_begin`` from ``job_id``, ``daemon`` and ``signal_deadlines`` and closed at
-    ``on_train_end``. ``save_margin``: seconds kept free between the save's end and the deadline.
-    ``durable``: commit a copy of each save in spotguard's layout and report that to the daemon
-    (which uploads it); None (default): when a durable store is known at ``on_train_begin``
-    (``$SPOTGUARD_STORAGE__URL`` or the daemon's ``status``).
+    ``on_train_end``. ``save_margin``: seconds kept free between the save's end and the deadline;
+    ``stop_lead``: :class:`~spotguard.Run`'s (a notice whose deadline is further away than the
+    save, the margin, a step and ``stop_lead`` lets training go on). ``peer_timeout``: ``Run``'s
+    (the ranks' exchange gives up after that long, and a rank that reaches no step end for that
+    long plus ``PEER_LOST_GRACE`` exits 77). ``durable``: commit a copy of each save in
+    spotguard's layout and report that to the daemon (which uploads it); None (default): when a
+    durable store is known at ``on_train_begin`` (``$SPOTGUARD_STORAGE__URL`` or the daemon's
+    ``status``).
     """
 
     def __init__(self, *, job_id: str = "", daemon: bool = True, save_margin: float = 2.0,
+                 stop_lead: float = 60.0, peer_timeout: float | None = 600.0,
                  signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
                  guard: Guard | None = None, durable: bool | None = None) -> None:
+        if stop_lead < 0:
+            raise ValueError("stop_lead must be >= 0")
         self._guard_kwargs = dict(job_id=job_id, daemon=daemon, signal_deadlines=signal_deadlines)
         self.guard = guard
         self._own_guard = guard is None
-        self.save_margin = save_margin
-        self.agreement = Agreement()
+        self.save_margin, self.stop_lead, self.peer_timeout = save_margin, stop_lead, peer_timeout
+        self.agreement: Agreement | None = None
         self.stopped = False
         self.save_seconds: float | None = None
         self._save_started: float | None = None
         self._checked = False
         self.durable = durable
+        self._record = Recorder()
+        self._progress: Watchdog | None = None
+        self._last_end: float | None = None
+        self._step_seconds = 0.0
+        self._far_notice: str | None = None
+        self._drained: tuple[Any, Any] | None = None
+        self._last_step = 0
+        self._unhook: Any = None
         self._layouts: _ddp.Layouts | None = None
 
     def exit_if_stopped(self) -> None:
@@ -143,25 +176,49 @@ class SpotguardTrainerCallback(TrainerCallback):
         self.stopped = False
         if self.guard is None:
             self.guard = Guard(rank=args.process_index, **self._guard_kwargs)
+        self._record = Recorder(rank=args.process_index, job=self.guard.job_id)
+        # Made here, not in __init__: torch.distributed runs by now, so the exchange gets its own
+        # group bounded by peer_timeout. Interval 1: a stop comes at the step end after the notice.
+        self.agreement = Agreement(timeout=self.peer_timeout, max_interval=1)
+        if self.peer_timeout and self.agreement.enabled:
+            stalled = (f"no step end for {self.peer_timeout} s (peer_timeout=): a peer rank is probably "
+                       "gone")
+            self._progress = Watchdog(EXIT_PEER_LOST, stalled, before_exit=lambda: self._record.emit(
+                "peer_lost", step=self._last_step, error=stalled))
+            self._unhook = exit_peer_lost_when_uncaught(self._record, lambda: self._last_step)
         if self.durable is None:
             store = ((self.guard.daemon_status() or {}).get("uploads") or {}).get("store")
             self.durable = bool(store_from_env()[0] or store)
+        self._last_step = state.global_step
         self._layouts = _ddp.trainer_layouts(kwargs.get("model"), _resumed_dirs(args, state))  # DDP's buckets
         if state.global_step > 0:  # the Trainer loaded a checkpoint's state before this event
             log.info("resumed from step %d", state.global_step)
             self.guard.report_resume(state.global_step)
+        if 0 < state.max_steps <= state.global_step:
+            log.info("already finished: step %d of %d is saved; nothing to run", state.global_step,
+                     state.max_steps)
+            self._drained = _drain(kwargs.get("train_dataloader"))
+            control.should_training_stop = True
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         """The step boundary: agree on the flags, then ask for a save and a stop as needed."""
         if self.guard is None or self.stopped:
             return
-        step = state.global_step
+        step = self._last_step = state.global_step
+        self._observe_step()
         self.guard.report_progress(step)
+        assert self.agreement is not None
         if not self.agreement.enabled or self.agreement.due(step):
             self._decide(step, control, kwargs)
         if control.should_save:  # ours or the Trainer's schedule: time it until on_save
             self._save_started = time.monotonic()
+
+    def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                           **kwargs: Any) -> None:
+        """An evaluation between two steps is not a lost peer."""
+        if self._progress is not None and self._progress.armed_at is not None:
+            self._arm_progress()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
@@ -178,13 +235,22 @@ class SpotguardTrainerCallback(TrainerCallback):
         # rank takes part, whatever its own settings say, or a mismatch would hang the others.
         if self._layouts is not None:  # every rank; rank 0 writes DDP's bucket layout beside the files
             self._layouts.save_beside(path, state.is_world_process_zero)
-        self.agreement.barrier(state.global_step)
+        if self.agreement is not None:
+            self._collective(lambda: self.agreement.barrier(state.global_step), state.global_step)
         if self.guard is not None and self.durable and state.is_world_process_zero and path.is_dir():
             self._commit(state, path)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         """After a stop, tell the daemon the process is safe; close a guard of our own."""
+        if self._progress is not None:
+            self._progress.disarm()
+        if self._unhook is not None:
+            self._unhook()
+            self._unhook = None
+        if self._drained is not None:
+            _undrain(*self._drained)
+            self._drained = None
         if self.guard is None:
             return
         if self.stopped:
@@ -207,22 +273,63 @@ class SpotguardTrainerCallback(TrainerCallback):
     # ------------------------------------------------------------------ decisions
 
     def _decide(self, step: int, control: TrainerControl, kwargs: Mapping[str, Any]) -> None:
-        decision = self.agreement.agree(step, self._local_decision(kwargs))
+        assert self.agreement is not None and self.guard is not None
+        local = self._local_decision(kwargs)
+        decision = self._collective(lambda: self.agreement.agree(step, local), step)
         if decision.stop:
             self._stop(step, decision, control)
         elif decision.checkpoint:
             control.should_save = True
             self.guard.clear_checkpoint_request()
 
+    def _collective(self, exchange: Any, step: int) -> Any:
+        """Run one exchange of the ranks; a peer that is gone ends this process with 77."""
+        try:
+            return exchange()
+        except PeerLostError as exc:
+            exit_peer_lost(exc, self._record, step)
+
     def _local_decision(self, kwargs: Mapping[str, Any]) -> Decision:
         assert self.guard is not None
         stop = self.guard.stop_requested
+        left = self.guard.seconds_left() if stop else None
+        save = self._expected_save_seconds(kwargs) if stop else None
+        if stop and left is not None and left > self._stop_needed(save):
+            self._note_far_notice(left, save)
+            stop = False
         return Decision(stop=stop, checkpoint=self.guard.checkpoint_requested,
-                        seconds_left=self.guard.seconds_left() if stop else None,
-                        save_seconds=self._expected_save_seconds(kwargs) if stop else None)
+                        seconds_left=left if stop else None, save_seconds=save if stop else None)
+
+    def _stop_needed(self, save_seconds: float | None) -> float:
+        """Seconds before a deadline at which training must stop (``Run``'s rule): the expected
+        save, the margin, one step and ``stop_lead``."""
+        return (save_seconds or 0.0) + self.save_margin + self._step_seconds + self.stop_lead
+
+    def _note_far_notice(self, left: float, save: float | None) -> None:
+        assert self.guard is not None
+        notice = self.guard.notice
+        if notice is not None and notice.id != self._far_notice:
+            self._far_notice = notice.id
+            log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
+                        "it", notice.id, left, self._stop_needed(save))
+
+    def _observe_step(self) -> None:
+        """Measure the step time (for the far-deadline rule) and push the peer-loss bound on."""
+        now = time.monotonic()
+        if self._last_end is not None:
+            self._step_seconds = now - self._last_end
+        self._last_end = now
+        if self._progress is not None:
+            self._arm_progress()
+
+    def _arm_progress(self) -> None:
+        assert self._progress is not None and self.peer_timeout
+        self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
 
     def _stop(self, step: int, decision: Decision, control: TrainerControl) -> None:
         assert self.guard is not None
+        if self._progress is not None:
+            self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
         self.guard.begin_stop()
         left = decision.seconds_left
         if control.should_save:
@@ -243,6 +350,22 @@ class SpotguardTrainerCallback(TrainerCallback):
             return self.save_seconds
         size = _tensor_bytes(kwargs.get("model")) + _tensor_bytes(kwargs.get("optimizer"))
         return size / ASSUMED_THROUGHPUT if size else None
+
+
+def _drain(loader: Any) -> tuple[Any, Any] | None:
+    """Make the Trainer's train loader yield no batch (a finished job relaunched: the Trainer would
+    otherwise run one step past ``max_steps`` before it looks at ``should_training_stop``).
+    Returns what :func:`_undrain` needs to put it back; None when there is nothing to drain."""
+    base = getattr(loader, "base_dataloader", loader)  # Accelerate's DataLoaderShard wraps one
+    if base is None or getattr(base, "batch_sampler", None) is None:
+        return None
+    original = base.batch_sampler
+    object.__setattr__(base, "batch_sampler", ())  # DataLoader refuses a plain set after init
+    return base, original
+
+
+def _undrain(base: Any, batch_sampler: Any) -> None:
+    object.__setattr__(base, "batch_sampler", batch_sampler)
 
 
 def _resumed_dirs(args: TrainingArguments, state: TrainerState) -> list[Path]:

@@ -23,9 +23,17 @@ code puts it back consistently. Restoring goes through the same connector method
 ``trainer.fit(ckpt_path=...)`` uses (``restore_model``, ``restore_datamodule``,
 ``restore_callbacks``, ``restore_training_state``), called from ``on_fit_start`` (after the strategy
 set up the optimizers, before the fit loop starts). A spotguard checkpoint, when one exists, wins
-over a ``ckpt_path`` given to ``fit``. Two private names are touched: ``_checkpoint_connector`` and,
-on a stop, ``_signal_connector.received_sigterm`` (so Lightning's own SIGTERM handling does not
-raise its ``SIGTERMException`` after the clean stop). Tested with Lightning 2.6.
+over a ``ckpt_path`` given to ``fit``. Private names touched: ``_checkpoint_connector``, and
+``_signal_connector``'s ``_sigterm_notifier_fn`` and ``received_sigterm`` (see SIGTERM below).
+Tested with Lightning 2.6.
+
+SIGTERM: Lightning 2.6 registers a SIGTERM handler of its own after ``on_fit_start``, which
+broadcasts a tensor from inside the handler on whichever rank got the signal (a collective the
+other ranks never match: gloo errors or a hang under DDP) and makes its loops raise
+``SIGTERMException`` (status 0, no save). The callback replaces that notifier in ``on_fit_start``
+by one that only forwards the signal to processes Lightning launched itself; the guard holds the
+signal and the ranks agree on one step at which every rank saves once and stops (75). Tested under
+``torchrun`` at 1-3 ranks with SIGTERM to the launcher, to the workers and a daemon notice.
 
 Data position and RNG streams (:mod:`spotguard.integrations._lightning_data`): the callback gives
 each plain train ``DataLoader`` its own generator, reseeded per epoch from ``(seed, epoch)``, so the
@@ -52,8 +60,12 @@ armed and SIGTERM/SIGUSR1 stay ignored, so call :meth:`~SpotguardCallback.exit_i
 right after ``fit``.
 
 Distributed: DDP works as with ``Run`` (flags agreed across ranks, rank 0 writes the model, every
-rank its RNG). Sharded strategies (FSDP, DeepSpeed) are not supported: their optimizer state is
-gathered with collectives that only rank 0 would call here. Not tested across processes yet.
+rank its RNG, and the gradient bucket layout of ``trainer.strategy.model`` is checkpointed and
+restored, :mod:`spotguard._ddp`, so 3+ ranks resume bit-identically). A collective that fails
+because a peer rank is gone (``on_exception``), the ranks' exchange failing, or no step boundary
+for ``peer_timeout`` end the process with 77 as in ``Run``; ``stop_lead`` is ``Run``'s far-deadline
+rule. Sharded strategies (FSDP, DeepSpeed) are not
+supported: their optimizer state is gathered with collectives that only rank 0 would call here.
 
 Exceptions: those of :class:`spotguard.Run` (``CheckpointError`` from a failed save or load).
 """
@@ -70,6 +82,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from spotguard import _ddp, _exit
+from spotguard._peer import exit_peer_lost, is_peer_failure
 from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import encode
 from spotguard.exit_codes import EXIT_PREEMPTED
@@ -103,6 +116,8 @@ class SpotguardCallback(pl.Callback):
         cadence: Any = None,
         job_id: str = "",
         save_margin: float = 2.0,
+        stop_lead: float = 60.0,
+        peer_timeout: float | None = 600.0,
         daemon: bool = True,
         signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
         on_commit: Callable[[Any], None] | None = None,
@@ -111,7 +126,8 @@ class SpotguardCallback(pl.Callback):
     ) -> None:
         self.root = root
         self._run_kwargs = dict(keep=keep, save_every=save_every, cadence=cadence, job_id=job_id,
-                                save_margin=save_margin, daemon=daemon, on_commit=on_commit,
+                                save_margin=save_margin, stop_lead=stop_lead, peer_timeout=peer_timeout,
+                                daemon=daemon, on_commit=on_commit,
                                 signal_deadlines=signal_deadlines, guard=guard, durable=durable,
                                 exit_on_stop=False)
         self.run: Run | None = None
@@ -136,6 +152,7 @@ class SpotguardCallback(pl.Callback):
                  **_ddp.entries({"model": trainer.strategy.model})}  # DDP's bucket layout
         self.run = Run(self.root, state=state, **self._run_kwargs)
         _keep_slurm_requeue(trainer)
+        _quiet_lightning_sigterm(trainer)
         self._steps = self.run.steps(_ENDLESS)  # loads the latest checkpoint on the first next()
         self._advance(trainer, trainer.global_step)
         self.resumed_from = self.run.resumed_from
@@ -167,13 +184,16 @@ class SpotguardCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Training ended without a notice: save the final state and close."""
         if self.run is not None and not self.stopped:
-            self.run.finish()
+            self.run.finish(at_boundary=True)  # Lightning's loop ended between two steps
         self._steps = None
         self._release()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        """Fit failed or was interrupted: close without saving (the last commit stands)."""
+        """Fit failed or was interrupted: close without saving (the last commit stands). A
+        collective that failed because a peer rank is gone ends the process with 77, as in ``Run``."""
+        if self.run is not None and is_peer_failure(exception):
+            exit_peer_lost(exception, self.run.record, trainer.global_step)
         if self.run is not None:
             self.run.close(exiting=isinstance(exception, SystemExit))
         self._steps = None
@@ -204,6 +224,31 @@ class SpotguardCallback(pl.Callback):
             connector = getattr(trainer, "_signal_connector", None)
             if connector is not None:  # the stop is clean: no SIGTERMException after it
                 connector.received_sigterm = False
+
+
+def _quiet_lightning_sigterm(trainer: pl.Trainer) -> None:
+    """Keep Lightning's SIGTERM handler (registered after ``on_fit_start``) from acting on its own.
+
+    Lightning 2.6's handler broadcasts a tensor over the default group from inside the signal
+    handler, on whichever rank got the signal, at whatever point its loop was: a collective that
+    the other ranks never match (gloo errors, a hang, or DDP's all-reduce summing the wrong
+    buffers); and then its loops raise ``SIGTERMException`` (status 0, no save). The guard already
+    holds the signal, and the ranks agree on one step at which all stop with one save. What is kept:
+    forwarding the signal to the processes Lightning itself launched (not torchrun's workers).
+    """
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or not hasattr(connector, "_sigterm_notifier_fn"):
+        return
+
+    forwarded: list[int] = []
+
+    def forward_only(signum: int, frame: Any) -> None:
+        launcher = trainer.strategy.launcher
+        if not forwarded and launcher is not None:
+            forwarded.append(signum)
+            launcher.kill(signum)
+
+    connector._sigterm_notifier_fn = forward_only
 
 
 def _keep_slurm_requeue(trainer: pl.Trainer) -> None:

@@ -1,0 +1,189 @@
+"""User-style DDP jobs for ``torchrun`` (gloo, CPU), run by ``test_torchrun_stop.py``.
+
+``torchrun --nproc-per-node N _torchrun_jobs.py KIND OUT``, KIND one of:
+
+* ``run``: ``spotguard.Run`` over ``DDP(model)`` with a shuffled ``spotguard.DataLoader``;
+* ``accelerate``: an Accelerate custom loop, ``accelerator.prepare(model, opt, sched)``, then
+  ``spotguard.Run(..., optimizer=opt)`` as the README says;
+* ``lightning``: ``Trainer(strategy="ddp")`` with ``DataLoader(shuffle=True)`` and the callback;
+* ``hf``: the ``Trainer``'s own shuffled loader with the callback.
+
+Every job: the dropout MLP and data of ``_integration_jobs.py``, ``$JOB_STEPS`` steps (24) of at
+least ``$JOB_STEP_SLEEP`` seconds (0.05, so that a signal lands mid-run), a save every 4 steps.
+Each rank writes ``OUT/pid.<rank>`` at start and ``OUT/exit.<rank>`` (its exit status) at the
+end; rank 0 writes ``OUT/progress`` (the steps done) after each step and prints ``DIGEST`` (the
+final weights and optimizer state) when training ended normally; ``$JOB_SIGNAL_AT`` and
+``$JOB_SIGNAL_RANK`` make one rank SIGTERM itself once (see :func:`step_done`). ``$JOB_DAEMON=1``: the job talks
+to the daemon (its job id is ``torchrun`` either way). Log lines carry ``[rank N]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _integration_jobs import BATCH, HFModel, collate, dataset, digest, network  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+STEPS = int(os.environ.get("JOB_STEPS", "24"))
+SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0.05"))
+DAEMON = os.environ.get("JOB_DAEMON") == "1"
+JOB_ID = "torchrun"
+
+
+def write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def step_done(out: Path, step: int) -> None:
+    """Rank 0 notes the steps done; every rank takes at least SLEEP seconds a step. With
+    ``$JOB_SIGNAL_AT=S`` and ``$JOB_SIGNAL_RANK=R``, rank R sends itself SIGTERM once S steps are
+    done (in a resumed run only past the step it resumed from)."""
+    if RANK == 0:
+        write(out / "progress", str(step))
+    if str(RANK) == os.environ.get("JOB_SIGNAL_RANK") and step == int(os.environ.get("JOB_SIGNAL_AT", "-1")) \
+            and not (out / "signalled").exists():
+        write(out / "signalled", str(step))
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(SLEEP)
+
+
+def endless(loader):
+    while True:
+        yield from loader
+        loader.sampler.set_epoch(loader.sampler.epoch + 1)
+
+
+def run_job(out: Path) -> None:
+    import torch.distributed as dist
+
+    import spotguard
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(network())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = spotguard.DataLoader(dataset(), batch_size=BATCH, shuffle=True, seed=0)
+    run = spotguard.Run(out / "ckpt", model=model, optimizer=opt, loader=loader, save_every=4,
+                        daemon=DAEMON, job_id=JOB_ID)
+    with run:
+        for step, (x, y) in zip(run.steps(STEPS), endless(loader)):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            step_done(out, step + 1)
+    print("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]), flush=True)
+
+
+def accelerate_job(out: Path) -> None:
+    from accelerate import Accelerator
+
+    import spotguard
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = network()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    loader = spotguard.DataLoader(dataset(), batch_size=BATCH, shuffle=True, seed=0)
+    run = spotguard.Run(out / "ckpt", model=model, optimizer=opt, scheduler=sched, loader=loader,
+                        save_every=4, daemon=DAEMON, job_id=JOB_ID)
+    with run:
+        for step, (x, y) in zip(run.steps(STEPS), endless(loader)):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            step_done(out, step + 1)
+    print("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]), flush=True)
+
+
+def lightning_job(out: Path) -> None:
+    import lightning.pytorch as pl
+
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = network()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            step_done(out, self.global_step)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    pl.seed_everything(0)
+    module = Module()
+    callback = SpotguardCallback(out / "ckpt", save_every=4, daemon=DAEMON, job_id=JOB_ID)
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", strategy="ddp",
+                         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), deterministic=True,
+                         logger=False, callbacks=[callback], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+    trainer.fit(module, loader)
+    callback.exit_if_stopped()
+    print("DIGEST", digest(module.state_dict(), trainer.optimizers[0].state_dict()["state"]), flush=True)
+
+
+def hf_job(out: Path) -> None:
+    import transformers
+
+    from spotguard.integrations.huggingface import SpotguardTrainerCallback, latest_checkpoint
+
+    class Progress(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_done(out, state.global_step)
+
+    transformers.set_seed(0)
+    args = transformers.TrainingArguments(
+        str(out), max_steps=STEPS, per_device_train_batch_size=BATCH, save_steps=4, seed=0,
+        use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, learning_rate=0.01)
+    guard = SpotguardTrainerCallback(daemon=DAEMON, job_id=JOB_ID)
+    trainer = transformers.Trainer(HFModel(), args, train_dataset=dataset(), data_collator=collate,
+                                   callbacks=[guard, Progress()])
+    trainer.train(resume_from_checkpoint=latest_checkpoint(out, job_id=JOB_ID))
+    guard.exit_if_stopped()
+    print("DIGEST", digest(trainer.model.state_dict(), trainer.optimizer.state_dict()["state"]), flush=True)
+
+
+JOBS = {"run": run_job, "accelerate": accelerate_job, "lightning": lightning_job, "hf": hf_job}
+
+
+def main() -> None:
+    kind, out = sys.argv[1], Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format=f"[rank {RANK}] %(name)s: %(message)s")
+    for noisy in ("lightning", "transformers", "accelerate", "torch"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    write(out / f"pid.{RANK}", str(os.getpid()))
+    code: object = 1
+    try:
+        JOBS[kind](out)
+        code = 0
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code
+        raise
+    finally:
+        write(out / f"exit.{RANK}", str(code))
+
+
+if __name__ == "__main__":
+    main()

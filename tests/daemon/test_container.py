@@ -180,7 +180,8 @@ def sidecar_pod(image: str, ckpt: Path) -> dict:
     for container in (sidecar, trainer):
         container["image"] = image
     spec["containers"] = [sidecar, trainer]
-    spec["volumes"] = [{"name": "checkpoints", "hostPath": {"path": str(ckpt), "type": "Directory"}}]
+    spec["volumes"] = [{"name": "checkpoints", "hostPath": {"path": str(ckpt), "type": "Directory"}},
+                       *(v for v in spec["volumes"] if v["name"] != "checkpoints")]
     spec["restartPolicy"] = "Never"
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"sg-test-{uuid.uuid4().hex[:8]}"},
             "spec": spec}

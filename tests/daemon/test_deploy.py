@@ -71,7 +71,9 @@ def test_dockerfile_runs_the_daemon_as_non_root_with_a_status_healthcheck():
     instructions = dockerfile_instructions()
     names = [name for name, _ in instructions]
     froms = [args for name, args in instructions if name == "FROM"]
-    assert froms == ["${BASE}"] and "BASE=python:3.11-slim" in [a for n, a in instructions if n == "ARG"]
+    bases = [a for n, a in instructions if n == "ARG" and a.startswith("BASE=")]
+    assert froms == ["${BASE}"] and len(bases) == 1
+    assert re.fullmatch(r"BASE=python:3\.11-slim@sha256:[0-9a-f]{64}", bases[0]), "pin the base by digest"
     users = [args for name, args in instructions if name == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
     assert names.index("USER") > max(i for i, n in enumerate(names) if n == "RUN")
@@ -97,3 +99,69 @@ def test_dockerfile_copies_only_what_exists_and_sets_private_dirs():
 def test_sidecar_readme_covers_both_setups():
     text = (ROOT / "deploy" / "docker" / "README.md").read_text()
     assert "tcp://127.0.0.1" in text and "SPOTGUARD_RUNTIME_DIR" in text and "shared volume" in text
+
+
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+
+
+def pod_spec(name: str, kind: str) -> dict:
+    import yaml
+
+    resource = next(r for r in yaml.safe_load_all((KUBERNETES / name).read_text()) if r["kind"] == kind)
+    return resource["spec"]["template"]["spec"]
+
+
+def env_of(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_the_daemonset_owns_its_host_directories_before_the_daemon_starts():
+    """hostPath DirectoryOrCreate makes root-owned 0755 directories: an init container (root with
+    CHOWN and FOWNER only) gives every hostPath volume to the pods' uid, 0700, before the daemon runs
+    (test_daemonset_fresh_node.py plays it with podman)."""
+    spec = pod_spec("daemonset.yaml", "DaemonSet")
+    uid = spec["securityContext"]["runAsUser"]
+    host = {v["name"] for v in spec["volumes"] if "hostPath" in v}
+    (init,) = spec["initContainers"]
+    mounted = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    assert set(mounted) == host
+    command = init["command"]
+    assert command[:2] == ["sh", "-c"] and set(mounted.values()) <= set(command[3:])
+    assert "chmod 0700" in command[2] and f"chown {uid}:{uid}" in command[2]
+    assert command[2].index("chmod") < command[2].index("chown")
+    context = init["securityContext"]
+    assert context["runAsUser"] == 0 and context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+
+
+def test_the_daemonset_serves_metrics_on_its_own_address_and_no_tcp_request_endpoint():
+    spec = pod_spec("daemonset.yaml", "DaemonSet")
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    (daemon,) = spec["containers"]
+    env = env_of(daemon)
+    assert env["SPOTGUARD_METRICS__HOST"] == "$(POD_IP)"
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert [e["name"] for e in daemon["env"]].index("POD_IP") < [e["name"] for e in daemon["env"]].index(
+        "SPOTGUARD_METRICS__HOST"), "$(POD_IP) expands only a variable defined before it"
+    for name in ("SPOTGUARD_ZMQ__PUB_ENDPOINT", "SPOTGUARD_ZMQ__REQUEST_ENDPOINT"):
+        assert env[name].startswith("ipc:///run/spotguard/"), "allow_remote must not open tcp://"
+    context = daemon["securityContext"]
+    assert context == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                       "capabilities": {"drop": ["ALL"]}}
+
+
+def test_the_training_job_runs_unprivileged_without_a_service_account_token():
+    spec = pod_spec("training-job.yaml", "Job")
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (sidecar,), (trainer,) = spec["initContainers"], spec["containers"]
+    for container in (sidecar, trainer):
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    env = env_of(sidecar)  # an emptyDir is 0777: the daemon's own directories are made inside it
+    mounts = {m["mountPath"] for m in sidecar["volumeMounts"]}
+    for name in ("SPOTGUARD_RUNTIME_DIR", "SPOTGUARD_STATE_DIR"):
+        assert Path(env[name]).parent.as_posix() in mounts, name

@@ -12,7 +12,6 @@ import asyncio
 import hashlib
 import json
 import os
-import pwd
 import random
 import signal
 import socket
@@ -20,7 +19,6 @@ import stat
 import subprocess
 import sys
 import time
-import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from spotguard_daemon.store import NoticeStore
 from spotguard_daemon.watchers.manual import manual_notice
 
 from _recorder import start_recorder
+from _users import new_user
 
 LIMIT = 4096
 NO_SIGNAL = {"SPOTGUARD_DELIVERY__SIGNAL": "none", "SPOTGUARD_ZMQ__MAX_MESSAGE_BYTES": str(LIMIT)}
@@ -238,13 +237,8 @@ def other_user():
     """A user created for this test and removed after it: (uid, gid)."""
     if os.geteuid() != 0:
         pytest.skip("creating a user needs root")
-    name = f"sgt{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
-    try:
-        entry = pwd.getpwnam(name)
-        yield entry.pw_uid, entry.pw_gid
-    finally:
-        subprocess.run(["userdel", name], check=False)
+    with new_user() as ids:
+        yield ids
 
 
 CLIENT = """

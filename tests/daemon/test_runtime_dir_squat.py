@@ -9,19 +9,17 @@ Two real users are created for the test (``useradd``), as in test_adversarial_re
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import pwd
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 import pytest
+from _users import new_user
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="creating users needs root")]
@@ -69,18 +67,6 @@ TRAIN = """import json, subprocess
 status = subprocess.run(["spotguard", "status", "--json"], capture_output=True, text=True, check=True)
 open("status.json", "w").write(status.stdout)
 """
-
-
-@contextlib.contextmanager
-def new_user():
-    """A user made for the test and removed after it: (uid, gid)."""
-    name = f"sgt{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
-    try:
-        entry = pwd.getpwnam(name)
-        yield entry.pw_uid, entry.pw_gid
-    finally:
-        subprocess.run(["userdel", name], check=False)
 
 
 def python_for_anyone(where: Path) -> Path:

@@ -4,6 +4,7 @@
   and a hung one with the timeout (two real gloo ranks);
 * with no daemon, "no daemon answered" is said once per process, not at every checkpoint;
 * the Lightning callback finishes a normal fit without a warning;
+* both callbacks let training go on under a notice whose deadline is far (``stop_lead``);
 * a Hugging Face job relaunched after ``max_steps`` trains nothing and writes nothing;
 * the Hugging Face callback stops at the step end right after the signal;
 * ``Run`` counts the real steps of an optimizer Accelerate wraps (``AcceleratedOptimizer``).
@@ -102,6 +103,20 @@ def test_a_normal_lightning_finish_logs_no_warning(tmp_path, caplog):
     trainer.fit(TinyModule(), torch.utils.data.DataLoader(dataset(), batch_size=8))
     assert [r.getMessage() for r in caplog.records] == []
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-0000000004", "step-0000000006"]
+
+
+def test_lightning_far_deadline_lets_training_go_on(tmp_path, caplog):
+    """``stop_lead`` in the Lightning callback: a SIGTERM whose deadline is an hour away is noted
+    once and does not stop a 6-step fit (Lightning's own handler does not end it either)."""
+    caplog.set_level(logging.WARNING, logger="spotguard")
+    guard = quiet_guard(signal_deadlines={signal.SIGTERM: 3600.0})
+    callback = SpotguardCallback(tmp_path, guard=guard)
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=False, callbacks=[callback],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TinyModule(signal_at=2, signum=signal.SIGTERM), torch.utils.data.DataLoader(dataset(), batch_size=8))
+    assert not callback.stopped and trainer.global_step == 6
+    said = [r.getMessage() for r in caplog.records if r.name != "spotguard.guard"]  # the notice itself
+    assert len(said) == 1 and "deadline in 3600 s; training goes on" in said[0], said
 
 
 # ---------------------------------------------------------------------- Hugging Face

@@ -287,7 +287,7 @@ class Daemon:
     def _clients_safe(self) -> int:
         """Registered clients safe for every pending terminating notice (all of them when none is
         pending). Read by the metrics thread, so it only takes snapshots and unregisters nobody."""
-        pids = [c.pid for c in list(self.handler.clients.values())]
+        pids = list(self.handler.clients)  # keyed as safe reports are (peers.key_of)
         for notice in self.store.pending():
             if notice.kind in TERMINATING_KINDS:
                 safe = self.store.safe_pids(notice.id)

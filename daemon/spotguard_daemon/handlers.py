@@ -15,6 +15,11 @@ Goodput is fed by proven peers only (``ipc://``, whose credentials the kernel re
 they reach neither the metrics nor the durable store's ``progress.json``. A report may date back no
 further than its process's registration, nor more than ``goodput.MAX_REPORT_AGE``.
 
+Registrations are keyed by the process the kernel proves (:func:`~spotguard_daemon.peers.key_of`),
+never by the pid a client names: two containers' pid 1 are two clients. A process registered again
+(a client that resumed, or ``spotguard run``'s registrar naming a client that registered itself)
+keeps its first registration time, and its rank and job unless the new request names a job.
+
 Bounds: at most ``MAX_CLIENTS`` registrations (dead ones are reaped a slice at a time by
 :meth:`RequestHandler.reap`, and all at once when the table is full) and ``MAX_MANUAL`` pending
 manual notices; beyond them a request is refused, so a ``status`` reply stays far below the
@@ -54,7 +59,7 @@ from spotguard.storage.fresh_node import DEFAULT_JOB
 
 from spotguard_daemon.goodput import GoodputLedger
 from spotguard_daemon.metrics import Metrics
-from spotguard_daemon.peers import Client, may_act_for, process_start_time
+from spotguard_daemon.peers import Client, key_of, may_act_for, process_start_time
 from spotguard_daemon.server import current_peer
 from spotguard_daemon.store import NoticeStore
 from spotguard_daemon.watchers import manual
@@ -218,25 +223,30 @@ class RequestHandler:
     # ------------------------------------------------------------------ requests
 
     def _register(self, request: RegisterRequest) -> Reply:
-        known = request.pid in self.clients
-        if known and not may_act_for(current_peer.get(), request.pid, self.clients[request.pid]):
-            return Reply(ok=False, error=f"register refused: pid {request.pid} is registered by another user")
         try:
             client = Client.register(request.pid, request.rank, request.job_id, current_peer.get())
         except PermissionError as exc:
             self._refused("register", exc)
             return Reply(ok=False, error=f"register refused: {exc}")
-        if not known and not self._make_room(client):
+        old = self.clients.get(client.key)
+        if old is not None and not may_act_for(current_peer.get(), request.pid, old):
+            return Reply(ok=False, error=f"register refused: pid {request.pid} is registered by another user")
+        if old is None and not self._make_room(client):
             return Reply(ok=False, error=f"register refused: {MAX_CLIENTS} clients are registered")
-        self.clients[request.pid] = client
+        if old is not None and old.proven and old.start_time == client.start_time:
+            client.registered_at = old.registered_at  # the same process: reports since then stay valid
+            if not request.job_id and request.rank == 0:  # spotguard run's registrar naming a client
+                client.rank, client.job_id = old.rank, old.job_id
+        self.clients[client.key] = client
         if client.proven:  # an unproven peer could name any job: it must not count or reset its loss
-            self._count_restart(request)
-        log.info("client pid %d registered (rank %d, job %r, signal %s)", request.pid, request.rank,
-                 request.job_id, "yes" if client.uid is not None else "no")
+            self._count_restart(request, client.key)
+        here = f" (pid {client.key} here)" if client.key != request.pid else ""
+        log.info("client pid %d%s registered (rank %d, job %r, signal %s)", request.pid, here, client.rank,
+                 client.job_id, "yes" if client.uid is not None else "no")
         self._on_change()
         return Reply(ok=True, data={"notices": self._notices(), "signal": client.public()["signal"]})
 
-    def _count_restart(self, request: RegisterRequest) -> None:
+    def _count_restart(self, request: RegisterRequest, key: int) -> None:
         """Count a rank-0 resume and the committed steps it re-runs (see :mod:`.metrics`)."""
         if request.resumed_from_step is None or request.rank != 0:
             return
@@ -244,17 +254,18 @@ class RequestHandler:
         known = self._known_step(job)
         newest = max(self._newest.get(job, -1), -1 if known is None else known)
         self.metrics.resumed(newest - request.resumed_from_step if newest >= 0 else 0)
-        loss = self.ledger.restarted(job, request.resumed_from_step, request.pid)
+        loss = self.ledger.restarted(job, request.resumed_from_step, key)
         if loss is not None:
             self.metrics.lost(loss)
         else:
             self.recall(job, request.resumed_from_step)
 
     def _unregister(self, request: UnregisterRequest) -> Reply:
-        client = self.clients.get(request.pid)
+        key = key_of(request.pid, current_peer.get())
+        client = self.clients.get(key)
         if client is not None and not may_act_for(current_peer.get(), request.pid, client):
             return Reply(ok=False, error=f"unregister refused: pid {request.pid} is not the sender's")
-        known = self.clients.pop(request.pid, None) is not None
+        known = self.clients.pop(key, None) is not None
         self._on_change()
         return Reply(ok=True, data={"known": known})
 
@@ -265,13 +276,14 @@ class RequestHandler:
                                     "clients": [c.public() for c in self.clients.values()]})
 
     def _safe(self, request: SafeRequest) -> Reply:
-        if not may_act_for(current_peer.get(), request.pid, self.clients.get(request.pid)):
+        key = key_of(request.pid, current_peer.get())
+        if not may_act_for(current_peer.get(), request.pid, self.clients.get(key)):
             return Reply(ok=False, error=f"safe refused: pid {request.pid} is not the sender's")
         ids = request.notice_ids or [n.id for n in self.store.pending()]
-        if request.pid not in self.clients and any(self.store.safe_count(i) >= MAX_CLIENTS for i in ids):
+        if key not in self.clients and any(self.store.safe_count(i) >= MAX_CLIENTS for i in ids):
             return Reply(ok=False, error=f"safe refused: pid {request.pid} is not registered and "
                                          f"{MAX_CLIENTS} pids already reported safe")
-        unknown = self.store.mark_safe_all(ids, request.pid)
+        unknown = self.store.mark_safe_all(ids, key)
         self._on_change()
         return Reply(ok=True, data={"unknown": unknown})
 
@@ -294,7 +306,9 @@ class RequestHandler:
         return Reply(ok=True, data={"path": str(path)})
 
     def _progress(self, request: ProgressRequest) -> Reply:
-        peer, client = current_peer.get(), self.clients.get(request.pid)
+        peer = current_peer.get()
+        key = key_of(request.pid, peer)
+        client = self.clients.get(key)
         if peer.uid is None:
             exc = PermissionError("the sender is unproven (tcp://): goodput is counted only from ipc:// "
                                   "peers, whose credentials the kernel reports")
@@ -303,7 +317,7 @@ class RequestHandler:
         if not may_act_for(peer, request.pid, client):
             return Reply(ok=False, error=f"progress refused: pid {request.pid} is not the sender's")
         try:
-            trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at, request.pid,
+            trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at, key,
                                            not_before=None if client is None else client.registered)
         except ValueError as exc:
             self._refused("progress", exc)

@@ -20,6 +20,12 @@ client that registered over ``tcp://`` (which cannot prove who the peer is), or 
 PID namespace, is unproven: kept until it unregisters or is evicted by newer unproven ones, and
 **never signalled**; it learns of notices over the PUB socket only.
 
+A registration is keyed by what the kernel proves (:func:`key_of`): the process's pid in the
+daemon's namespace (its start time checked on every use), never by the pid the client named, which
+containers share (every container's first process is its pid 1). Two containers of one uid that each
+register their pid 1 hold two registrations, and both are signalled. Only an unproven registration
+is keyed by the pid it names.
+
 Exceptions: none; :func:`owner_uid` and :func:`process_start_time` return None for a pid they
 cannot see.
 """
@@ -36,7 +42,7 @@ from spotguard.protocol import utcnow
 from spotguard_daemon.server import Peer
 from spotguard_daemon.supervise import descendants, descends
 
-__all__ = ["Client", "may_act_for", "owner_uid", "process_start_time"]
+__all__ = ["Client", "key_of", "may_act_for", "owner_uid", "process_start_time"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,12 @@ class Client:
         return cls(pid, rank, job_id, start_time=start, uid=uid, target=target)
 
     @property
+    def key(self) -> int:
+        """Its key among the registrations: the daemon's pid of the process once proven (see the
+        module docstring), else the pid it named."""
+        return self.target if self.proven and self.target is not None else self.pid
+
+    @property
     def registered(self) -> float:
         """When it registered (Unix seconds)."""
         return datetime.fromisoformat(self.registered_at).timestamp()
@@ -121,6 +133,15 @@ class Client:
         a process that has since run a setuid program, or changed owner, is not signalled)."""
         return {"pid": self.pid, "rank": self.rank, "job_id": self.job_id,
                 "registered_at": self.registered_at, "signal": self.signallable()}
+
+
+def key_of(pid: int, peer: Peer) -> int:
+    """The key of the registration ``peer`` names ``pid`` (:attr:`Client.key`): the daemon's pid
+    of that process when the peer's credentials tell which one it is, else ``pid`` itself."""
+    if peer.uid is None or not peer.pid:
+        return pid
+    target = _target(pid, peer.pid)
+    return pid if target is None else target
 
 
 def _target(pid: int, peer_pid: int) -> int | None:

@@ -262,9 +262,9 @@ class Registrar:
         """Register the new catching processes of the tree under (and including) ``root``."""
         new = [pid for pid in sorted({root} | descendants(root))
                if pid not in self.done and catches(pid, self.signum)]
-        if new:  # a process that registered itself (a spotguard client) keeps its rank and job
-            known = (daemon_status(self.endpoint, 2.0) or {}).get("clients", [])
-            self.done |= {client["pid"] for client in known}
+        # Every one is registered, clients of spotguard too: the daemon keeps the rank and job a
+        # process registered itself with. (Skipping the pids in status would skip this container's
+        # pid 1 when another container's pid 1 is registered: a pid names no process across them.)
         for pid in new:
             if pid not in self.done and not self._register(pid):
                 return  # the daemon is away: the next scan tries again

@@ -95,11 +95,20 @@ def enclosing(module: Any, depth: int = 12) -> Any:
         if frame is None:
             break
         for value in list(frame.f_locals.values()):
-            for candidate in (value, getattr(value, "model_wrapped", None)):
+            for candidate in (value, _wrapped(value)):
                 if is_ddp(candidate) and candidate.module is module:
                     return candidate
         frame = frame.f_back
     return None
+
+
+def _wrapped(value: Any) -> Any:
+    """A Trainer's ``model_wrapped``, read from the instance's own attributes (no property runs)."""
+    try:
+        attributes = object.__getattribute__(value, "__dict__")
+    except Exception:  # noqa: BLE001 - no __dict__
+        return None
+    return attributes.get("model_wrapped") if isinstance(attributes, dict) else None
 
 
 def settle(state: Mapping[str, Any]) -> None:

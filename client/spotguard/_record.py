@@ -86,6 +86,7 @@ SCHEMA: dict[str, dict[str, str]] = {
     "load_failed": {"error": "str?"},
     "data": {"step": "count", "ids": "str"},
     "unsaved": {"what": "str"},
+    "restore_failed": {"store": "str?", "store_step": "count?", "local_step": "count?", "error": "str?"},
 }
 """Each event's fields and their types (``?``: may be absent or null); ``*`` applies to every
 event. ``count``: an integer in [0, 2**53]; ``time``: a finite Unix time; ``seconds``: a finite

@@ -180,6 +180,8 @@ class Drill:
         if launches[-1].first("finish") is None:
             return {"why": "the drilled run did not finish"}
         self.move_aside(launches[-1], "drill-checkpoints")
+        if not (self.report / "drill-checkpoints").is_dir():
+            return {"why": "the drilled run's checkpoints could not be moved aside"}
         second = self.reference("reference-2")
         base = self.report / "reference-checkpoints"
         try:
@@ -278,33 +280,37 @@ class Drill:
         return deadline if kind in ("short-notice", "sigkill") else max(0.5, deadline - SAVE_MARGIN_S - 0.5)
 
     def _due(self, launch: Launch) -> bool:
-        """Whether the launch reached its target step. The target is chosen once the total, the
-        step time and a committed step after 0 are known (a preemption before it has nothing to
-        resume from), in this preemption's slot of the steps from just after the first commit to
-        the last one at which it still lands before the end; past that last step it never is."""
+        """Whether the launch reached its target step; never before a step after 0 is committed (a
+        preemption then has nothing to resume from)."""
         start = launch.first("start")
-        commits = [c["step"] for c in launch.of("commit")]
-        if start is None or not start.get("total") or launch.target == -1:
+        committed = bool(launch.of("commit")) or launch.resumed_from > 0
+        if start is None or not start.get("total") or launch.skipped or not committed:
             return False
-        if launch.target is None:
-            step_s, save_s = self._rates(launch)
-            if step_s is None or not (commits or launch.resumed_from):
-                return False
-            total = start["total"]
-            first = min(c["step"] for c in self.measured.of("commit")) if self.measured and \
-                self.measured.of("commit") else min(commits or [launch.resumed_from])
-            launch.deadline = self.deadline(launch.kind, save_s, step_s)
-            last = total - math.ceil((self.landing(launch.kind, launch.deadline) + 0.5) / step_s) - 2
-            lo = max(first, launch.resumed_from) + 1
-            slot = self.slots.pop(0) if self.slots else 0.5
-            launch.target = max(lo, first + 1 + int(slot * max(0, last - first - 1)))
-            if launch.target > last:
-                launch.skipped = (f"no room left for a {launch.kind} after step {launch.target - 1} "
-                                  f"(it would not land before the job's end at step {total})")
-                self.live.line(f"{self.live.name(launch)}: {launch.skipped}")
-                launch.target = -1
-                return False
-        return launch.reached >= launch.target and bool(commits or launch.resumed_from)
+        if launch.target is None and not self._plan(launch, start["total"]):
+            return False
+        return launch.reached >= launch.target
+
+    def _plan(self, launch: Launch, total: int) -> bool:
+        """Choose the launch's deadline and target step: in this preemption's slot of the steps from
+        just after the first commit to the last one from which it still lands before step
+        ``total``. False while the step time is unknown, or when no such step is left (then
+        ``launch.skipped`` says so, and it is never delivered)."""
+        step_s, save_s = self._rates(launch)
+        if step_s is None:
+            return False
+        first = min([c["step"] for c in (self.measured or launch).of("commit")]
+                    or [c["step"] for c in launch.of("commit")] or [launch.resumed_from])
+        launch.deadline = self.deadline(launch.kind, save_s, step_s)
+        last = total - math.ceil((self.landing(launch.kind, launch.deadline) + 0.5) / step_s) - 2
+        slot = self.slots.pop(0) if self.slots else 0.5
+        target = max(max(first, launch.resumed_from) + 1, first + 1 + int(slot * max(0, last - first - 1)))
+        if target > last:
+            launch.skipped = (f"no room left for a {launch.kind} after step {target - 1} (it would "
+                              f"not land before the job's end at step {total})")
+            self.live.line(f"{self.live.name(launch)}: {launch.skipped}")
+            return False
+        launch.target = target
+        return True
 
     def _preempt(self, launch: Launch, proc: subprocess.Popen, endpoint: str | None) -> float | None:
         """Deliver the preemption; return the monotonic time of the kill that follows, if any."""

@@ -239,6 +239,11 @@ def _fresh(first: Launch) -> Check:
 def _resumes(launches: list[Launch]) -> Check:
     """Each relaunch must load the newest commit recorded before it (or a newer one, whose
     record line a kill cut off), never an older one, never step 0 after a commit."""
+    for launch in launches:
+        for event in launch.of("restore_failed"):
+            return Check("resume", False, f"launch {launch.index} did not restore the newer "
+                         f"checkpoint the durable store held (step {event.get('store_step')}) and "
+                         f"went on from local step {event.get('local_step')}: {event.get('error')}")
     committed = 0
     for before, launch in zip(launches, launches[1:]):
         committed = max([committed, *(c["step"] for c in before.of("commit"))])

@@ -46,7 +46,7 @@ def main() -> None:
     torch.set_num_threads(1)
     noise = torch.Generator()
     noise.seed()  # OS entropy: differs in every process
-    x = torch.randn(96, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2048, 8, generator=torch.Generator().manual_seed(1))  # one epoch covers the run
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
     sampler = spotguard.ResumableSampler(len(data), seed=0)
     if args.broken == "global-rng-loader":

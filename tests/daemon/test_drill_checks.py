@@ -23,14 +23,17 @@ from spotguard_daemon.drill_report import CHAR_W, Live, write_report
 
 
 def recorded(tmp_path, index, *, resumed=None, steps=(), commits=(), stop=None, finish=None,
-             kind=None, load_error=None, skipped=()):
-    """A Launch whose events went through a real Recorder file and back."""
+             kind=None, load_error=None, skipped=(), extra=(), loaded=None):
+    """A Launch whose events went through a real Recorder file and back; ``extra``: (event,
+    fields) emitted after the start."""
     path = tmp_path / f"{index}.jsonl"
     rec = Recorder(path)
     if load_error:
         rec.emit("load_failed", error=load_error)
     rec.start(root=tmp_path / "ckpt", world_size=1, resumed_from=resumed, skipped=list(skipped),
-              total=100, entries=["model", "rng"])
+              total=100, entries=["model", "rng"], loaded_digest=loaded)
+    for event, fields in extra:
+        rec.emit(event, **fields)
     for step in steps:
         rec.emit("progress", step=step)
     for step, how in commits:
@@ -216,3 +219,43 @@ def test_picture_table_log_and_report_agree_legend_inside_round_ticks(tmp_path, 
     for axis, top in (("tick-x", 39.3), ("tick-y", 100)):
         ticks = [float(t.firstChild.data) for t in texts if t.getAttribute("class") == axis]
         assert _round(ticks) and ticks[-1] >= top, ticks
+
+
+def test_the_cause_is_named_from_what_the_record_shows(tmp_path):
+    """Before blaming missing state: state the job left out of Run (recorded by the library),
+    DDP's layout the checkpoint says cannot be restored, samples that differ, a load of another
+    state than the one committed; with state and data exact, the arithmetic."""
+    def case(*, extra=(), loaded=None, layout=None, data_after=(("data", {"step": 25, "ids": "a"}),)):
+        here = tmp_path / str(len(list(tmp_path.iterdir())))
+        here.mkdir()
+        ref_data = tuple(("data", {"step": s, "ids": "a"}) for s in (5, 25))
+        first = recorded(here, 1, steps=(20, 22), commits=((20, "periodic"),), kind="sigkill",
+                         extra=extra)
+        last = recorded(here, 2, resumed=20, steps=(100,), finish="other", extra=data_after,
+                        loaded=loaded)
+        reference = recorded(here, 0, steps=(100,), commits=((20, "periodic"),), finish="full",
+                             extra=ref_data)
+        return failed(judge([first, last], reference, 1, layout=layout))
+
+    unsaved = case(extra=(("unsaved", {"what": "optimizer (AdamW)"}), ("unsaved", {"what": "LR scheduler"})))
+    assert ("The job uses state that is not in its checkpoint: LR scheduler, optimizer (AdamW)"
+            in unsaved["identical"])
+    ddp = case(layout={"restorable": False, "why": "model: a comm hook is registered"})
+    assert "DDP's gradient bucket layout cannot be restored (model: a comm hook" in ddp["identical"]
+    exact = case()
+    assert set(exact) == {"identical"} and "the arithmetic of the resumed steps differs" in exact["identical"]
+    data = case(data_after=(("data", {"step": 25, "ids": "b"}),))
+    assert "launch 2 consumed other samples at step 25 after it resumed from step 20" in data["data"]
+    swapped = case(loaded="e" * 64)
+    assert "launch 2 loaded a state of step 20 other than the one committed" in swapped["loads"]
+
+
+def test_a_newer_durable_checkpoint_not_restored_fails_the_resume_check(tmp_path):
+    first = recorded(tmp_path, 1, steps=(20, 25), commits=((20, "periodic"),), kind="sigkill")
+    second = recorded(tmp_path, 2, resumed=20, steps=(100,), finish="abc", extra=(
+        ("restore_failed", {"store": "s3://b/p", "store_step": 30, "local_step": 20,
+                            "error": "ResponseStreamingError"}),))
+    problems = failed(judge([first, second], None, 1))
+    assert set(problems) == {"resume"}
+    assert ("launch 2 did not restore the newer checkpoint the durable store held (step 30) and "
+            "went on from local step 20: ResponseStreamingError") in problems["resume"]

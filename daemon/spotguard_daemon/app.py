@@ -44,6 +44,7 @@ from spotguard.protocol import (TERMINATING_KINDS, CancelEvent, CommitRequest, D
 from spotguard.storage.base import StoreError
 
 from spotguard_daemon import systemd, uploads
+from spotguard_daemon.abandon import in_thread
 from spotguard_daemon.delivery import Delivery
 from spotguard_daemon.goodput import GoodputLedger
 from spotguard_daemon.goodput_store import DurableProgress, NoProgress
@@ -63,6 +64,8 @@ __all__ = ["Daemon"]
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_SECONDS = 0.5
+CHECK_SLOW_SECONDS = 10.0
+"""A start-up store check still unanswered after this long is said (it may retry for minutes)."""
 RESTORE_HEARTBEATS = 3
 """Heartbeats between binding and re-announcing restored notices: a client reconnects within one,
 then registers and asks status."""
@@ -249,11 +252,22 @@ class Daemon:
         """Report a missing bucket or a refused credential at start-up, in one line, not at the
         first upload. Whatever the check raises, the daemon keeps serving notices; uploads retry, and
         so does the check (backing off to 5 minutes), saying once when the store is usable again.
+        A check that does not answer within ``CHECK_SLOW_SECONDS`` (an SDK retrying inside one call)
+        is said while it lasts; it runs on a thread a stopping daemon abandons (:mod:`.abandon`).
         Without a store (``storage.url = "none"``) there is nothing to check."""
-        store, delay = self.queue.store, 1.0
+        store, delay, slow_said = self.queue.store, 1.0, False
         while store is not None:
+            check = asyncio.ensure_future(in_thread(store.check, "spotguard-storage-check"))
             try:
-                await asyncio.to_thread(store.check)
+                done, _ = await asyncio.wait({check}, timeout=CHECK_SLOW_SECONDS)
+                if not done and not slow_said:
+                    slow_said = True
+                    log.warning("durable storage %s: no answer to the start-up check for %.0f s; still "
+                                "trying", self.queue.url, CHECK_SLOW_SECONDS)
+                await check
+            except asyncio.CancelledError:
+                check.cancel()  # the daemon is stopping: abandon the call
+                raise
             except Exception as exc:  # noqa: BLE001 - any SDK's transport error: never fatal
                 if delay == 1.0:
                     log.error("durable storage unusable: %s", exc if isinstance(exc, StoreError) else repr(exc))
@@ -405,7 +419,7 @@ class Daemon:
                 await watcher.aclose()
             except Exception as exc:
                 log.debug("closing watcher %s: %s", getattr(watcher, "name", watcher), exc)
-        self.queue.close()
+        self.queue.close(timeout=1.0)  # a node stop waited for uploads already; a stalled one is abandoned
         self.progress.close()
         self.handler.ledger.flush(force=True)
         self.server.close()

@@ -113,14 +113,16 @@ def _run_daemon(settings: Settings) -> None:
     import asyncio
 
     from spotguard_daemon import logs
+    from spotguard_daemon.abandon import exit_abandoning
     from spotguard_daemon.app import Daemon
     from spotguard_daemon.server import ServerError
 
     logs.configure(settings.log_level, settings.log_format)
     try:
-        sys.exit(asyncio.run(Daemon(settings, on_ready=lambda: _announce_root(settings)).run()))
+        status = asyncio.run(Daemon(settings, on_ready=lambda: _announce_root(settings)).run())
     except (ServerError, OSError) as exc:
         _fail(1, f"cannot start: {exc}")
+    exit_abandoning(status)  # a store call still in flight must not hold the exit (abandon.py)
 
 
 def _announce_root(settings: Settings) -> None:

@@ -1,0 +1,71 @@
+"""Blocking store calls that a stopping daemon abandons instead of waiting for.
+
+A store call can block for minutes: an SDK retries inside one call (GCS: up to ``(connect + read
+timeout) x attempts``, 200 s by default) and a stalled endpoint holds each attempt for the read
+timeout. Nothing such a call does matters once the daemon stops: the upload journal is written
+atomically and replayed at the next start, and the goodput copy is best effort. So:
+
+* :func:`in_thread` runs a call on a daemon thread of its own (never asyncio's default executor,
+  whose threads ``asyncio.run`` joins at the end, however long they take) and awaits it;
+  cancelling the awaiting task abandons the call.
+* :func:`exit_abandoning` ends the process once the daemon stopped. Threads that the SDKs' transfer
+  pools started (``ThreadPoolExecutor``, s3transfer, GCS's transfer manager) are not daemon
+  threads, and the interpreter would join them at exit; when any are still running, it says how
+  many and leaves with ``os._exit`` after flushing the logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+from typing import Any, Callable, NoReturn
+
+__all__ = ["exit_abandoning", "in_thread"]
+
+log = logging.getLogger(__name__)
+
+
+async def in_thread(call: Callable[[], Any], name: str) -> Any:
+    """``call()`` on a new daemon thread named ``name``; its result or exception. Cancelling the
+    awaiting task returns at once and abandons the call (its outcome is dropped)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            done = lambda: settle(lambda: future.set_exception(exc))  # noqa: E731
+        else:
+            done = lambda: settle(lambda: future.set_result(result))  # noqa: E731
+        try:
+            loop.call_soon_threadsafe(done)
+        except RuntimeError:  # the loop is closed: the daemon stopped, nobody waits
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
+
+
+def exit_abandoning(status: int) -> NoReturn:
+    """Exit with ``status`` now, abandoning any store call still in flight (see the module)."""
+    pending = [t.name for t in threading.enumerate()
+               if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if not pending:
+        sys.exit(status)
+    log.warning("abandoning %d store transfer thread(s) still running at exit (%s)", len(pending),
+                ", ".join(sorted(set(pending)))[:200])
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

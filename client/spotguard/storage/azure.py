@@ -29,7 +29,9 @@ from spotguard.storage.base import (
     StoreError,
     StoreOptions,
     TransientError,
+    cause_of,
     check_size,
+    cut_headers_are_errors,
     join_key,
     transport_error,
 )
@@ -46,18 +48,21 @@ def _translate(what: str):
     except Interrupted:  # the caller's own abandonment: not a store failure
         raise
     except aex.ResourceNotFoundError as exc:
-        raise NotFound(f"{what}: not found ({exc.error_code or 404})") from exc
+        raise NotFound(f"{what}: not found ({getattr(exc, 'error_code', None) or 404})") from exc
     except aex.ClientAuthenticationError as exc:
-        raise CredentialsError(f"{what}: credentials missing or refused ({exc.error_code or 'auth'})") from exc
+        code = getattr(exc, "error_code", None) or "auth"
+        raise CredentialsError(f"{what}: credentials missing or refused ({code})") from exc
     except (aex.ServiceRequestError, aex.ServiceResponseError) as exc:
-        raise TransientError(f"{what}: {type(exc).__name__}") from exc
+        raise TransientError(f"{what}: {cause_of(exc)}") from exc
     except aex.HttpResponseError as exc:
-        status = exc.status_code or 0
+        status, code = exc.status_code or 0, getattr(exc, "error_code", None)
         if status in (401, 403):
-            raise CredentialsError(f"{what}: {status} {exc.error_code}") from exc
+            raise CredentialsError(f"{what}: {status} {code}") from exc
+        if status == 0:  # no status: the reply was cut (an IncompleteRead wrapped by azure-core)
+            raise TransientError(f"{what}: reply cut short ({type(exc).__name__})") from exc
         if status >= 500 or status in (408, 429):
-            raise TransientError(f"{what}: {status} {exc.error_code}") from exc
-        raise StoreError(f"{what}: {status} {exc.error_code}") from exc
+            raise TransientError(f"{what}: {status} {code}") from exc
+        raise StoreError(f"{what}: {status} {code}") from exc
     except Exception as exc:
         if type(exc).__name__ == "CredentialUnavailableError":
             raise CredentialsError(f"{what}: no Azure credential available") from exc
@@ -71,6 +76,7 @@ class AzureStore:
 
     def __init__(self, container: str, prefix: str = "", *, options: StoreOptions | None = None,
                  container_client: Any = None) -> None:
+        cut_headers_are_errors()
         self.options = options or StoreOptions()
         self.prefix = prefix.strip("/")
         self.url = f"az://{container}/{self.prefix}".rstrip("/")

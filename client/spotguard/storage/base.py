@@ -21,6 +21,11 @@ Every backend ends its translation with :func:`transport_error`, so a reset, a t
 timeout raised by whatever layer (``urllib3``, ``requests``, ``http.client``, ``socket``, an SDK type
 no rule names) is a :class:`TransientError` too: nothing raw escapes a store call.
 
+Log noise is one line per cause: a translated error names the operation, the store and the cause
+(``TransientError("s3://b/p: get k: ConnectionClosedError: ...")``, never a bare type name), and a
+reply whose header block was cut short, which urllib3 logs with a traceback and then takes for a
+whole reply (a 200 with an empty body), is an error of the request (:func:`cut_headers_are_errors`).
+
 Every request is bounded: ``StoreOptions.connect_timeout`` / ``read_timeout`` (seconds, per socket
 operation) and ``max_attempts`` are the defaults of every backend, set here and nowhere else.
 
@@ -29,6 +34,7 @@ The SDKs are imported lazily, by the backend that needs them, so ``import spotgu
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 from dataclasses import dataclass, field
@@ -48,6 +54,8 @@ __all__ = [
     "TransientError",
     "check_key",
     "check_size",
+    "cause_of",
+    "cut_headers_are_errors",
     "transport_error",
     "join_key",
     "open_store",
@@ -186,8 +194,39 @@ def transport_error(what: str, exc: BaseException) -> StoreError | None:
     module = type(exc).__module__
     if isinstance(exc, (OSError, socket.timeout)) or module.startswith(_TRANSPORT_MODULES) \
             or _raised_in(exc, _TRANSPORT_MODULES):  # an SDK's ValueError/KeyError on a torn reply
-        return TransientError(f"{what}: {type(exc).__name__}")
+        return TransientError(f"{what}: {cause_of(exc)}")
     return None
+
+
+def cause_of(exc: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters, query strings masked: a signed
+    URL's signature stays out of logs), or the type alone when the message is empty."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = re.sub(r"\?[^\s'\")]*", "?...", text)[:200]
+    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} (no message)"
+
+
+class _CutHeaders(logging.Filter):
+    """On urllib3's "Failed to parse headers" warning (logged, with a traceback, from inside
+    ``getresponse``), raises ``ProtocolError`` there instead: the request fails and is retried like
+    any cut reply, and the SDK's error names the operation, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Failed to parse headers"):
+            from urllib3.exceptions import ProtocolError
+
+            raise ProtocolError("the reply's header block was cut short or malformed")
+        return True
+
+
+def cut_headers_are_errors() -> None:
+    """Install :class:`_CutHeaders` on urllib3's connection logger (once; every cloud backend calls
+    it). The logger is set to WARNING at least, so that the check runs whatever the root level."""
+    logger = logging.getLogger("urllib3.connection")
+    if not any(isinstance(f, _CutHeaders) for f in logger.filters):
+        logger.addFilter(_CutHeaders())
+    if logger.getEffectiveLevel() > logging.WARNING:
+        logger.setLevel(logging.WARNING)
 
 
 def _raised_in(exc: BaseException, modules: tuple[str, ...]) -> bool:

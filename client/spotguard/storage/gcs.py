@@ -34,7 +34,9 @@ from spotguard.storage.base import (
     StoreError,
     StoreOptions,
     TransientError,
+    cause_of,
     check_size,
+    cut_headers_are_errors,
     join_key,
     transport_error,
 )
@@ -58,7 +60,7 @@ def _translate(what: str):
         raise CredentialsError(f"{what}: credentials missing or refused ({type(exc).__name__})") from exc
     except (gex.ServerError, gex.TooManyRequests, gex.RetryError, requests.ConnectionError,
             requests.Timeout, ConnectionError) as exc:
-        raise TransientError(f"{what}: {type(exc).__name__}") from exc
+        raise TransientError(f"{what}: {cause_of(exc)}") from exc
     except gex.GoogleAPICallError as exc:
         raise StoreError(f"{what}: {exc.code} {exc.message}") from exc
     except Exception as exc:
@@ -74,6 +76,7 @@ class GcsStore:
 
     def __init__(self, bucket: str, prefix: str = "", *, options: StoreOptions | None = None,
                  client: Any = None) -> None:
+        cut_headers_are_errors()
         self.options = options or StoreOptions()
         self.prefix = prefix.strip("/")
         self.url = f"gs://{bucket}/{self.prefix}".rstrip("/")

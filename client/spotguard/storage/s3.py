@@ -34,7 +34,9 @@ from spotguard.storage.base import (
     StoreError,
     StoreOptions,
     TransientError,
+    cause_of,
     check_size,
+    cut_headers_are_errors,
     join_key,
     transport_error,
 )
@@ -71,7 +73,7 @@ def _translate(what: str):
     except (bex.NoCredentialsError, bex.PartialCredentialsError) as exc:
         raise CredentialsError(f"{what}: no AWS credentials found") from exc
     except (bex.ConnectionError, bex.HTTPClientError, bex.ReadTimeoutError) as exc:
-        raise TransientError(f"{what}: {type(exc).__name__}") from exc
+        raise TransientError(f"{what}: {cause_of(exc)}") from exc
     except KeyError as exc:  # s3transfer reading a reply a proxy truncated (no ContentLength)
         raise TransientError(f"{what}: malformed reply (no {exc})") from exc
     except Exception as exc:  # s3transfer wraps failures of parts in its own types
@@ -95,6 +97,7 @@ class S3Store:
 
     def __init__(self, bucket: str, prefix: str = "", *, options: StoreOptions | None = None,
                  client: Any = None) -> None:
+        cut_headers_are_errors()
         self.options = options or StoreOptions()
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
@@ -168,6 +171,8 @@ class S3Store:
         with _translate(what):
             reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
             with contextlib.closing(reply["Body"]) as body:
+                if reply.get("ContentLength") is None:  # S3 always sends it: the reply's head was cut
+                    raise TransientError(f"{what}: reply without Content-Length (its header block was cut short)")
                 check_size(what, reply.get("ContentLength"), max_size)
                 return read_bounded(body.read, max_size, what)
 

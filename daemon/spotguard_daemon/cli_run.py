@@ -376,9 +376,10 @@ def _refuse_untrusted(settings) -> None:
 @click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(0),
               help="Relaunches after a failure (a status other than 0, 75, 76, 77).")
 @click.option("--backoff", default=1.0, show_default=True, type=click.FloatRange(0),
-              help="Seconds before the first relaunch after a failure; doubled each time.")
+              help="Seconds before the first relaunch after a failure, or after a preemption "
+                   "without progress; doubled each time.")
 @click.option("--backoff-max", default=60.0, show_default=True, type=click.FloatRange(0),
-              help="Longest wait before a relaunch after a failure.")
+              help="Longest wait before a relaunch.")
 @click.option("--max-preemptions", default=1000, show_default=True, type=click.IntRange(0),
               help="Relaunches after a preemption (75, 76, 77) at most.")
 @click.option("--useful-seconds", default=600.0, show_default=True, type=click.FloatRange(0),

@@ -28,7 +28,7 @@ def test_the_dataloader_example_passes_every_kind_of_preemption(tmp_path):
     # reference checkpoints (a daemon watching the working directory once uploaded, restored them)
     rows = report["preemptions"]
     assert all(row["steps_lost"] == 0 for row in rows if row["kind"] in ("notice", "sigterm"))
-    assert all(row["resumed_from"] <= row["at_step"] for row in rows)
+    assert all(row["resumed_from"] <= row["stopped_at"] for row in rows)
 
 
 @pytest.mark.slow

@@ -25,6 +25,15 @@ Why a plain ``torch.utils.data.DataLoader`` cannot resume exactly, and what this
   torch's loader raises in the main process, mid-save, when a worker dies of it. This loader's
   workers ignore SIGTERM: the main process saves and stops them as usual (they also exit when it
   dies).
+* **Worker start.** On CPython 3.10 before 3.10.15 and 3.11 before 3.11.10, a worker forked while
+  the process has other threads can hang before it starts (CPython gh-112275): unless the loader
+  was given a ``multiprocessing_context``, its workers then start from a ``forkserver`` (see
+  :mod:`spotguard._fork`: when, why, and what it costs).
+* **A worker that hangs.** :meth:`DataLoader.waiting_seconds` tells how long the loop has waited for
+  the batch in progress; :class:`~spotguard.Run` ends a rank whose loader produced nothing for
+  ``stall_timeout`` seconds while its workers are alive, naming the cause, instead of blaming a
+  peer at ``peer_timeout``. A forced exit (any spotguard watchdog) SIGKILLs the workers first, so
+  none is left behind, not even one that never started.
 * **When the iterator is created.** ``iter(loader)`` starts nothing: workers, prefetch and the
   sampler start at the first ``next()``, and start over if a checkpoint was loaded since, so an
   iterator made before ``run.steps()`` loads the state still resumes at the saved position.
@@ -46,6 +55,8 @@ import random
 import signal
 import sys
 import threading
+import time
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -53,9 +64,10 @@ from typing import Any, Iterator
 import torch
 import torch.utils.data as tud
 
+from spotguard import _fork, _watchdog
 from spotguard.sampler import ResumableSampler, SamplerStateError
 
-__all__ = ["DataLoader", "sample_seed", "stop_workers"]
+__all__ = ["DataLoader", "sample_seed", "stop_workers", "kill_workers"]
 
 _MASK64 = (1 << 64) - 1
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -75,6 +87,20 @@ def stop_workers() -> None:
         shutdown = getattr(it, "_shutdown_workers", None)  # only the multiprocessing iterator has it
         if shutdown is not None:
             shutdown()
+
+
+def kill_workers() -> None:
+    """SIGKILL the worker processes of every live iterator: a forced exit's last act (see
+    :func:`spotguard._watchdog.on_forced_exit`). ``os._exit`` skips torch's shutdown, and a worker
+    that is hung, or never started (the fork deadlock), would outlive the process. No lock, no I/O
+    but the signals: it runs in a watchdog thread while the main thread may hold anything."""
+    for it in list(_LIVE):
+        for worker in list(getattr(it, "_workers", ())):
+            try:
+                if worker.pid:
+                    os.kill(worker.pid, signal.SIGKILL)
+            except (OSError, AttributeError):
+                pass
 
 
 def sample_seed(*parts: int) -> int:
@@ -169,11 +195,20 @@ class DataLoader(tud.DataLoader):
     ``batch_sampler`` and ``generator`` are not accepted: the loader owns both. ``loader.sampler``
     forwards to the ResumableSampler (``set_epoch``, ``epoch``...). Give the loader to
     :class:`~spotguard.Run` as ``loader=``; its :meth:`state_dict` is the sampler's (or the stream's).
+
+    ``multiprocessing_context`` left out: chosen at each worker start (see :mod:`spotguard._fork`).
+    ``stall_timeout``: seconds without a batch, its workers alive, after which :class:`~spotguard.Run`
+    ends the rank as hung on its loader (None: ``min(300, peer_timeout / 2)``).
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
                  sampler: ResumableSampler | None = None, *, seed: int = 0, drop_last: bool = False,
-                 **kwargs: Any) -> None:
+                 stall_timeout: float | None = None, **kwargs: Any) -> None:
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds, not {stall_timeout}")
+        self.stall_timeout = stall_timeout
+        self._context_given = kwargs.get("multiprocessing_context") is not None
+        self._waiting_since: float | None = None
         for name in ("batch_sampler", "generator"):
             if kwargs.get(name) is not None:
                 raise TypeError(f"spotguard.DataLoader owns its {name}; leave it out")
@@ -189,6 +224,15 @@ class DataLoader(tud.DataLoader):
         self.resumable._owner = self
         super().__init__(_Seeded(dataset), batch_size, sampler=_Keys(self.resumable),
                          drop_last=drop_last, generator=generator, **kwargs)
+        if self.num_workers and not self._context_given and _fork.deadlocks_at_fork() \
+                and _fork.main_import_problem() is None:  # it may be needed: start it, it takes seconds
+            _fork.start_forkserver(self._preload())
+
+    def _preload(self) -> list[str]:
+        """What a forkserver imports once for every worker: torch, this module, the dataset's, the
+        main script's."""
+        module = type(getattr(self.dataset, "dataset", self.dataset)).__module__
+        return ["torch", __name__, module, *_fork.main_modules()]
 
     def __iter__(self) -> "_Batches":
         return _Batches(self)
@@ -198,7 +242,36 @@ class DataLoader(tud.DataLoader):
         s = self.resumable
         where = (s.rank, s.epoch, s.passes + (0 if s._resume_pending else 1)) if s else (0, 0, 0)
         self.generator.manual_seed(sample_seed(self.seed, *where))
-        return super().__iter__()
+        if not self.num_workers or self._context_given:
+            return super().__iter__()
+        context, problem = _fork.worker_context()
+        self.multiprocessing_context = context
+        if problem is not None and not self._warned_fork:
+            self._warned_fork = True
+            warnings.warn(_fork.fork_warning(problem), RuntimeWarning, stacklevel=3)
+        if context is None:
+            return super().__iter__()
+        _fork.start_forkserver(self._preload())
+        try:
+            return super().__iter__()
+        except Exception as exc:  # noqa: BLE001 - the dataset cannot travel to a forkserver: fork
+            self.multiprocessing_context = None
+            self._warned_fork = True
+            warnings.warn(_fork.fork_warning(f"starting a worker from it failed: {exc!r}"),
+                          RuntimeWarning, stacklevel=3)
+            return super().__iter__()
+
+    _warned_fork = False
+
+    def waiting_seconds(self) -> float | None:
+        """Seconds the loop has been waiting for the batch in progress; None when not waiting."""
+        since = self._waiting_since
+        return None if since is None else time.monotonic() - since
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the workers of this loader's live iterators."""
+        return [w.pid for it in list(_LIVE) if getattr(it, "_dataset", None) is self.dataset
+                for w in list(getattr(it, "_workers", ())) if w.pid]
 
     def _handed_out(self) -> None:
         """One batch went to the loop: advance the sampler by the samples in it."""
@@ -240,8 +313,13 @@ class _Batches:
             if not _LIVE:
                 atexit.unregister(stop_workers)  # registered again: newest, so it runs first
                 atexit.register(stop_workers)
+                _watchdog.on_forced_exit(kill_workers)
             _LIVE.add(self._it)
-        batch = next(self._it)
+        self.loader._waiting_since = time.monotonic()
+        try:
+            batch = next(self._it)
+        finally:
+            self.loader._waiting_since = None
         self.loader._handed_out()
         return batch
 

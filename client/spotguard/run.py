@@ -83,6 +83,7 @@ from spotguard._optim import hookable
 from spotguard._peer import exit_peer_lost, is_peer_failure
 from spotguard._audit import Audit
 from spotguard._record import Recorder
+from spotguard._stall import LocalHangs
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.emergency import ASSUMED_THROUGHPUT  # noqa: F401 (integrations import it here)
@@ -165,9 +166,11 @@ class Run:
         process_group = _default_group(process_group)
         self.agreement = Agreement(process_group, timeout=peer_timeout)
         self.peer_timeout = peer_timeout
-        stalled = f"no step boundary for {peer_timeout} s (Run(peer_timeout=)): a peer rank is probably gone"
-        self._progress = (Watchdog(EXIT_PEER_LOST, stalled,
-                                   before_exit=lambda: self.record.emit("peer_lost", step=self.step, error=stalled))
+        stalled = (f"no step boundary for {(peer_timeout or 0) + PEER_LOST_GRACE:.0f} s (Run(peer_timeout="
+                   f"{peer_timeout})), and this rank was waiting neither for its loader nor for its own save: "
+                   "a peer rank is probably gone")
+        self._progress = (Watchdog(EXIT_PEER_LOST, stalled, before_exit=self._record_forced_exit,
+                                   probe=LocalHangs(self, peer_timeout, _rank()).probe)
                           if peer_timeout and self.agreement.enabled else None)
         self.cadence = _make_cadence(save_every, cadence)
         self._user_on_commit = on_commit
@@ -306,6 +309,15 @@ class Run:
         between two steps that may outlast ``peer_timeout``, such as an evaluation loop."""
         if self._progress is not None and self._progress.armed_at is not None:
             self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
+
+    def _record_forced_exit(self) -> None:
+        """The progress watchdog's exit, in the run record (its thread, one write): a lost peer, or
+        a hang of this rank's own (:mod:`spotguard._stall`)."""
+        code, reason = self._progress.fired
+        if code == EXIT_PEER_LOST:
+            self.record.emit("peer_lost", step=self.step, error=reason)
+        else:
+            self.record.emit("forced_exit", reason=reason)
 
     def _count_optimizer_step(self, *_: Any) -> None:
         self._optimizer_steps += 1

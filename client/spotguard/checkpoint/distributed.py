@@ -50,16 +50,21 @@ class Coordinator:
         self.timeout = timedelta(seconds=timeout)
         ranks = dist.get_process_group_ranks(process_group)
         self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=self.timeout)
+        self.exchanging = False
+        """True while this rank waits in an exchange with the others (read by other threads)."""
 
     def all_reduce(self, values: list[int], op: str = "sum") -> list[int]:
         """Reduce a few ints across ranks, waiting at most the timeout."""
         t = torch.tensor(values, dtype=torch.int64)
         started = time.monotonic()
+        self.exchanging = True
         try:
             work = dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
             done = work.wait(self.timeout)
         except RuntimeError as exc:  # gloo raises on timeout or a vanished peer
             raise CheckpointError(self._failed(time.monotonic() - started, exc)) from exc
+        finally:
+            self.exchanging = False
         if done is False:
             raise CheckpointError(self._failed(time.monotonic() - started, None))
         return t.tolist()

@@ -107,6 +107,7 @@ class Checkpointer:
         self._in_flight_bytes = 0
         self._hurry = threading.Event()
         """Set while a caller waits for the background thread: its retention stops deleting."""
+        self._waiting_since: float | None = None
         self._emergency_saved = False
         self._closed = False
         self.skipped: list[dict[str, str]] = []
@@ -267,7 +268,11 @@ class Checkpointer:
             if timeout is None:
                 self._throttle.share = None
                 self._hurry.set()
-            self._thread.join(timeout)
+            self._waiting_since = time.monotonic()
+            try:
+                self._thread.join(timeout)
+            finally:
+                self._waiting_since = None
             if self._thread.is_alive():
                 return None
             self._thread = None
@@ -277,6 +282,15 @@ class Checkpointer:
         if error is not None:
             raise CheckpointError(f"checkpoint save failed: {error!r}") from error
         return self._last
+
+    def waiting(self) -> tuple[float, bool] | None:
+        """``(seconds, exchanging)`` while a caller waits in :meth:`wait` for the save in flight: for
+        how long, and whether that save is waiting for the other ranks right now (a save that is not
+        is hung on this rank's own, see :mod:`spotguard._stall`); None while nobody waits."""
+        since = self._waiting_since
+        if since is None:
+            return None
+        return time.monotonic() - since, bool(self._coord is not None and self._coord.exchanging)
 
     def prepare(self, state: Mapping[str, Any], *, after_first_step: bool = True) -> None:
         """Allocate and pre-fault the staging buffers for ``state`` in a background thread (reniced

@@ -1,0 +1,158 @@
+"""Which start method loader workers can use safely: CPython's fork deadlock gh-112275.
+
+On CPython 3.10 before 3.10.15 and 3.11 before 3.11.10, a child process forked while another
+thread holds the interpreter's thread-list lock (``HEAD_LOCK``) hangs for ever in
+``PyOS_AfterFork_Child`` → ``_PyThreadState_DeleteExcept``, before any of its own code runs: the
+lock is re-initialised only after that call (3.12 and later re-initialise it first, 3.13 takes it
+around ``fork()``). A DataLoader worker forked then never starts; the main process waits for its
+first batch.
+
+Which threads hold that lock at the instant of ``fork()``? The forking thread holds the GIL, and a
+Python thread takes the lock only while holding the GIL (creating or deleting its thread state), so
+spotguard's own threads (guard, watchdogs, checkpoint preparation and persistence, all Python
+threads) cannot be mid-way there: measured on 3.11.7, 0 hung children in 2,000 forks while Python
+threads started, ended and waited continuously. A native thread that attaches to the interpreter
+(``PyGILState_Ensure``: C++ code calling back into Python, pybind11's ``gil_scoped_acquire``, ctypes
+callbacks) takes it *without* the GIL, and does: 13 hung children in 4,500 forks while native threads
+ran a callback each. Parking spotguard's threads around ``fork()`` (``os.register_at_fork``) would
+therefore not avoid it, and nothing in Python can park torch's or a library's native threads. What
+avoids it is not forking from a process with other threads: :func:`worker_context` gives
+``"forkserver"`` (workers are forked from a single-threaded server process) on an affected
+interpreter when threads are alive, and None (torch's default, fork on Linux) otherwise.
+
+A forkserver's workers import the main script (as ``__mp_main__``), like ``spawn``: a script whose
+training runs at import would run again there. It is used only when the main module's top level
+only defines things (imports, functions, classes, assignments, an ``if __name__ == "__main__":``
+block); otherwise the workers are forked and one warning says why and how to fix it.
+
+Cost: the server is one more process, started once (:func:`start_forkserver`, when the loader is
+built, so that it imports torch while the job sets up). Python 3.11's server does not preload
+``__main__`` as it means to (it looks for the main path under the wrong key), so every worker would
+import torch and everything the main script imports afresh (5-9 s each on a loaded 2-core machine):
+the server preloads the modules the main script holds (:func:`main_modules`), torch, spotguard's
+loader and the dataset's module. A worker then starts in tens of milliseconds, against a few for a
+fork, and each start pickles the dataset to it (see benchmarks/README.md, "Data loading").
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import sys
+import threading
+import types
+from collections.abc import Iterable
+
+__all__ = ["deadlocks_at_fork", "threads_alive", "main_import_problem", "worker_context", "fork_warning",
+           "start_forkserver", "main_modules"]
+
+FIXED_IN = {(3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
+"""The first release of each affected branch with the fix (backports merged September 2024)."""
+
+
+def deadlocks_at_fork(version: tuple[int, ...] = tuple(sys.version_info[:3]),
+                      implementation: str = sys.implementation.name) -> bool:
+    """Whether this interpreter has gh-112275 (a forked child can hang before it runs any code)."""
+    if implementation != "cpython" or tuple(version[:2]) >= (3, 12):
+        return False
+    return tuple(version[:3]) < FIXED_IN.get(tuple(version[:2]), (3, 10, 15))
+
+
+def threads_alive() -> int:
+    """Threads of this process, native ones included (torch's, a library's), not only Python's."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def main_import_problem(path: str | None = None) -> str | None:
+    """Why a forkserver or spawn child must not import the main module (or the script at ``path``),
+    or None when it may: its top level only defines things (see the module docstring)."""
+    path = path or getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path:
+        return "the main module has no file (an interactive session or python -c)"
+    return _script_problem(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _script_problem(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"cannot read the main module {path} ({exc})"
+    for node in tree.body:
+        if not _inert(node):
+            return (f"{path} line {node.lineno} runs code at import (a forkserver would run it again): "
+                    "put it under `if __name__ == \"__main__\":`")
+    return None
+
+
+def _inert(node: ast.stmt) -> bool:
+    """A top-level statement that only defines something when the module is imported."""
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                         ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Pass)):
+        return True
+    if isinstance(node, ast.Expr):
+        return isinstance(node.value, ast.Constant)  # a docstring
+    if isinstance(node, ast.If):
+        return _is_main_guard(node.test) or all(map(_inert, node.body + node.orelse))
+    if isinstance(node, ast.Try):
+        return all(map(_inert, node.body + node.orelse + node.finalbody
+                       + [stmt for handler in node.handlers for stmt in handler.body]))
+    return False
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return (any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides)
+            and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
+
+
+def worker_context() -> tuple[str | None, str | None]:
+    """``(context, problem)`` for loader workers started now: ``("forkserver", None)`` where forking
+    could deadlock and a forkserver can run; ``(None, problem)`` where it could deadlock but a
+    forkserver cannot (``problem`` says why); ``(None, None)`` where forking is safe."""
+    if not deadlocks_at_fork() or threads_alive() <= 1:
+        return None, None
+    problem = main_import_problem()
+    return (None, problem) if problem else ("forkserver", None)
+
+
+def main_modules() -> list[str]:
+    """The modules the main script imported at its top level (its module globals, and the modules of
+    the classes and functions it imported): what each forkserver worker imports again."""
+    names = []
+    for value in list(vars(sys.modules.get("__main__", types)).values()):
+        if isinstance(value, types.ModuleType):
+            names.append(value.__name__)
+        elif isinstance(value, (type, types.FunctionType)):
+            names.append(value.__module__)
+    return [n for n in dict.fromkeys(names) if n not in ("__main__", "__mp_main__", "builtins")]
+
+
+def start_forkserver(modules: Iterable[str]) -> None:
+    """Start the forkserver now, unless running, preloading ``modules`` (see the module docstring:
+    cost); returns at once, the server imports them in the background."""
+    server = multiprocessing.forkserver._forkserver
+    preload = list(getattr(server, "_preload_modules", None) or ["__main__"])
+    multiprocessing.set_forkserver_preload(list(dict.fromkeys([*preload, *modules])))
+    multiprocessing.forkserver.ensure_running()
+
+
+def fork_warning(problem: str) -> str:
+    """The one warning of a loader that forks workers where that can deadlock."""
+    version = ".".join(map(str, sys.version_info[:3]))
+    fixed = ".".join(map(str, FIXED_IN.get(tuple(sys.version_info[:2]), (3, 12, 0))))
+    return (f"DataLoader workers are forked from a process with {threads_alive()} threads on CPython "
+            f"{version}, where a forked worker can hang for ever before it starts (CPython gh-112275, "
+            f"fixed in {fixed}); a forkserver was not used because {problem}. Fix: keep the script's "
+            "training under `if __name__ == \"__main__\":` and the dataset and worker_init_fn at "
+            "module level (picklable), pass multiprocessing_context='fork' to keep forking knowingly, "
+            f"or use Python >= {fixed}")

@@ -50,7 +50,8 @@ own gloo group bounded by ``peer_timeout``), so every rank saves once and stops 
 right after the notice, even when only one rank received it (tested under ``torchrun`` at 1-3
 ranks). As with ``Run``: a notice whose deadline is further away than the save, the margin, one step
 and ``stop_lead`` lets training go on; the exchange failing, or no step end for ``peer_timeout``
-plus ``PEER_LOST_GRACE`` (an evaluation's prediction steps count as progress), ends the process
+plus ``PEER_LOST_GRACE`` (an evaluation's prediction steps count as progress; a save is bounded
+by ``on_save``'s exchange instead), ends the process
 with 77, and so does a peer failure raised out of ``train()`` (DDP's backward usually meets the
 lost peer first) that nothing catches (``sys.excepthook``, set while the callback trains).
 The gradient bucket layout of the Trainer's DDP (found in its frames) is written beside each
@@ -213,6 +214,8 @@ class SpotguardTrainerCallback(TrainerCallback):
             self._decide(step, control, kwargs)
         if control.should_save:  # ours or the Trainer's schedule: time it until on_save
             self._save_started = time.monotonic()
+            if self._progress is not None:  # a long save is not a lost peer: on_save's barrier is bounded
+                self._progress.disarm()
 
     def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                            **kwargs: Any) -> None:
@@ -237,6 +240,8 @@ class SpotguardTrainerCallback(TrainerCallback):
             self._layouts.save_beside(path, state.is_world_process_zero)
         if self.agreement is not None:
             self._collective(lambda: self.agreement.barrier(state.global_step), state.global_step)
+        if self._progress is not None and not self.stopped:
+            self._arm_progress()
         if self.guard is not None and self.durable and state.is_world_process_zero and path.is_dir():
             self._commit(state, path)
 

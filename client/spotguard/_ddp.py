@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -64,6 +65,8 @@ FILE = "spotguard-ddp-layout.json"
 """The same record beside a Hugging Face Trainer checkpoint (its directory holds no spotguard state)."""
 
 _MIN_RANKS = 3
+_MAX_FILE = 1 << 20
+"""The most bytes of :data:`FILE` read (a layout names each parameter once: a few bytes each)."""
 
 
 def _ddp_class() -> Any:
@@ -150,13 +153,27 @@ class Layouts:
         self._warned = False
 
     def settle(self) -> None:
-        """Every rank, at every save, before :meth:`state_dict`: see the module docstring."""
+        """Every rank, at every save, before :meth:`state_dict`: see the module docstring. The
+        first one warns (rank 0, three or more ranks) about a layout that cannot be restored."""
         for ddp in self.ddps.values():
             if _obstacle(ddp) is None:
                 try:
                     _settle(ddp)
                 except Exception as exc:  # noqa: BLE001 - internals moved: the record says so
                     log.debug("could not settle DDP's bucket layout: %s", exc)
+        if not self._warned:
+            self._warned = True
+            self._warn()
+
+    def _warn(self) -> None:
+        import torch.distributed as dist
+
+        why = _reasons({name: _record(ddp) for name, ddp in self.ddps.items()})
+        world = max((_world_size(ddp) for ddp in self.ddps.values()), default=1)
+        if why and world >= _MIN_RANKS and dist.get_rank() == 0:
+            log.warning("DDP's gradient bucket layout cannot be restored on resume (%s): with %d ranks "
+                        "the steps after a resume may differ in the last bits from an uninterrupted "
+                        "run", why, world)
 
     def state_dict(self) -> dict[str, Any]:
         records = {}
@@ -164,13 +181,8 @@ class Layouts:
             live = _record(ddp)  # a restored layout stands until the new reducer has rebuilt
             fresh = live["restorable"] and not live.get("rebuilt")
             records[name] = self._restored[name] if fresh and name in self._restored else live
-        why = "; ".join(f"{name}: {r['why']}" for name, r in records.items() if not r["restorable"])
+        why = _reasons(records)
         world = max((_world_size(ddp) for ddp in self.ddps.values()), default=1)
-        if why and world >= _MIN_RANKS and not self._warned:
-            log.warning("DDP's gradient bucket layout cannot be restored on resume (%s): with %d ranks "
-                        "the steps after a resume may differ in the last bits from an uninterrupted "
-                        "run", why, world)
-        self._warned = True
         return {"restorable": not why, "why": why or None, "world_size": world, "ddps": records}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -199,22 +211,35 @@ class Layouts:
             self.write(directory)
 
     def write(self, directory: str | os.PathLike[str]) -> None:
-        """Write :meth:`state_dict` as :data:`FILE` into ``directory`` (the caller's rank 0)."""
+        """Write :meth:`state_dict` as :data:`FILE` into ``directory`` (the caller's rank 0), through
+        a new file (never through a link found there) renamed over it."""
         path = Path(directory) / FILE
         tmp = path.with_name(f".{FILE}.tmp")
-        tmp.write_text(json.dumps(self.state_dict()))
+        tmp.unlink(missing_ok=True)
+        with open(tmp, "x") as out:
+            out.write(json.dumps(self.state_dict()))
         os.replace(tmp, path)
 
     def read(self, directory: str | os.PathLike[str]) -> None:
-        """Load :data:`FILE` from ``directory``; a missing or unreadable file loads nothing."""
+        """Load :data:`FILE` from ``directory``: a regular file (no link, no FIFO) of at most
+        :data:`_MAX_FILE` bytes; anything else loads nothing (the old guess then applies)."""
         try:
-            self.loaded = json.loads((Path(directory) / FILE).read_text())
+            fd = os.open(Path(directory) / FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as file:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError("not a regular file")
+                self.loaded = json.loads(file.read(_MAX_FILE + 1)[:_MAX_FILE])
         except (OSError, ValueError) as exc:
             log.info("no DDP bucket layout beside the checkpoint %s (%s)", directory, exc)
             self.loaded = None
 
 
 # ---------------------------------------------------------------------- reading the layout
+
+
+def _reasons(records: Mapping[str, Mapping[str, Any]]) -> str:
+    """``"<name>: <why>"`` of each record that is not restorable, joined; "" when all are."""
+    return "; ".join(f"{name}: {r['why']}" for name, r in records.items() if not r["restorable"])
 
 
 def _world_size(ddp: Any) -> int:

@@ -147,9 +147,7 @@ def _layout_worker(rank: int, init: str, out: dict) -> None:
         model = _residual()
         ddp = _ddp_of(model)
         _steps(ddp, 0, 1)  # saved after step 1: DDP's rebuild is due, not done (settle does it)
-        layouts = _ddp.Layouts({"model": ddp})
-        layouts.settle()
-        record = layouts.state_dict()
+        record = _save(_ddp.Layouts({"model": ddp}))
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         uninterrupted = _steps(ddp, 2, 3)
         restored = _relaunched(weights, record)
@@ -172,8 +170,14 @@ def _not_restorable_records() -> dict:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warned.append(record.getMessage())
     logging.getLogger(_ddp.__name__).addHandler(handler)
-    saves = [hooked_layouts.state_dict(), hooked_layouts.state_dict()]  # two saves: one warning
+    saves = [_save(hooked_layouts), _save(hooked_layouts)]  # two saves: one warning (rank 0)
     return {"hooked": saves, "warned": warned, "unused": _ddp.Layouts({"model": unused}).state_dict()}
+
+
+def _save(layouts: _ddp.Layouts) -> dict:
+    """What a save does with the layouts: settle on every rank, then the record."""
+    layouts.settle()
+    return layouts.state_dict()
 
 
 def test_the_recorded_layout_resumes_bit_identically_where_the_old_guess_does_not(tmp_path):

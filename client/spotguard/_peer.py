@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any, Callable, NoReturn
 
+from spotguard._watchdog import run_exit_hooks
 from spotguard.distributed import PeerLostError
 from spotguard.exit_codes import EXIT_PEER_LOST
 
@@ -43,6 +44,7 @@ def exit_peer_lost(error: object, record: Any, step: int) -> NoReturn:
     logging.shutdown()  # flushes every handler
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    run_exit_hooks()  # loader workers are SIGKILLed: os._exit would leave them behind
     os._exit(EXIT_PEER_LOST)
 
 

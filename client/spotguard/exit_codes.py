@@ -13,8 +13,10 @@ notice get distinctive values that no ordinary crash produces:
 ``EXIT_FORCED = 76``
     The forced-exit watchdog ended the process because the clean stop did not finish before the
     deadline (minus a margin): typically a collective that hangs because a peer is already gone.
-    The last committed checkpoint is still valid (commits are atomic); requeue on it as on 75, but
-    a recurring 76 points at a hang worth investigating.
+    Also a rank of a multi-rank run hung on its own (its loader's live workers produced nothing, or
+    its own save did not return, for the stall limit: see :mod:`spotguard._stall`), ended before
+    the peers would wait out ``peer_timeout``. The last committed checkpoint is still valid (commits
+    are atomic); requeue on it as on 75, but a recurring 76 points at a hang worth investigating.
 
 ``EXIT_PEER_LOST = 77``
     Another rank of the job is gone: the ranks' per-step agreement did not complete within

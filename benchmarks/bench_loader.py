@@ -62,7 +62,8 @@ def worker_start(data: Data, batch: int, workers: int, starts: int) -> None:
     fork = [first_batch_s(data, batch, workers, "fork") for _ in range(starts)]
     started = time.perf_counter()
     _fork.start_forkserver(["torch", *_fork.main_modules()])
-    first = first_batch_s(data, batch, workers, "forkserver") + (time.perf_counter() - started)
+    first_batch_s(data, batch, workers, "forkserver")
+    first = time.perf_counter() - started
     server = [first_batch_s(data, batch, workers, "forkserver") for _ in range(starts)]
     print(f"{workers} workers, first batch: fork {statistics.median(fork):.3f} s, forkserver "
           f"{statistics.median(server):.3f} s (median of {starts}); forkserver's first start "

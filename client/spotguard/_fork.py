@@ -30,8 +30,9 @@ built, so that it imports torch while the job sets up). Python 3.11's server doe
 ``__main__`` as it means to (it looks for the main path under the wrong key), so every worker would
 import torch and everything the main script imports afresh (5-9 s each on a loaded 2-core machine):
 the server preloads the modules the main script holds (:func:`main_modules`), torch, spotguard's
-loader and the dataset's module. A worker then starts in tens of milliseconds, against a few for a
-fork, and each start pickles the dataset to it (see benchmarks/README.md, "Data loading").
+loader and the dataset's module. Starting two workers then took 0.2-0.3 s more than forking them on
+a loaded 2-core machine: each start pickles the dataset to each worker, which also runs the script's
+top level again (see benchmarks/README.md, "Data loading").
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ async def in_thread(call: Callable[[], Any], name: str) -> Any:
         try:
             result = call()
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            done = lambda: settle(lambda: future.set_exception(exc))  # noqa: E731
+            error = exc  # ``exc`` is unbound when the except block ends; the callback runs later
+            done = lambda: settle(lambda: future.set_exception(error))  # noqa: E731
         else:
             done = lambda: settle(lambda: future.set_result(result))  # noqa: E731
         try:

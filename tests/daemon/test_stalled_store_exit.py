@@ -91,3 +91,19 @@ def test_a_transfer_pool_thread_still_running_does_not_hold_the_exit():
     done = subprocess.run([sys.executable, "-c", POOL_STUCK], capture_output=True, text=True, timeout=60)
     assert time.monotonic() - started < 20 and done.returncode == 3, done.stderr
     assert "abandoning 1 store transfer thread(s) still running at exit (sdk-transfer_0)" in done.stderr
+
+
+def test_a_call_on_an_abandonable_thread_hands_back_its_result_or_its_error():
+    import asyncio
+
+    from spotguard_daemon.abandon import in_thread
+
+    def fails() -> None:
+        raise ValueError("the store said no")
+
+    async def both():
+        with pytest.raises(ValueError, match="the store said no"):
+            await in_thread(fails, "t-fails")
+        return await in_thread(lambda: 42, "t-answers")
+
+    assert asyncio.run(both()) == 42

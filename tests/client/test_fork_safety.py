@@ -52,7 +52,17 @@ class Items(torch.utils.data.Dataset):
         return torch.tensor([float(i), float(os.getppid())])
 
 
-def test_the_start_method_is_the_one_intended_and_a_given_one_is_kept():
+@pytest.fixture
+def forkserver_stopped():
+    """The forkserver a loader starts in this process is stopped (by its pid) after the test."""
+    import multiprocessing.forkserver
+
+    yield
+    multiprocessing.forkserver._forkserver._stop()
+
+
+@pytest.mark.slow  # the server imports torch: tens of seconds on a loaded machine
+def test_the_start_method_is_the_one_intended_and_a_given_one_is_kept(forkserver_stopped):
     """Under pytest the main module (pytest's __main__) is import-safe and threads are alive."""
     loader = spotguard.DataLoader(Items(), batch_size=4, num_workers=2)
     batches = list(loader)
@@ -134,3 +144,26 @@ def test_a_rank_hung_on_its_own_says_so_well_before_peer_timeout(tmp_path, hang,
     assert "a peer rank is probably gone" not in output
     assert "exitcode: 76" in output and "local_rank: 0" in output
     _no_worker_left(tmp_path)
+
+
+WATCHDOG_JOB = """
+import sys, time
+from spotguard import _watchdog
+_watchdog.on_forced_exit(lambda: open(sys.argv[1], "w").write("hook ran"))
+calls = []
+def probe(final):
+    calls.append(final)
+    return (9, "this rank's own hang") if len(calls) >= 3 else None
+_watchdog.Watchdog(77, "a peer is gone", probe=probe, probe_seconds=0.1).arm(time.monotonic() + 3600)
+time.sleep(60)
+"""
+
+
+def test_the_progress_watchdog_exits_on_its_probes_verdict_and_runs_the_exit_hooks(tmp_path):
+    """A local verdict ends the process at once, with its code and reason, not at the armed hour."""
+    hook = tmp_path / "hook"
+    done = subprocess.run([sys.executable, "-c", WATCHDOG_JOB, str(hook)], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 9, done.stderr
+    assert "spotguard: this rank's own hang; forced exit 9" in done.stderr
+    assert hook.read_text() == "hook ran"

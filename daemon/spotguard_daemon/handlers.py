@@ -229,6 +229,9 @@ class RequestHandler:
             self._refused("register", exc)
             return Reply(ok=False, error=f"register refused: {exc}")
         old = self.clients.get(client.key)
+        if old is not None and not old.alive():  # its pid now names another process: forget it
+            del self.clients[client.key]
+            old = None
         if old is not None and not may_act_for(current_peer.get(), request.pid, old):
             return Reply(ok=False, error=f"register refused: pid {request.pid} is registered by another user")
         if old is None and not self._make_room(client):

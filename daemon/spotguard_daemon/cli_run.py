@@ -112,6 +112,8 @@ class Supervisor:
         self.others: list[subprocess.Popen] = []
         """Other children (a daemon it started), reaped by pid when the supervisor is PID 1."""
         self._signals: list[int] = []
+        self.subreaper = False
+        """Whether the command's orphans are reparented to the supervisor (set when it runs)."""
         self.registrar = Registrar(endpoint, delivery) if endpoint and delivery else None
         self._offset = record.stat().st_size if record.exists() else 0
 
@@ -119,7 +121,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Launch until the command ends for good; return its status."""
-        become_subreaper()  # what a launch leaves running is reparented here, found and ended
+        self.subreaper = become_subreaper()  # what a launch leaves behind stays below it
         while True:
             status = self._launch()
             delay = self._next(status)
@@ -263,11 +265,12 @@ class Supervisor:
 
     def _end_leftovers(self, launch: Launch) -> None:
         """End what the launch left running (a background child, a worker its launcher did not
-        stop) before the next launch or the exit: SIGTERM to each process of its process group and
-        under the supervisor but the daemon it started, SIGKILL after STOP_S seconds.
-        The orphans are the supervisor's own children (a subreaper), so their pids cannot be
-        reused before they are reaped here."""
-        left = leftovers(launch.pid, [p.pid for p in self.others])
+        stop) before the next launch or the exit: SIGTERM to each process under the supervisor
+        but the daemon it started (and, where it cannot be a subreaper, of the launch's process
+        group), SIGKILL after STOP_S seconds. A subreaper's orphans are its own children, so their
+        pids cannot be reused before they are reaped here."""
+        group = None if self.subreaper else launch.pid
+        left = leftovers(group, [p.pid for p in self.others])
         if not left:
             return
         _say(f"launch {launch.index} left {len(left)} process(es) running after it exited (pids "
@@ -278,7 +281,7 @@ class Supervisor:
             while left and time.monotonic() < until:
                 time.sleep(POLL_S)
                 reap(self.others)
-                left = leftovers(launch.pid, [p.pid for p in self.others])
+                left = leftovers(group, [p.pid for p in self.others])
             if not left:
                 return
         _say(f"could not end pids {', '.join(map(str, sorted(left)))} (still running)")

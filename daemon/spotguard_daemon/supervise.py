@@ -155,13 +155,15 @@ def become_subreaper() -> bool:
         return False
 
 
-def leftovers(pgid: int, spare: Iterable[int] = ()) -> set[int]:
-    """The live processes of process group ``pgid`` and below this process (a subreaper's
-    orphans included), but ``spare`` and their descendants (a daemon the supervisor started):
-    what a launch whose leader was ``pgid`` left running. Zombies are left out."""
+def leftovers(pgid: int | None, spare: Iterable[int] = ()) -> set[int]:
+    """The live processes below this process (a subreaper's orphans included) and, unless ``pgid``
+    is None, of process group ``pgid``, but ``spare`` and their descendants (a daemon the
+    supervisor started): what a launch whose leader was ``pgid`` left running. Zombies are left
+    out. A subreaper passes None: every leftover is below it, and the reaped leader's pgid could
+    by then name an unrelated group."""
     spared = set(spare).union(*(descendants(pid) for pid in spare))
     found = descendants(os.getpid())
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat in Path("/proc").glob("[0-9]*/stat") if pgid is not None else ():
         fields = _stat(int(stat.parent.name))
         if fields and fields[2] == str(pgid):
             found.add(int(stat.parent.name))

@@ -58,6 +58,9 @@ MAX_COMMITS = 16
 MAX_REPORT_AGE = 300.0
 """A progress report older than this is refused (reports go every few seconds): it would count its
 age as training time or downtime."""
+MAX_STAMP_AGE = 3600.0
+"""A commit's ``reached_at`` older than this is not trusted (a large save may commit minutes after
+its step was reached, so the bound is looser than a report's)."""
 FLUSH_SECONDS = 5.0
 STATE_VERSION = 1
 
@@ -128,12 +131,12 @@ class GoodputLedger:
 
     def committed(self, job: str, step: int, reached_at: datetime | None = None) -> None:
         """Record a commit of ``step``, reached at ``reached_at`` (the client's stamp: one from the
-        future counts as now, one older than ``MAX_REPORT_AGE`` is not trusted) or else by its
+        future counts as now, one older than ``MAX_STAMP_AGE`` is not trusted) or else by its
         arrival (or the newest report, when that showed the step reached)."""
         now = self._clock()
         record = self._jobs.get(job) or JobRecord(step, now)
         stamp = None if reached_at is None else min(reached_at.timestamp(), now)
-        if stamp is not None and stamp >= now - MAX_REPORT_AGE:
+        if stamp is not None and stamp >= now - MAX_STAMP_AGE:
             record.reached[step] = stamp
         else:
             record.reached[step] = min(now, record.at) if record.step >= step else now

@@ -6,7 +6,7 @@ import json
 from datetime import datetime, timezone
 
 import pytest
-from spotguard_daemon.goodput import MAX_COMMITS, MAX_REPORT_AGE, GoodputLedger, Loss
+from spotguard_daemon.goodput import MAX_COMMITS, MAX_REPORT_AGE, MAX_STAMP_AGE, GoodputLedger, Loss
 
 
 class Clock:
@@ -115,7 +115,7 @@ def test_a_commit_reported_after_later_progress_counts_from_when_its_step_was_re
     assert ledger.restarted("j", 4, pid=3) == Loss(steps=3, seconds=0.0, downtime=0.0)
 
 
-@pytest.mark.parametrize("offset", [3600.0, -MAX_REPORT_AGE - 1], ids=["future", "too-old"])
+@pytest.mark.parametrize("offset", [3600.0, -MAX_STAMP_AGE - 1], ids=["future", "too-old"])
 def test_a_commit_stamp_from_the_future_counts_as_now_and_a_too_old_one_as_unknown(offset):
     clock = Clock()
     ledger = GoodputLedger(clock=clock)
@@ -126,3 +126,19 @@ def test_a_commit_stamp_from_the_future_counts_as_now_and_a_too_old_one_as_unkno
     ledger.progress("j", 7, at(clock.now), pid=1)
     expected = 1.0 if offset > 0 else 3.0  # from now (the arrival), or from the report of step 6
     assert ledger.restarted("j", 4, pid=2) == Loss(steps=3, seconds=expected, downtime=0.0)
+
+
+def test_a_report_is_bounded_by_minutes_and_its_registration_a_commit_stamp_more_loosely():
+    """Issue 21.2: a report dated an hour back (3,500 s of made-up training time) or before its
+    process registered is refused; a commit of a large save may still name a step reached 10 min ago."""
+    clock = Clock()
+    ledger = GoodputLedger(clock=clock)
+    with pytest.raises(ValueError, match="old"):
+        ledger.progress("j", 1, at(clock.now - 3500), pid=1)
+    with pytest.raises(ValueError, match="before its process registered"):
+        ledger.progress("j", 1, at(clock.now - 60), pid=1, not_before=clock.now - 10)
+    assert ledger.progress("j", 1, at(clock.now - 5), pid=1, not_before=clock.now - 10) == 0.0
+    ledger.committed("j", 1, at(clock.now - 600))
+    clock.now += 1
+    ledger.progress("j", 3, at(clock.now), pid=1)
+    assert ledger.restarted("j", 1, pid=2).seconds == 601.0  # the stamp, not the arrival, was trusted

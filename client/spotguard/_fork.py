@@ -30,9 +30,9 @@ built, so that it imports torch while the job sets up). Python 3.11's server doe
 ``__main__`` as it means to (it looks for the main path under the wrong key), so every worker would
 import torch and everything the main script imports afresh (5-9 s each on a loaded 2-core machine):
 the server preloads the modules the main script holds (:func:`main_modules`), torch, spotguard's
-loader and the dataset's module. Starting two workers then took 0.2-0.3 s more than forking them on
-a loaded 2-core machine: each start pickles the dataset to each worker, which also runs the script's
-top level again (see benchmarks/README.md, "Data loading").
+loader and the dataset's module. Starting two workers then took about as long as forking them
+(0.09-0.12 s against 0.12-0.14 s; 0.2-0.3 s more under heavy load), although each start pickles the
+dataset to each worker, which also runs the script's top level again (benchmarks/README.md).
 """
 
 from __future__ import annotations

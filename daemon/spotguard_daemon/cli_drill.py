@@ -55,8 +55,7 @@ import click
 
 from spotguard._record import RecordError, read_new
 from spotguard_daemon.cli_demo import guarded
-from spotguard_daemon.drill_checks import (Launch, judge, reproducible, save_figures, step_seconds,
-                                           SPREAD_FACTOR)
+from spotguard_daemon.drill_checks import Launch, judge, reproducible, save_figures, SPREAD_FACTOR
 from spotguard_daemon.drill_report import Live, write_report
 from spotguard_daemon.drill_spread import distance, entry_of
 from spotguard_daemon.drill_tree import Tree, new_file, private_dir
@@ -70,6 +69,8 @@ SAVE_MARGIN_S = 2.0
 the deadline."""
 SHORT_S = 1.0
 """Deadline of a notice too close to save (under the library's margin)."""
+SIGTERM_GRACE_S = 30.0
+"""Seconds between SIGTERM and SIGKILL: Kubernetes' default ``terminationGracePeriodSeconds``."""
 POLL_S = 0.05
 STOP_S = 10.0
 """Seconds a launch gets after SIGTERM before SIGKILL, when the drill stops it."""
@@ -257,27 +258,32 @@ class Drill:
     # ------------------------------------------------------------------ when and how
 
     def _rates(self, launch: Launch) -> tuple[float | None, float]:
-        """Seconds per step and per save, measured on the reference (else this launch so far)."""
+        """Seconds per step and per save, measured on the reference (else this launch so far). The
+        step time is the mean over the recorded progress, stalls included (a loader's workers
+        starting, a save), the larger of the reference's and this launch's so far: a median
+        would promise steps a slower relaunch does not make before its end."""
         runs = [self.measured] if self.measured is not None else [launch]
         save = save_figures(runs)["save_cost_s"] or save_figures([launch])["save_cost_s"] or 0.0
-        return step_seconds(runs) or step_seconds([launch]), save
+        rates = [rate for rate in (_mean_step_s(runs[0]), _mean_step_s(launch)) if rate]
+        return max(rates, default=None), save
 
     def deadline(self, kind: str, save_s: float, step_s: float) -> float:
-        """Seconds from delivery to the kill: for ``notice`` and ``sigterm`` room for the job's
-        emergency save (twice the measured cost), the library's margin and two steps, so that the
-        job stops at once and saves; ``short-notice`` leaves less than the margin; ``sigkill`` 0."""
-        if kind == "short-notice":
-            return SHORT_S
-        if kind == "sigkill":
-            return 0.0
+        """Seconds from delivery to the kill: for ``notice`` room for the job's emergency save
+        (twice the measured cost), the library's margin and two steps, so that the job stops at
+        once and saves; for ``sigterm`` Kubernetes' default grace; ``short-notice`` less than the
+        margin; ``sigkill`` 0."""
+        if kind in ("short-notice", "sigkill", "sigterm"):
+            return {"short-notice": SHORT_S, "sigkill": 0.0, "sigterm": SIGTERM_GRACE_S}[kind]
         return round(max(3.0, SAVE_MARGIN_S + 2 * save_s + 2 * step_s + 1.0), 1)
 
     @staticmethod
-    def landing(kind: str, deadline: float) -> float:
+    def landing(kind: str, save_s: float, step_s: float) -> float:
         """Seconds from delivery until the preemption has surely stopped the job: the kill for
-        ``short-notice`` and ``sigkill``; for ``notice`` and ``sigterm`` the job stops at its
-        next step and saves, well before the kill at the deadline (its margin unused)."""
-        return deadline if kind in ("short-notice", "sigkill") else max(0.5, deadline - SAVE_MARGIN_S - 0.5)
+        ``short-notice`` and ``sigkill``; for ``notice`` and ``sigterm`` the job's stop at its next
+        step and its save, well before the kill."""
+        if kind in ("short-notice", "sigkill"):
+            return SHORT_S if kind == "short-notice" else 0.0
+        return 0.5 + 2 * save_s + 2 * step_s
 
     def _due(self, launch: Launch) -> bool:
         """Whether the launch reached its target step; never before a step after 0 is committed (a
@@ -301,7 +307,7 @@ class Drill:
         first = min([c["step"] for c in (self.measured or launch).of("commit")]
                     or [c["step"] for c in launch.of("commit")] or [launch.resumed_from])
         launch.deadline = self.deadline(launch.kind, save_s, step_s)
-        last = total - math.ceil((self.landing(launch.kind, launch.deadline) + 0.5) / step_s) - 2
+        last = total - math.ceil((self.landing(launch.kind, save_s, step_s) + 0.5) / step_s) - 2
         slot = self.slots.pop(0) if self.slots else 0.5
         target = max(max(first, launch.resumed_from) + 1, first + 1 + int(slot * max(0, last - first - 1)))
         if target > last:
@@ -364,6 +370,14 @@ class Drill:
         for proc in reversed(self.procs):
             stop(proc, STOP_S)
         shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+def _mean_step_s(launch: Launch) -> float | None:
+    """Seconds per step between the launch's first and last progress events (None before two)."""
+    marks = launch.of("progress")
+    if len(marks) < 2 or marks[-1]["step"] <= marks[0]["step"]:
+        return None
+    return (marks[-1]["t"] - marks[0]["t"]) / (marks[-1]["step"] - marks[0]["step"])
 
 
 def _layout(launches: list[Launch], reference: Launch | None) -> dict | None:

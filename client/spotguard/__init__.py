@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from spotguard import rng
+from spotguard import _fork, rng  # noqa: F401 (_fork: one warning at a fork that can hang the child)
 from spotguard.cadence import Cadence, daly_interval, young_interval
 from spotguard.exit_codes import EXIT_FORCED, EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import Guard

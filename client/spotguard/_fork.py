@@ -20,6 +20,12 @@ avoids it is not forking from a process with other threads: :func:`worker_contex
 ``"forkserver"`` (workers are forked from a single-threaded server process) on an affected
 interpreter when threads are alive, and None (torch's default, fork on Linux) otherwise.
 
+A plain torch ``DataLoader`` (or any ``multiprocessing`` fork) cannot be switched from outside, but
+it can be told: importing spotguard registers an ``os.register_at_fork`` hook that warns once, at
+the first ``os.fork()`` of a process with other Python threads (spotguard's, say) on an affected
+interpreter, naming the fix.
+(``subprocess`` does not call the hook: its fork is followed by ``exec`` at once, in C.)
+
 A forkserver's workers import the main script (as ``__mp_main__``), like ``spawn``: a script whose
 training runs at import would run again there. It is used only when the main module's top level
 only defines things (imports, functions, classes, assignments, an ``if __name__ == "__main__":``
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import warnings
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -48,7 +55,7 @@ import types
 from collections.abc import Iterable
 
 __all__ = ["deadlocks_at_fork", "threads_alive", "main_import_problem", "worker_context", "fork_warning",
-           "start_forkserver", "main_modules"]
+           "start_forkserver", "main_modules", "fork_warned"]
 
 FIXED_IN = {(3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
 """The first release of each affected branch with the fix (backports merged September 2024)."""
@@ -145,6 +152,37 @@ def start_forkserver(modules: Iterable[str]) -> None:
     preload = list(getattr(server, "_preload_modules", None) or ["__main__"])
     multiprocessing.set_forkserver_preload(list(dict.fromkeys([*preload, *modules])))
     multiprocessing.forkserver.ensure_running()
+
+
+_warned = False
+
+
+def fork_warned() -> None:
+    """A warning about this process's forks was given (by a loader): the hook says nothing more."""
+    global _warned
+    _warned = True
+
+
+def _before_fork() -> None:
+    """``os.register_at_fork(before=)``: the one warning of a fork whose child can hang."""
+    if _warned or not deadlocks_at_fork() or threading.active_count() <= 1:
+        return  # Python threads counted: a forkserver's own native ones (OpenBLAS's) never attach
+    fork_warned()
+    fixed = ".".join(map(str, FIXED_IN.get(tuple(sys.version_info[:2]), (3, 12, 0))))
+    try:
+        warnings.warn(f"this process forks with {threads_alive()} threads on CPython "
+                      f"{'.'.join(map(str, sys.version_info[:3]))}, where the child can hang for ever "
+                      f"before it starts (CPython gh-112275, fixed in {fixed}); torch's DataLoader and "
+                      "multiprocessing fork by default. Fix: DataLoader(..., multiprocessing_context="
+                      "'forkserver') with the script's training under `if __name__ == \"__main__\":`, "
+                      f"spotguard.DataLoader (which does that itself), or Python >= {fixed}",
+                      RuntimeWarning, stacklevel=2)
+    except Exception:  # noqa: BLE001 - warnings made errors must not fail the fork
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork)
 
 
 def fork_warning(problem: str) -> str:

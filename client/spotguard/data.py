@@ -248,6 +248,7 @@ class DataLoader(tud.DataLoader):
         self.multiprocessing_context = context
         if problem is not None and not self._warned_fork:
             self._warned_fork = True
+            _fork.fork_warned()
             warnings.warn(_fork.fork_warning(problem), RuntimeWarning, stacklevel=3)
         if context is None:
             return super().__iter__()
@@ -257,6 +258,7 @@ class DataLoader(tud.DataLoader):
         except Exception as exc:  # noqa: BLE001 - the dataset cannot travel to a forkserver: fork
             self.multiprocessing_context = None
             self._warned_fork = True
+            _fork.fork_warned()
             warnings.warn(_fork.fork_warning(f"starting a worker from it failed: {exc!r}"),
                           RuntimeWarning, stacklevel=3)
             return super().__iter__()

@@ -169,3 +169,39 @@ def test_the_progress_watchdog_exits_on_its_probes_verdict_and_runs_the_exit_hoo
     assert done.returncode == 9, done.stderr
     assert "spotguard: this rank's own hang; forced exit 9" in done.stderr
     assert hook.read_text() == "hook ran"
+
+
+PLAIN_JOB = """
+import sys, threading, time
+import torch
+import spotguard
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+if __name__ == "__main__":
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # as spotguard's guard
+    for _ in range(2):
+        make = torch.utils.data.DataLoader if sys.argv[2] == "plain" else spotguard.DataLoader
+        print(len(list(make(Items(), batch_size=4, num_workers=1))), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["plain", "spotguard"])
+def test_a_plain_torch_loader_forking_where_it_can_hang_is_warned_once(tmp_path, kind):
+    """spotguard cannot switch a plain DataLoader's start method; it says so once, with the fix. Its
+    own loader starts workers from a forkserver, whose fork (a process with native threads only:
+    OpenBLAS's) draws no warning."""
+    script = tmp_path / "job.py"
+    script.write_text(PLAIN_JOB)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), kind], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["2", "2"], done.stderr[-2000:]
+    warned = done.stderr.count("gh-112275")
+    assert warned == (1 if kind == "plain" and _fork.deadlocks_at_fork() else 0), done.stderr[-2000:]
+    if warned:
+        assert "multiprocessing_context='forkserver'" in done.stderr

@@ -10,8 +10,14 @@
 
 Every job: the dropout MLP and data of ``_integration_jobs.py``, ``$JOB_STEPS`` steps (24) of at
 least ``$JOB_STEP_SLEEP`` seconds (0.05, so that a signal lands mid-run), a save every 4 steps.
+``$JOB_AUTOCAST=1`` runs the forward under bf16 autocast (each framework's own switch: Lightning's
+``precision="bf16-mixed"``, the Trainer's ``bf16=True``, Accelerate's ``mixed_precision="bf16"``);
+``$JOB_ACCUM=2`` accumulates gradients over two micro-batches a step (``run.steps()`` and the
+Accelerate loop draw them inside the step, under DDP's ``no_sync`` for all but the last; Lightning's
+``accumulate_grad_batches``, the Trainer's ``gradient_accumulation_steps``).
 Each rank writes ``OUT/pid.<rank>`` at start and ``OUT/exit.<rank>`` (its exit status) at the
-end; rank 0 writes ``OUT/progress`` (the steps done) after each step and prints ``DIGEST`` (the
+end; rank 0 writes ``OUT/progress`` (the steps done) after each step, adds a line to ``OUT/starts``
+with the steps done at its first step end (more than one step in a launch that resumed), and prints ``DIGEST`` (the
 final weights and optimizer state) when training ended normally; ``$JOB_SIGNAL_AT`` and
 ``$JOB_SIGNAL_RANK`` make one rank SIGTERM itself once (see :func:`step_done`). ``$JOB_DAEMON=1``: the job talks
 to the daemon (its job id is ``torchrun`` either way). Log lines carry ``[rank N]``.
@@ -19,6 +25,7 @@ to the daemon (its job id is ``torchrun`` either way). Log lines carry ``[rank N
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -35,7 +42,10 @@ RANK = int(os.environ.get("RANK", "0"))
 STEPS = int(os.environ.get("JOB_STEPS", "24"))
 SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0.05"))
 DAEMON = os.environ.get("JOB_DAEMON") == "1"
+AUTOCAST = os.environ.get("JOB_AUTOCAST") == "1"
+ACCUM = int(os.environ.get("JOB_ACCUM", "1"))
 JOB_ID = "torchrun"
+_started: list[int] = []
 
 
 def write(path: Path, text: str) -> None:
@@ -50,6 +60,10 @@ def step_done(out: Path, step: int) -> None:
     done (in a resumed run only past the step it resumed from)."""
     if RANK == 0:
         write(out / "progress", str(step))
+        if not _started:
+            _started.append(step)
+            with open(out / "starts", "a") as starts:
+                starts.write(f"{step}\n")
     if str(RANK) == os.environ.get("JOB_SIGNAL_RANK") and step == int(os.environ.get("JOB_SIGNAL_AT", "-1")) \
             and not (out / "signalled").exists():
         write(out / "signalled", str(step))
@@ -61,6 +75,21 @@ def endless(loader):
     while True:
         yield from loader
         loader.sampler.set_epoch(loader.sampler.epoch + 1)
+
+
+def autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST)
+
+
+def accumulate(model, batches, no_sync, backward=lambda loss: loss.backward()) -> None:
+    """One step's backward: ``ACCUM`` micro-batches drawn here, inside the step, all but the last
+    under ``no_sync()`` (DDP all-reduces once a step, as users write it)."""
+    for micro in range(ACCUM):
+        x, y = next(batches)
+        with no_sync() if micro < ACCUM - 1 else contextlib.nullcontext():
+            with autocast():
+                loss = torch.nn.functional.mse_loss(model(x), y) / ACCUM
+            backward(loss)
 
 
 def run_job(out: Path) -> None:
@@ -75,10 +104,11 @@ def run_job(out: Path) -> None:
     loader = spotguard.DataLoader(dataset(), batch_size=BATCH, shuffle=True, seed=0)
     run = spotguard.Run(out / "ckpt", model=model, optimizer=opt, loader=loader, save_every=4,
                         daemon=DAEMON, job_id=JOB_ID)
+    batches = endless(loader)
     with run:
-        for step, (x, y) in zip(run.steps(STEPS), endless(loader)):
+        for step in run.steps(STEPS):
             opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            accumulate(model, batches, model.no_sync)
             opt.step()
             step_done(out, step + 1)
     print("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]), flush=True)
@@ -89,7 +119,7 @@ def accelerate_job(out: Path) -> None:
 
     import spotguard
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if AUTOCAST else "no")
     torch.manual_seed(0)
     model = network()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -98,9 +128,10 @@ def accelerate_job(out: Path) -> None:
     loader = spotguard.DataLoader(dataset(), batch_size=BATCH, shuffle=True, seed=0)
     run = spotguard.Run(out / "ckpt", model=model, optimizer=opt, scheduler=sched, loader=loader,
                         save_every=4, daemon=DAEMON, job_id=JOB_ID)
+    batches = endless(loader)
     with run:
-        for step, (x, y) in zip(run.steps(STEPS), endless(loader)):
-            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        for step in run.steps(STEPS):
+            accumulate(model, batches, lambda: accelerator.no_sync(model), accelerator.backward)
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -131,7 +162,8 @@ def lightning_job(out: Path) -> None:
     pl.seed_everything(0)
     module = Module()
     callback = SpotguardCallback(out / "ckpt", save_every=4, daemon=DAEMON, job_id=JOB_ID)
-    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", strategy="ddp",
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", strategy="ddp", accumulate_grad_batches=ACCUM,
+                         precision="bf16-mixed" if AUTOCAST else "32-true",
                          devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), deterministic=True,
                          logger=False, callbacks=[callback], enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
@@ -154,7 +186,7 @@ def hf_job(out: Path) -> None:
     args = transformers.TrainingArguments(
         str(out), max_steps=STEPS, per_device_train_batch_size=BATCH, save_steps=4, seed=0,
         use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, learning_rate=0.01)
+        dataloader_num_workers=0, learning_rate=0.01, bf16=AUTOCAST, gradient_accumulation_steps=ACCUM)
     guard = SpotguardTrainerCallback(daemon=DAEMON, job_id=JOB_ID)
     trainer = transformers.Trainer(HFModel(), args, train_dataset=dataset(), data_collator=collate,
                                    callbacks=[guard, Progress()])

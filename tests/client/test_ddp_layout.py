@@ -6,7 +6,9 @@ exits 75) and relaunched; the final weights and optimizer state must be bit-iden
 backward readies gradients out of parameter order (bf16 autocast; a tied weight and blocks applied
 in reverse), where the old reversed-order guess is wrong: the residual case also resumes through
 that guess (``$JOB_GUESS=1``) and shows it diverging. Each job's uninterrupted run is shared by the
-tests of this module.
+tests of this module. The residual autocast case runs every time; of the other Run cases and of
+the two frameworks one each is sampled per run (``_matrix.py``: the seed is printed,
+``SPOTGUARD_MATRIX_ALL=1`` runs all), to keep the suite's time in check.
 """
 
 from __future__ import annotations
@@ -21,9 +23,19 @@ from pathlib import Path
 import pytest
 
 from _example import isolated_env
+from _matrix import SEED, sample, skip_reason
 
 JOB = Path(__file__).with_name("_ddp_layout_job.py")
 RANKS, STEPS = 3, 14  # _ddp_layout_job.STEPS
+RUN_CASES = ["residual-autocast-first-step", "shared-weights-accumulate", "residual-static-graph"]
+CHOSEN = {"residual-autocast"} | sample("ddp-layout-run", RUN_CASES, 1) | sample("ddp-layout-frameworks",
+                                                                                  ["hf", "lightning"], 1)
+
+
+def sampled(case: str) -> None:
+    if case not in CHOSEN:
+        pytest.skip(skip_reason())
+    print(f"SPOTGUARD_MATRIX_SEED={SEED}")
 
 
 def launch(kind: str, out: Path, **knobs: str) -> tuple[int, str]:
@@ -75,7 +87,8 @@ def line(output: str, key: str) -> str:
     ("shared", {}, 5),
     ("residual", {"JOB_STATIC": "1"}, 5),
 ], ids=["residual-autocast", "residual-autocast-first-step", "shared-weights-accumulate", "residual-static-graph"])
-def test_run_resumes_three_rank_ddp_bit_identically(tmp_path, uninterrupted, kind, knobs, stop):
+def test_run_resumes_three_rank_ddp_bit_identically(tmp_path, uninterrupted, kind, knobs, stop, request):
+    sampled(request.node.callspec.id)
     reference = uninterrupted(kind, **knobs)
     layout = json.loads(line(reference, "LAYOUT"))
     record = layout["ddps"]["model"]
@@ -99,6 +112,7 @@ def test_run_resumes_three_rank_ddp_bit_identically(tmp_path, uninterrupted, kin
 @pytest.mark.parametrize("kind", ["hf", "lightning"])
 def test_framework_three_rank_ddp_resumes_bit_identically(tmp_path, uninterrupted, kind):
     """HF Trainer with ddp_find_unused_parameters=False, Lightning's strategy="ddp"; bf16 autocast."""
+    sampled(kind)
     reference = line(uninterrupted(kind), "DIGEST")
     stopped(kind, tmp_path / "stopped", stop=5)
     resumed = finished(kind, tmp_path / "stopped")

@@ -10,11 +10,16 @@ checks that it ends on the uninterrupted run's final digest. The ways to stop:
   to each worker's process group;
 * ``workers``: SIGTERM to some of the workers only, in a random order (torchrun starts each worker
   in its own session, so a signal to the launcher's group does not reach them);
-* ``notice``: a notice from a real daemon.
+* ``notice``: a notice from a real daemon;
+* ``kill``: SIGKILL to torchrun and every worker at once, after a periodic commit (a node lost
+  without notice): nothing is checked of the stop, and the relaunch resumes from the last commit.
 
-The full matrix is 4 x 3 x 3 cells of 20-60 s each on a loaded 2-core machine; each run samples
-:data:`SAMPLED` of them from a seed it prints (``TORCHRUN_MATRIX_SEED`` repeats a run's choice,
-``TORCHRUN_MATRIX_ALL=1`` runs every cell).
+Each cell also picks bf16 autocast on or off and gradient accumulation over 1 or 2 micro-batches
+(see ``_torchrun_jobs.py``); its reference is the uninterrupted run of the same kind, ranks,
+autocast and accumulation. The full matrix is 4 x 3 x 4 x 2 x 2 cells of 20-60 s each on a loaded
+2-core machine; each run samples :data:`SAMPLED` of them from a seed it prints
+(``SPOTGUARD_MATRIX_SEED`` repeats a run's choice, ``SPOTGUARD_MATRIX_ALL=1`` runs every cell; see
+``_matrix.py``).
 """
 
 from __future__ import annotations
@@ -30,17 +35,19 @@ from pathlib import Path
 
 import pytest
 
+from _matrix import SEED, sample, skip_reason
 from spotguard import _record
 from spotguard.protocol import NotifyRequest
 
 JOB = Path(__file__).with_name("_torchrun_jobs.py")
 KINDS = ("run", "accelerate", "lightning", "hf")
 IMPORTS = {"accelerate": "accelerate", "lightning": "lightning.pytorch", "hf": "transformers"}
-WAYS = ("launcher", "workers", "notice")
-CELLS = [(kind, ranks, way) for kind in KINDS for ranks in (1, 2, 3) for way in WAYS]
-SEED = int(os.environ.get("TORCHRUN_MATRIX_SEED") or random.SystemRandom().randrange(1 << 30))
-SAMPLED = len(CELLS) if os.environ.get("TORCHRUN_MATRIX_ALL") == "1" else 3
-CHOSEN = set(random.Random(SEED).sample(CELLS, SAMPLED))
+WAYS = ("launcher", "workers", "notice", "kill")
+CELLS = [(kind, ranks, way, autocast, accum) for kind in KINDS for ranks in (1, 2, 3) for way in WAYS
+         for autocast in (0, 1) for accum in (1, 2)]
+
+SAMPLED = 3
+CHOSEN = sample("torchrun", CELLS, SAMPLED)
 STOP_LINE = re.compile(r"^\[rank (\d+)\] .*stopping at step (\d+)", re.M)
 _references: dict[tuple[str, int], str] = {}
 
@@ -112,11 +119,27 @@ def launch_to_the_end(kind: str, ranks: int, out: Path, env: dict[str, str]) -> 
     return re.findall(r"^DIGEST (\w+)$", text, re.M)[-1]
 
 
-def reference(kind: str, ranks: int, tmp: Path) -> str:
-    if (kind, ranks) not in _references:
+def reference(kind: str, ranks: int, tmp: Path, **knobs: str) -> str:
+    key = (kind, ranks, *sorted(knobs.items()))
+    if key not in _references:
         out = tmp / f"reference-{kind}-{ranks}"
-        _references[kind, ranks] = launch_to_the_end(kind, ranks, out, job_env(out, tmp / "rt-none"))
-    return _references[kind, ranks]
+        _references[key] = launch_to_the_end(kind, ranks, out, job_env(out, tmp / "rt-none", **knobs))
+    return _references[key]
+
+
+def last_start(out: Path) -> int:
+    """The steps done at the first step end of the newest launch (see ``_torchrun_jobs.py``)."""
+    return int((out / "starts").read_text().split()[-1])
+
+
+def kill_all(proc: subprocess.Popen, out: Path) -> None:
+    """SIGKILL the workers and torchrun at once: the node is gone, nobody saves."""
+    for pid_file in out.glob("pid.*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
 
 
 def checkpoint_steps(kind: str, out: Path) -> list[int]:
@@ -124,15 +147,27 @@ def checkpoint_steps(kind: str, out: Path) -> list[int]:
     return sorted(int(re.findall(r"\d+", p.name)[-1]) for p in out.glob(pattern))
 
 
-def stop_and_resume(kind: str, ranks: int, way: str, tmp: Path, daemon_factory, rng: random.Random) -> None:
+def stop_and_resume(kind: str, ranks: int, way: str, tmp: Path, daemon_factory, rng: random.Random,
+                    **knobs: str) -> None:
     """Stop the job one ``way`` mid-run, check the stop, resume it, compare with the reference."""
-    expected = reference(kind, ranks, tmp)
+    expected = reference(kind, ranks, tmp, **knobs)
     out = tmp / f"stopped-{kind}-{ranks}-{way}"
     daemon = daemon_factory() if way == "notice" else None
     runtime = daemon.runtime_dir if daemon else tmp / "rt-none"
-    env = job_env(out, runtime, **({"JOB_DAEMON": "1"} if daemon else {}))
+    env = job_env(out, runtime, **knobs, **({"JOB_DAEMON": "1"} if daemon else {}))
     proc = torchrun(kind, ranks, out, env)
     at = wait_progress(out, rng.randrange(2, 11), proc)
+    if way == "kill":
+        deadline = time.monotonic() + 120
+        while not checkpoint_steps(kind, out):  # a commit to resume from, or the test proves nothing
+            assert proc.poll() is None and time.monotonic() < deadline, output_of(out)[-4000:]
+            time.sleep(0.02)
+        kill_all(proc, out)
+        finish(proc)
+        saved = max(checkpoint_steps(kind, out))
+        assert launch_to_the_end(kind, ranks, out, job_env(out, tmp / "rt-none", **knobs)) == expected
+        assert last_start(out) >= saved, (saved, (out / "starts").read_text())
+        return
     if way == "launcher":
         proc.send_signal(signal.SIGTERM)
     elif way == "workers":
@@ -144,8 +179,10 @@ def stop_and_resume(kind: str, ranks: int, way: str, tmp: Path, daemon_factory, 
     else:
         assert daemon.request(NotifyRequest(detail="torchrun matrix")).ok
     finish(proc)
-    assert stopped(kind, ranks, out) >= at
-    assert launch_to_the_end(kind, ranks, out, job_env(out, tmp / "rt-none")) == expected
+    step = stopped(kind, ranks, out)
+    assert step >= at
+    assert launch_to_the_end(kind, ranks, out, job_env(out, tmp / "rt-none", **knobs)) == expected
+    assert last_start(out) >= step, (step, (out / "starts").read_text())  # it resumed, not restarted
 
 
 def stopped(kind: str, ranks: int, out: Path) -> int:
@@ -167,14 +204,17 @@ def stopped(kind: str, ranks: int, out: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind, ranks, way", CELLS, ids=[f"{k}-{r}-{w}" for k, r, w in CELLS])
-def test_every_rank_stops_at_one_step_with_one_save_and_resumes_exactly(kind, ranks, way, tmp_path,
-                                                                        daemon_factory):
-    if (kind, ranks, way) not in CHOSEN:
-        pytest.skip(f"not sampled this run (TORCHRUN_MATRIX_SEED={SEED}; TORCHRUN_MATRIX_ALL=1 runs all)")
+@pytest.mark.parametrize("kind, ranks, way, autocast, accum", CELLS,
+                         ids=[f"{k}-{r}-{w}-autocast{a}-accum{n}" for k, r, w, a, n in CELLS])
+def test_every_rank_stops_at_one_step_with_one_save_and_resumes_exactly(kind, ranks, way, autocast, accum,
+                                                                        tmp_path, daemon_factory):
+    cell = (kind, ranks, way, autocast, accum)
+    if cell not in CHOSEN:
+        pytest.skip(skip_reason())
     pytest.importorskip(IMPORTS.get(kind, "torch"))
-    print(f"TORCHRUN_MATRIX_SEED={SEED}")
-    stop_and_resume(kind, ranks, way, tmp_path, daemon_factory, random.Random(f"{SEED}-{kind}-{ranks}-{way}"))
+    print(f"SPOTGUARD_MATRIX_SEED={SEED}")
+    stop_and_resume(kind, ranks, way, tmp_path, daemon_factory, random.Random(f"{SEED}-{cell}"),
+                    JOB_AUTOCAST=str(autocast), JOB_ACCUM=str(accum))
 
 
 @pytest.mark.slow

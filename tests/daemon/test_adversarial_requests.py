@@ -470,7 +470,7 @@ def test_a_client_in_its_own_pid_namespace_is_signalled_by_its_real_pid(daemon_f
 @pytest.mark.parametrize("numbers", [
     {"type": "register", "pid": os.getpid(), "rank": 0, "job_id": "victim", "resumed_from_step": 2**63},
     {"type": "register", "pid": os.getpid(), "rank": 2**63, "job_id": "victim"},
-    {"type": "progress", "pid": os.getpid(), "job_id": "victim", "step": 2**63, "at": utcnow().isoformat()},
+    {"type": "progress", "pid": os.getpid(), "job_id": "victim", "step": 2**63, "at": "now"},
     {"type": "progress", "pid": os.getpid(), "job_id": "victim", "step": 3, "at": "0001-01-01T00:00:00Z"},
     {"type": "commit", "pid": os.getpid(), "path": "x", "step": 1, "size_bytes": 2**64},
     {"type": "notify", "deadline_seconds": 1e308},
@@ -483,6 +483,7 @@ def test_a_number_out_of_bounds_is_refused_at_the_protocol_and_the_daemon_lives_
     failed the ledger's schema and the daemon exited 1. Every integer and time on the wire is bounded."""
     daemon = daemon_factory(env={**NO_SIGNAL, "SPOTGUARD_STORAGE__URL": f"file://{tmp_path}/store",
                                  "SPOTGUARD_STORAGE__PROGRESS_SECONDS": "0.1"})
+    numbers = {k: utcnow().isoformat() if v == "now" else v for k, v in numbers.items()}
     field = next(k for k, v in numbers.items() if v in (2**63, 2**64, 2**40, 1e308, "0001-01-01T00:00:00Z"))
     reply = daemon.request(json.dumps(numbers).encode())
     assert not reply.ok and field in reply.error, reply

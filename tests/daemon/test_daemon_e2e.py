@@ -253,16 +253,24 @@ def test_accepted_commits_reach_the_on_commit_hook(sock_dir, tmp_path, ask):
     assert seen == [(5, (tmp_path / "ckpt" / "step-0000000005").resolve())]
 
 
-def test_a_core_loop_that_dies_stops_the_daemon_with_status_1(sock_dir, tmp_path):
+def test_a_core_loop_that_dies_is_restarted_and_counted_and_the_daemon_stays_up(sock_dir, tmp_path):
+    """No loop's failure stops the daemon (one request could otherwise keep it down): the loop is
+    started again after a backoff and the failure counted."""
     import asyncio
 
     daemon = in_process_daemon(sock_dir, tmp_path)
+    calls: list[float] = []
 
-    async def broken_heartbeats():
-        raise RuntimeError("boom")
+    async def flaky_heartbeats():
+        calls.append(asyncio.get_running_loop().time())
+        if len(calls) <= 2:
+            raise RuntimeError("boom")
+        daemon.stop()
 
-    daemon.server.heartbeats = broken_heartbeats
-    assert asyncio.run(asyncio.wait_for(daemon.run(), 10)) == 1
+    daemon.server.heartbeats = flaky_heartbeats
+    assert asyncio.run(asyncio.wait_for(daemon.run(), 30)) == 0
+    assert len(calls) == 3 and calls[2] - calls[1] >= 2 * (calls[1] - calls[0]) * 0.9  # backing off
+    assert daemon.metrics.task_restarts.labels(task="heartbeats")._value.get() == 2
 
 
 GUARDED = """

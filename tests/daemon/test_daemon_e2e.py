@@ -266,6 +266,7 @@ def test_a_core_loop_that_dies_is_restarted_and_counted_and_the_daemon_stays_up(
         if len(calls) <= 2:
             raise RuntimeError("boom")
         daemon.stop()
+        await asyncio.Event().wait()  # a loop runs until cancelled
 
     daemon.server.heartbeats = flaky_heartbeats
     assert asyncio.run(asyncio.wait_for(daemon.run(), 30)) == 0

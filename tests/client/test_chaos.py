@@ -1,4 +1,4 @@
-"""Chaos: SIGKILL the example at >= 50 random instants; every relaunch of the identical command
+"""Chaos: SIGKILL the example at 40 random instants; every relaunch of the identical command
 resumes from a committed checkpoint at or after the previous one, and the final state is
 bit-identical to an uninterrupted run.
 
@@ -6,7 +6,8 @@ Saves come every second step of a few milliseconds, so the background write, the
 commit rename and the retention deletes are in progress most of the time and random kill instants
 land inside them (the test checks that some kills left a half-written ``.tmp-step-*`` behind).
 Two independent chains (own seed, own checkpoint root) run side by side to keep the wall time
-near a minute on two cores: the cost is dominated by interpreter and torch start-up.
+near two minutes on two cores: the cost is dominated by interpreter and torch start-up (several
+times that while the other pytest worker runs torchrun jobs, hence the generous timeout).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import pytest
 
 from _example import Proc, final, isolated_env, run_to_end
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 2000
-"""Long enough that 25 kills, each at most KILL_WITHIN seconds into a life, never finish the job."""
-KILLS_PER_CHAIN = 25
+"""Long enough that 20 kills, each at most KILL_WITHIN seconds into a life, never finish the job."""
+KILLS_PER_CHAIN = 20
 KILL_WITHIN = 0.3
 ARGS = ("--save-every", "2", "--step-sleep", "0.003")
 
@@ -69,12 +70,12 @@ def test_sigkill_at_random_instants_then_resume_is_bit_identical(tmp_path):
     reference = run_to_end(tmp_path / "ref", STEPS, "--save-every", "1000",
                            env=isolated_env(tmp_path / "rt-ref"), timeout=120)
     for t in threads:
-        t.join(300)
+        t.join()  # bounded by the chains' own waits and the test's timeout
     if errors:
         raise errors[0]
     for report in reports:
         assert report["final"] == final(reference)
         assert report["starts"] == sorted(report["starts"]) and report["starts"][-1] > 0
         assert report["torn"] >= 2, report  # some kills landed inside a save
-    assert sum(len(r["starts"]) for r in reports) >= 50
+    assert sum(len(r["starts"]) for r in reports) == 2 * KILLS_PER_CHAIN
     print("chaos:", [{k: r[k] for k in ("starts", "torn")} for r in reports])  # shown with -s

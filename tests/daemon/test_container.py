@@ -11,6 +11,7 @@ changed checkout is rebuilt. Containers use ``--network none`` (loopback only) a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -31,6 +32,7 @@ UID = 10001  # the image's user
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(900),  # the first test of a worker may build the image (minutes under load)
     pytest.mark.skipif(shutil.which("podman") is None or shutil.which("mmdebstrap") is None or os.geteuid(),
                        reason="needs root, podman and mmdebstrap (scripts/test installs them as root)"),
 ]
@@ -68,10 +70,14 @@ def containers_conf(tmp_path_factory):
 def image() -> str:
     """The image with torch (so one image serves the daemon and the trainer), built once per source."""
     tag = f"localhost/spotguard-test:{source_hash()}"
-    if podman("image", "exists", tag, check=False).returncode != 0:
-        env = {**os.environ, "ENGINE_ARGS": " ".join(PODMAN[1:])}
-        subprocess.run([str(ROOT / "scripts" / "build-image.sh"), "--engine", "podman", "--base-from-debian",
-                        "--extras", "torch", "--tag", tag], cwd=ROOT, env=env, check=True, timeout=1200)
+    # One build for both pytest-xdist workers (test_daemonset_fresh_node shares this fixture): the
+    # second waits on the lock, then finds the image.
+    with open(f"/tmp/spotguard-test-image-{os.getuid()}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if podman("image", "exists", tag, check=False).returncode != 0:
+            env = {**os.environ, "ENGINE_ARGS": " ".join(PODMAN[1:])}
+            subprocess.run([str(ROOT / "scripts" / "build-image.sh"), "--engine", "podman", "--base-from-debian",
+                            "--extras", "torch", "--tag", tag], cwd=ROOT, env=env, check=True, timeout=1200)
     return tag
 
 

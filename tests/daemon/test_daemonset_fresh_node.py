@@ -12,6 +12,7 @@ helpers of test_container.py.
 from __future__ import annotations
 
 import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -47,11 +48,12 @@ def play(manifest: Path) -> None:
     """``podman kube play``, again after podman 4.3's race under load: it removes an init container
     right after it exited and may find runc still reporting it running ("cannot remove container ...
     as it is running")."""
-    for _ in range(3):
+    for attempt in range(6):
         result = podman("kube", "play", "--network", "none", str(manifest), check=False)
         if result.returncode == 0 or "cannot remove container" not in result.stderr:
             break
         podman("kube", "down", str(manifest), check=False)
+        time.sleep(1 + attempt)  # let runc see the init container gone before playing again
     assert result.returncode == 0, result.stderr
 
 

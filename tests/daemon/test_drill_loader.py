@@ -21,7 +21,7 @@ from test_drill_e2e import ROOT, drill, passed_every_kind
 @pytest.mark.timeout(300)
 def test_the_dataloader_example_passes_every_kind_of_preemption(tmp_path):
     done = drill(tmp_path, "-n", "4", "--seed", "3", job=[
-        sys.executable, str(ROOT / "examples" / "train_loader.py"), "--steps", "60",
+        sys.executable, str(ROOT / "examples" / "train_loader.py"), "--steps", "120",
         "--workers", "2", "--save-every", "10", "--step-sleep", "0.03", "--ckpt-dir", "ckpt"])
     report = passed_every_kind(tmp_path, done)
     # SIGTERM reaches the loader's workers too; a relaunch never resumes from the moved-aside

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import zmq
 from spotguard.protocol import CommitRequest, StatusRequest
 from spotguard.storage.fresh_node import restore_newer, store_from_env
 
+from _group import run_group
 from test_durable_e2e import commit_dir
 from test_settings_refused import spotguard
 
@@ -188,15 +188,8 @@ def test_the_slurm_scripts_daemon_has_no_store_unless_one_is_set(tmp_path, sock_
     if url:
         env["SPOTGUARD_STORAGE__URL"] = url.format(tmp=tmp_path)
     script = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "train.sbatch"
-    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output = proc.communicate(timeout=60)[0]
-    finally:
-        if proc.poll() is None:  # the script and the daemon it started: one process group
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    assert proc.returncode == 0, output
+    code, output = run_group(["bash", str(script)], cwd=tmp_path, env=env, timeout=60)
+    assert code == 0, output
     uploads = json.loads((tmp_path / "uploads.json").read_text())
     assert uploads["disabled"] is (url is None)
     assert uploads["store"] == (url and url.format(tmp=tmp_path))

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from _group import run_group
 from _users import new_user
 
 pytestmark = [pytest.mark.slow,
@@ -160,16 +160,8 @@ def test_the_slurm_script_runs_its_own_daemon_in_a_directory_of_its_own(squatted
     shutil.copy(ROOT / "deploy" / "slurm" / "train.sbatch", home / "train.sbatch")
     (home / "train.py").write_text(TRAIN)
     env = {**env, "SLURM_JOB_ID": "7", "SPOTGUARD_SLURM__ENABLED": "no", "SPOTGUARD_PLATFORM": "none"}
-    proc = subprocess.Popen([*as_user(victim, gid), "bash", "train.sbatch"], cwd=home, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output = proc.communicate(timeout=90)[0]
-    finally:
-        if proc.poll() is None:  # the script and the daemon it started: one process group
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    assert proc.returncode == 0, output
+    code, output = run_group([*as_user(victim, gid), "bash", "train.sbatch"], cwd=home, env=env, timeout=90)
+    assert code == 0, output
     assert refusal(victim, attacker) in output
     status = json.loads((home / "status.json").read_text())
     assert status["version"] != "fake" and status["notices"] == [], status

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from spotguard.protocol import NotifyRequest
-from spotguard_daemon.server import ServerError, lock_runtime_dir, secure_dir
+from spotguard_daemon.core.server import ServerError, lock_runtime_dir, secure_dir
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +80,7 @@ def test_status_says_a_registered_process_that_now_runs_setuid_is_not_signalled(
     """A process of another user is registered (by root), then runs a setuid program (su, waiting
     for a password): its effective uid is root's now, so the daemon would not signal it, and
     ``status`` must not say it would."""
+    import re
     import shutil
     import time
 
@@ -92,6 +93,10 @@ def test_status_says_a_registered_process_that_now_runs_setuid_is_not_signalled(
     user = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "sh", "-c",
                              f"read line; exec {su} root -c true"], stdin=subprocess.PIPE)
     try:
+        deadline = time.monotonic() + 20  # setpriv runs as root until it has dropped to nobody
+        while not re.search(r"^Uid:\t65534\t65534\t65534\t", open(f"/proc/{user.pid}/status").read(), re.M):
+            assert time.monotonic() < deadline and user.poll() is None, "setpriv did not drop to nobody"
+            time.sleep(0.02)
         assert daemon.request(RegisterRequest(pid=user.pid)).data["signal"] is True
 
         def shown() -> bool:

@@ -49,7 +49,9 @@ def test_a_node_killed_outright_leaves_the_other_nodes_ranks_exiting_77_within_t
     assert survivor.returncode == 1, job.output()  # torchrun: a worker failed
     out = job.launches[0].output()
     assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", out, re.MULTILINE) == ["77"], out
-    assert "a peer rank is gone" in out or f"no step boundary for {PEER_TIMEOUT} s" in out, out
+    # the exchange saw the peer go, or the step watchdog found no step for peer_timeout + grace
+    stalled = f"no step boundary for {PEER_TIMEOUT + PEER_LOST_GRACE:.0f} s"
+    assert "a peer rank is gone" in out or (stalled in out and "a peer rank is probably gone" in out), out
     # Either path (the agreement's timeout or the progress watchdog) records why, so `spotguard run`
     # tells torchrun's status 1 here from a crash and relaunches.
     assert job.events("peer_lost"), out

@@ -176,7 +176,8 @@ class Run:
         self._user_on_commit = on_commit
         job_id = job_id or os.environ.get(_jobid.ENV, "")
         derived = not job_id
-        self.job_id = job_id = job_id or _jobid.derive()
+        self.job_id = job_id = _jobid.agree(job_id or _jobid.derive(), given=not derived,
+                                            process_group=process_group)  # rank 0's, on every node
         log.info("job id %s%s", job_id, " (derived from the command line and working directory; pass "
                  "job_id= to choose one)" if derived else "")
         self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,

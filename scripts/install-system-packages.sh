@@ -6,13 +6,14 @@
 #                (tests/daemon/test_container.py)
 #   slurm-wlm, munge   a real one-node Slurm cluster (tests/slurm/, benchmarks/bench_slurm.py)
 #   iproute2     `ip netns` and veth pairs for two-node jobs (tests/multinode/, benchmarks/bench_multinode.py)
+#   bindfs       a real FUSE mount, refused as a checkpoint root (tests/client/test_checkpoint_fuse_root.py)
 #
 # Without root, missing packages are reported loudly and the tests that need them skip.
 set -euo pipefail
 
 declare -A command_of=([prometheus]=promtool [podman]=podman [runc]=runc [catatonit]=catatonit
                        [mmdebstrap]=mmdebstrap [slurm-wlm]=slurmctld [munge]=munged
-                       [iproute2]=ip)
+                       [iproute2]=ip [bindfs]=bindfs)
 missing=()
 for package in "${!command_of[@]}"; do
     PATH="$PATH:/usr/sbin:/usr/libexec/podman" command -v "${command_of[$package]}" >/dev/null \

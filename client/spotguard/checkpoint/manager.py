@@ -28,6 +28,7 @@ import torch
 
 from spotguard._optim import hookable
 from spotguard.checkpoint import commit, layout
+from spotguard.checkpoint._mounts import refuse_untrusted_rename
 from spotguard.checkpoint._workers import Throttle, lower_priority
 from spotguard.checkpoint.emergency import Emergency, LiveWriter, live_snapshot
 from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
@@ -86,6 +87,7 @@ class Checkpointer:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.root = Path(root).absolute()
+        refuse_untrusted_rename(self.root)  # every rank: on another node, the root is another disk
         self.keep, self.job_id, self.verify, self.on_commit = keep, job_id, verify, on_commit
         self._nice, self._large, self._per_rank = background_nice, large_tensor_bytes, frozenset(per_rank)
         self._share = background_cpu_share

@@ -16,6 +16,21 @@ The waste curve is flat near its minimum: an MTBF wrong by a factor k moves T by
 the waste by (sqrt(k) + 1/sqrt(k)) / 2, i.e. only 25 % for k = 4. That is why the rough per-platform
 defaults in :data:`NODE_MTBF_S` are usable until you have measured your own figure.
 
+Learning the MTBF (:func:`learned_mtbf`): the daemon counts a job's interruptions ``n`` (restarts
+from a checkpoint, on any node) over its running time ``t`` and treats them as a Poisson process of
+unknown rate ``r`` with a Gamma prior worth ``w`` interruptions at the prior MTBF ``M0``
+(``Gamma(w, w*M0)``). The posterior is ``Gamma(w + n, w*M0 + t)``; the expected waste ``C/T +
+E[r]*T/2`` is linear in ``r``, so the interval that minimises it under the posterior uses
+``M = 1/E[r] = (w*M0 + t) / (w + n)``, never below a floor (a crash loop is not a preemption
+rate). The prior dominates while ``t`` is small against ``w*M0``; after ``n`` interruptions the
+rate is known to about ``1/sqrt(w + n)``, which moves the interval by half that and the waste by
+far less (the curve is flat).
+
+Distributed multiplier: one preemption of any of ``N`` nodes stops all of them and all roll back
+(``N`` times the compute lost), so the job's MTBF is the node's divided by ``N``
+(:func:`job_mtbf`) and the interval shrinks by ``sqrt(N)``. A node-level figure (a setting, a
+published rate) is divided so; a count of the job's own restarts is already per job.
+
 Exceptions::
 
     ValueError               a non-positive, non-finite or contradictory input
@@ -23,10 +38,12 @@ Exceptions::
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import statistics
 from collections import deque
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 __all__ = [
     "NODE_MTBF_S",
@@ -37,8 +54,14 @@ __all__ = [
     "node_mtbf",
     "steps_between",
     "expected_waste",
+    "learned_mtbf",
+    "job_nodes",
+    "DEFAULT_PRIOR_WEIGHT",
+    "DEFAULT_MTBF_FLOOR_S",
     "Cadence",
 ]
+
+log = logging.getLogger(__name__)
 
 _HOUR = 3600.0
 DEFAULT_NODE_MTBF_S = 6 * _HOUR
@@ -57,6 +80,13 @@ NODE_MTBF_S: dict[str, float] = {
     # interruptions in 54 days on 16,384 H100s = 2,048 8-GPU nodes, i.e. a job MTBF of about 3 h).
     "none": 6000 * _HOUR,
 }
+
+
+DEFAULT_PRIOR_WEIGHT = 1.0
+"""The prior counts as this many interruptions: one real interruption halves its pull."""
+DEFAULT_MTBF_FLOOR_S = 300.0
+"""The learned MTBF never goes below this: a job that restarts every few seconds is crashing,
+and checkpointing every second would not save it."""
 
 
 def _positive(name: str, value: float) -> float:
@@ -113,6 +143,33 @@ def expected_waste(interval_s: float, mtbf_s: float, cost_s: float) -> float:
     return cost_s / interval_s + interval_s / (2 * mtbf_s)
 
 
+def learned_mtbf(prior_mtbf_s: float, interruptions: int, running_s: float, *,
+                 prior_weight: float = DEFAULT_PRIOR_WEIGHT,
+                 floor_s: float = DEFAULT_MTBF_FLOOR_S) -> float:
+    """The job MTBF to plan with after ``interruptions`` in ``running_s`` seconds of running, from
+    a Gamma prior worth ``prior_weight`` interruptions at ``prior_mtbf_s`` (see the module
+    docstring): ``(prior_weight*prior_mtbf_s + running_s) / (prior_weight + interruptions)``, at
+    least ``floor_s``."""
+    prior, weight = _positive("prior_mtbf_s", prior_mtbf_s), _positive("prior_weight", prior_weight)
+    floor = _positive("floor_s", floor_s)
+    if isinstance(interruptions, bool) or not isinstance(interruptions, int) or interruptions < 0:
+        raise ValueError(f"interruptions must be an integer >= 0, got {interruptions!r}")
+    if not (math.isfinite(running_s) and running_s >= 0):
+        raise ValueError(f"running_s must be a finite number >= 0, got {running_s!r}")
+    return max(floor, (weight * prior + running_s) / (weight + interruptions))
+
+
+def job_nodes(environ: Mapping[str, str] = os.environ) -> int:
+    """Nodes the job spans, as its launcher says (torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``);
+    1 outside a launcher or when the figures make no sense."""
+    try:
+        world, local = int(environ.get("WORLD_SIZE", "1")), int(environ.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        return 1
+    local = local or world
+    return max(1, world // local) if world >= 1 and local >= 1 else 1
+
+
 class Cadence:
     """Tells the training loop when to checkpoint; O(1) and allocation-free per step.
 
@@ -134,6 +191,9 @@ class Cadence:
     it is durable; the median ignores a slow first save), ``cost_s`` until one is observed. Step
     time is an EWMA of observed steps; until one is observed an interval-based plan answers False.
 
+    :meth:`use_mtbf` replaces the job MTBF with a learned one (the daemon's estimate, which
+    ``spotguard.Run`` passes on; ``learn=False`` keeps the one given here) and re-plans.
+
     Distributed jobs: every rank must decide alike or collective saves deadlock. The Cadence never
     communicates: agree its answer across ranks (``spotguard.Run`` all-reduces it and calls
     :meth:`mark_saved` on every rank), or use ``every_steps``.
@@ -152,6 +212,7 @@ class Cadence:
         nodes: int = 1,
         cost_s: float = 30.0,
         formula: Literal["young", "daly"] = "daly",
+        learn: bool = True,
     ) -> None:
         if every_steps is not None and every_seconds is not None:
             raise ValueError("give every_steps or every_seconds, not both")
@@ -164,6 +225,10 @@ class Cadence:
         node = mtbf_s if mtbf_s is not None else (
             node_mtbf(platform) if platform is not None else DEFAULT_NODE_MTBF_S)
         self.mtbf_s = job_mtbf(_positive("mtbf_s", node), nodes)
+        self.learn = learn
+        self.mtbf_source = "given" if mtbf_s is not None else "default"
+        """Where :attr:`mtbf_s` came from: ``given``, ``default`` (a platform's guess) or ``learned``."""
+        self._followed: Any = None
         self._fixed_steps = int(every_steps) if every_steps is not None else None
         self._fixed_interval = (
             _positive("every_seconds", every_seconds) if every_seconds is not None else None)
@@ -196,6 +261,27 @@ class Cadence:
         self._costs.append(blocking_s + persist_s)
         self.cost_s = statistics.median(self._costs)
         self._replan()
+
+    def use_mtbf(self, mtbf_s: float) -> bool:
+        """Plan with the learned job MTBF ``mtbf_s`` (seconds) from now on, unless built with
+        ``learn=False``; True when it was taken."""
+        mtbf = _positive("mtbf_s", mtbf_s)
+        if not self.learn:
+            return False
+        self.mtbf_s, self.mtbf_source = mtbf, "learned"
+        self._replan()
+        return True
+
+    def follow(self, rate: Any) -> None:
+        """Plan with a daemon's :class:`~spotguard.protocol.JobRate` (its ``mtbf_s``) when it is a
+        new one; logged when the MTBF moves by more than 10 %. O(1): called at every step boundary."""
+        if rate is None or rate is self._followed:
+            return
+        self._followed, before = rate, self.mtbf_s
+        if self.use_mtbf(rate.mtbf_s) and abs(rate.mtbf_s - before) > 0.1 * before:
+            log.info("job MTBF learned by the daemon: %.0f s (%d interruptions in %.0f s of running, "
+                     "prior %.0f s for %d node(s)); checkpoint every %.1f s", rate.mtbf_s,
+                     rate.interruptions, rate.running_s, rate.prior_mtbf_s, rate.nodes, self.interval_s)
 
     def due(self, step: int) -> bool:
         """True if the loop should save at ``step``; a True answer re-anchors the count there."""

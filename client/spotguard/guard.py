@@ -58,7 +58,9 @@ from spotguard import _record
 from spotguard._daemon_client import DaemonLink
 from spotguard._watchdog import Watchdog
 from spotguard.exit_codes import EXIT_FORCED
-from spotguard.protocol import (CancelEvent, CommitRequest, DurableEvent, Kind, Notice, NoticeEvent,
+from pydantic import ValidationError
+
+from spotguard.protocol import (CancelEvent, CommitRequest, DurableEvent, JobRate, Kind, Notice, NoticeEvent,
                                 ProgressRequest, RegisterRequest, SafeRequest, StatusRequest, utcnow)
 
 __all__ = ["Guard", "DEFAULT_SIGNAL_DEADLINES"]
@@ -104,6 +106,7 @@ class Guard:
         request_timeout: float = 0.5,
         daemon_signal: int | None = signal.SIGUSR1,
         progress_interval: float | None = None,
+        nodes: int = 1,
     ) -> None:
         if force_exit_margin < 0 or force_exit_timeout <= 0:
             raise ValueError("force_exit_margin must be >= 0 and force_exit_timeout > 0")
@@ -136,6 +139,9 @@ class Guard:
         self._progress_at = 0.0
         self.progress_acknowledged: int | None = None
         """The newest step the daemon acknowledged in a progress report (None before the first)."""
+        self.nodes = nodes
+        self.job_rate: JobRate | None = None
+        """The daemon's estimate of this job's interruption rate, from its newest progress reply."""
         self._previous: dict[int, Any] = {}
         self._closed = threading.Event()
         self._link = None
@@ -254,11 +260,12 @@ class Guard:
             return
         self._progress_at = time.monotonic() + self._progress_interval
         reply = self._link.request(ProgressRequest(pid=os.getpid(), job_id=self.job_id, step=progress[0],
-                                                   at=progress[1]))
+                                                   at=progress[1], nodes=self.nodes))
         if reply is not None:  # answered: not sent again (no answer: tried again next interval)
             self._progress_sent = progress
             if reply.ok:
                 self.progress_acknowledged = progress[0]
+                self.job_rate = _job_rate(reply.data.get("rate")) or self.job_rate
 
     def _keep_unsent(self, message: CommitRequest) -> None:
         global _UNANSWERED_SAID
@@ -447,6 +454,18 @@ class Guard:
         self._watchdog.disarm()
         if self._force_at:
             self._watchdog.arm(min(self._force_at.values()))
+
+
+def _job_rate(data: Any) -> JobRate | None:
+    """The daemon's :class:`JobRate` in a progress reply; None when absent (an older daemon) or
+    out of the protocol's bounds (logged at debug)."""
+    if data is None:
+        return None
+    try:
+        return JobRate.model_validate(data)
+    except ValidationError as exc:
+        log.debug("ignoring the daemon's job rate: %s", exc)
+        return None
 
 
 def _progress_interval(given: float | None) -> float:

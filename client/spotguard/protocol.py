@@ -11,7 +11,7 @@ Sockets (ZeroMQ):
   event: ``notice``, ``cancel``, ``heartbeat``, ``durable``.
 * **ROUTER** (daemon) <- REQ (clients): one JSON request frame, one JSON reply frame
   (:class:`Reply`). Request types: ``register``, ``unregister``, ``status``, ``safe``, ``commit``,
-  ``notify``, ``progress``.
+  ``notify``, ``progress``, ``cadence``.
 
 Exceptions::
 
@@ -52,6 +52,8 @@ __all__ = [
     "CommitRequest",
     "NotifyRequest",
     "ProgressRequest",
+    "CadenceRequest",
+    "JobRate",
     "Request",
     "Reply",
     "ProtocolError",
@@ -272,11 +274,52 @@ class ProgressRequest(_Message):
     job_id: str = Field(default="", max_length=256)
     step: Count
     at: Stamp
+    nodes: Annotated[int, Field(ge=1, le=MAX_RANK + 1)] = 1
+    """Nodes the job spans (the distributed multiplier of its prior MTBF; older clients leave it out).
+    The reply's ``data["rate"]`` is the job's :class:`JobRate` (newer daemons)."""
+
+
+MAX_MTBF = 100 * 365 * 24 * 3600.0
+"""The largest MTBF on the wire: a century, past any prior anyone configures."""
+Mtbf = Annotated[float, Field(gt=0, le=MAX_MTBF)]
+
+
+class JobRate(_Model):
+    """A daemon's estimate of how often a job is interrupted (:func:`spotguard.cadence.learned_mtbf`):
+    ``interruptions`` seen in ``running_s`` of its running time, on any node, over a prior of
+    ``prior_weight`` interruptions at ``prior_mtbf_s`` (the node prior divided by ``nodes``); the job
+    plans with ``mtbf_s``, never below ``floor_s``."""
+
+    job_id: str = Field(max_length=256)
+    mtbf_s: Mtbf
+    prior_mtbf_s: Mtbf
+    prior_weight: float = Field(gt=0, le=1e6)
+    floor_s: Mtbf
+    interruptions: Count
+    running_s: float = Field(ge=0, le=MAX_MTBF)
+    nodes: Annotated[int, Field(ge=1, le=MAX_RANK + 1)] = 1
+
+
+class CadenceRequest(_Message):
+    """Ask for a job's :class:`JobRate` (``spotguard cadence --job``); the reply's ``data["rate"]``
+    is it, or None when the daemon knows nothing of the job."""
+
+    type: Literal["cadence"] = "cadence"
+    job_id: str = Field(default="", max_length=256)
+
+
+class AckRequest(_Message):
+    """The client set its stop flag for these notices at ``at`` (the daemon's notice timeline)."""
+
+    type: Literal["ack"] = "ack"
+    pid: Pid
+    notice_ids: list[str] = Field(min_length=1, max_length=64)
+    at: Stamp
 
 
 Request = Annotated[
     Union[RegisterRequest, UnregisterRequest, StatusRequest, SafeRequest, CommitRequest, NotifyRequest,
-          ProgressRequest],
+          ProgressRequest, CadenceRequest],
     Field(discriminator="type"),
 ]
 
@@ -324,7 +367,7 @@ def decode_event(data: bytes, limit: int = 1024 * 1024) -> NoticeEvent | CancelE
 def decode_request(
     data: bytes, limit: int = MAX_MESSAGE_BYTES
 ) -> (RegisterRequest | UnregisterRequest | StatusRequest | SafeRequest | CommitRequest | NotifyRequest
-      | ProgressRequest):
+      | ProgressRequest | CadenceRequest):
     return _decode(_REQUEST, data, limit)
 
 

@@ -85,6 +85,7 @@ from spotguard._audit import Audit
 from spotguard._record import Recorder
 from spotguard._stall import LocalHangs
 from spotguard._watchdog import Watchdog
+from spotguard.cadence import job_nodes
 from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.emergency import ASSUMED_THROUGHPUT  # noqa: F401 (integrations import it here)
 from spotguard.checkpoint.load import read_manifest
@@ -183,7 +184,7 @@ class Run:
         self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,
                                          on_commit=self._on_commit)
         self.guard = guard or Guard(job_id=job_id, rank=_rank(), daemon=daemon,
-                                    signal_deadlines=signal_deadlines)
+                                    signal_deadlines=signal_deadlines, nodes=job_nodes())
         self._job_id, self._durable = job_id, durable
         self.record = Recorder(rank=_rank(), job=job_id)
         self._audit = Audit(self.record, self.state)  # samples per step, state left out
@@ -381,7 +382,7 @@ class Run:
         if due and self._fixed_cadence:
             self._save(done)  # a fixed step count is due at the same step on every rank
         else:
-            self._due_latched |= due
+            self._due_latched |= due and _rank() == 0  # rank 0's cadence (the daemon's MTBF) decides
         if self.agreement.enabled and not self.agreement.due(done):
             return False  # flags wait for the next exchange: every rank acts at the same step
         try:
@@ -491,6 +492,8 @@ class Run:
         if self._last_boundary is not None:
             self.cadence.observe_step(now - self._last_boundary)
         self._last_boundary = now
+        if hasattr(self.cadence, "follow"):
+            self.cadence.follow(getattr(self.guard, "job_rate", None))  # the daemon's learned MTBF
         if self._pending_observation:
             self._pending_observation = False
             stats = self.checkpointer.stats
@@ -520,7 +523,7 @@ def _make_cadence(save_every: int | None, cadence: Any) -> Any:
 
     if cadence is not None and save_every is not None:
         raise ValueError("give save_every or cadence, not both")
-    return cadence or Cadence(every_steps=save_every)
+    return cadence or Cadence(every_steps=save_every, nodes=job_nodes())
 
 
 def _build_state(model: Any, optimizer: Any, scheduler: Any, sampler: Any,

@@ -1,27 +1,43 @@
 """What a recorded run tells ``spotguard drill`` beyond its checkpoints: the samples each step drew,
-and the state the job uses but did not hand to :class:`~spotguard.Run`.
+the progress state at each save and load, the final loss, and the state the job uses but did not
+hand to :class:`~spotguard.Run`.
 
 Only for a run that records itself (``$SPOTGUARD_RECORD``), on rank 0, so that a tool can name
-the real cause of a resume that is not exact:
+the real cause of a resume that is not exact, and judge a job that is not reproducible run to run
+by what stays exact even then:
 
 * ``data``: after each step, a digest of the sample ids the step drew (``step``, ``ids``), from
   every :class:`~spotguard.ResumableSampler` in the state (a ``spotguard.DataLoader``'s too);
-* ``unsaved``: once per object (``what``), an optimizer that stepped without being in the state,
-  or a learning-rate scheduler attached to a stepping optimizer while no scheduler is in the state
-  (torch marks an optimizer's ``step`` its scheduler wraps). Not for a state that holds a
-  framework's own (the Lightning callback's trainer state covers its optimizers and schedulers).
+* ``marks``: at each save (``at: "save"``) and right after a resume loaded its checkpoint (``at:
+  "load"``), the progress state of ``step``: ``rng`` (a digest per global RNG stream:
+  ``python``, ``numpy``, ``torch``, ``cuda``), ``lr`` (every param group's learning rate, optimizer
+  by optimizer in the state), ``epoch`` (the first sampler's) and, at a save, ``loss`` (the last
+  scalar the job called ``backward()`` on, read only then: no device sync per step);
+* ``unsaved``: once per object (``what``), an optimizer that stepped without being in the state
+  (with the model parameters it trains), or a learning-rate scheduler attached to a stepping
+  optimizer while no scheduler is in the state (torch marks an optimizer's ``step`` its scheduler
+  wraps). Not for a state that holds a framework's own (the Lightning callback's trainer state
+  covers its optimizers and schedulers);
+* ``ddp``: once, at the first step, a model in the state that trains through a
+  ``DistributedDataParallel`` the state does not hold (``entry``, ``world_size``): its gradient
+  bucket layout is then neither recorded nor restored (:mod:`spotguard._ddp`).
 
 Exceptions: none; nothing here raises into the training loop.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import sys
 from typing import Any, Mapping
 
 from spotguard._record import Recorder
 
-__all__ = ["Audit"]
+__all__ = ["Audit", "rng_digests"]
+
+_NAMED = 4
+"""Parameter names listed for an unsaved optimizer (then a count of the rest)."""
 
 
 def _samplers(state: Mapping[str, Any]) -> list[Any]:
@@ -49,27 +65,132 @@ def _reachable(state: Mapping[str, Any]) -> set[int]:
     return ids
 
 
+def _optimizers(state: Mapping[str, Any]) -> list[Any]:
+    """The optimizers in the state, and those its LR schedulers drive (a job that left its
+    optimizer out of ``Run`` still shows the LR its scheduler sets), each once."""
+    found: dict[int, Any] = {}
+    for value in state.values():
+        for candidate in (value, getattr(value, "optimizer", None)):
+            if isinstance(getattr(candidate, "param_groups", None), list):
+                found.setdefault(id(candidate), candidate)
+                break
+    return list(found.values())
+
+
+def _hash(*parts: Any) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        digest.update(part.numpy().tobytes() if hasattr(part, "numpy") else repr(part).encode())
+    return digest.hexdigest()
+
+
+def rng_digests() -> dict[str, str]:
+    """A digest of each global RNG stream :mod:`spotguard.rng` saves (those of loaded libraries)."""
+    from spotguard import rng
+
+    state = rng.capture()
+    return {name: _hash(*value) if isinstance(value, list) else _hash(value)
+            for name, value in ((k, state[k]) for k in ("python", "numpy", "torch", "cuda"))
+            if value is not None}
+
+
+class _LossTap:
+    """Keeps the last scalar ``Tensor.backward()`` was called on (detached; read only at a save).
+    Installed while at least one Audit records, torch's own method put back after the last."""
+
+    users = 0
+    original: Any = None
+    last: Any = None
+
+    @classmethod
+    def install(cls, torch: Any) -> None:
+        cls.users += 1
+        if cls.users > 1:
+            return
+        cls.original = original = torch.Tensor.backward
+
+        @functools.wraps(original)
+        def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.numel() == 1 and self.is_floating_point():
+                _LossTap.last = self.detach()
+            return original(self, *args, **kwargs)
+
+        torch.Tensor.backward = backward
+
+    @classmethod
+    def remove(cls) -> None:
+        cls.users -= 1
+        if cls.users == 0:
+            sys.modules["torch"].Tensor.backward = cls.original
+            cls.original = cls.last = None
+
+    @classmethod
+    def value(cls) -> float | None:
+        try:
+            return None if cls.last is None else float(cls.last)
+        except (RuntimeError, ValueError):  # a meta or otherwise unreadable tensor
+            return None
+
+
 class Audit:
-    """Follows one run's state for the record; :meth:`close` removes its hook."""
+    """Follows one run's state for the record; :meth:`close` removes its hooks."""
 
     def __init__(self, record: Recorder, state: Mapping[str, Any]) -> None:
         self.record, self.state, self._hook, self._seen = record, state, None, set()
-        self.samplers = _samplers(state) if record.enabled and record.rank == 0 else []
+        self.on = record.enabled and record.rank == 0
+        self.samplers = _samplers(state) if self.on else []
         for sampler in self.samplers:
             sampler.consumed = []
+        self._first = True
         torch = sys.modules.get("torch")
+        self._tapped = self.on and torch is not None
+        if self._tapped:
+            _LossTap.install(torch)
         framework = any(type(v).__module__.startswith("spotguard.integrations") for v in state.values())
-        if record.enabled and record.rank == 0 and torch is not None and not framework:
+        if self.on and torch is not None and not framework:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             self._hook = register_optimizer_step_post_hook(self._stepped)
 
     def step(self, done: int) -> None:
-        """After step ``done``: record the samples it drew."""
+        """After step ``done``: record the samples it drew (and, the first time, what a resume
+        loaded and a DDP the state does not hold: a run's first boundary past step 0 follows
+        its load)."""
+        if self._first and self.on:
+            self._first = False
+            self._find_ddp()
+            if done > 0:
+                self._marks(done, "load")
         for i, sampler in enumerate(self.samplers):
             ids = sampler.take_ids_digest()
             if ids is not None:
                 self.record.emit("data", step=done, ids=ids if i == 0 else f"{i}:{ids}")
+
+    def saving(self, done: int) -> None:
+        """The run saves step ``done`` now: record its progress state."""
+        if self.on:
+            self._marks(done, "save", loss=_LossTap.value())
+
+    def _marks(self, step: int, at: str, **extra: Any) -> None:
+        lrs = [float(group["lr"]) for optimizer in _optimizers(self.state)
+               for group in optimizer.param_groups if "lr" in group]
+        epoch = self.samplers[0].epoch if self.samplers else None
+        self.record.emit("marks", step=step, at=at, rng=rng_digests(), lr=lrs, epoch=epoch, **extra)
+
+    def _find_ddp(self) -> None:
+        """Record a model of the state trained through a DDP the state does not hold (found among
+        the calling frames' variables, as :func:`spotguard._ddp.enclosing` finds one)."""
+        from spotguard import _ddp
+
+        if any(_ddp.is_ddp(value) for value in self.state.values()):
+            return
+        for name, value in self.state.items():
+            ddp = _ddp.enclosing(value, depth=16) if hasattr(value, "parameters") else None
+            if ddp is not None:
+                import torch.distributed as dist
+
+                self.record.emit("ddp", entry=name, world_size=dist.get_world_size(ddp.process_group))
+                return
 
     def _stepped(self, optimizer: Any, *_: Any) -> None:
         if id(optimizer) in self._seen:
@@ -77,14 +198,30 @@ class Audit:
         self._seen.add(id(optimizer))
         known = _reachable(self.state)
         if id(optimizer) not in known:
-            self.record.emit("unsaved", what=f"optimizer ({type(optimizer).__name__})")
+            self.record.emit("unsaved", what=f"optimizer ({type(optimizer).__name__}){self._trains(optimizer)}")
         scheduled = getattr(optimizer.step, "_wrapped_by_lr_sched", False)
         if scheduled and not any(hasattr(v, "get_last_lr") for v in self.state.values()):
             self.record.emit("unsaved", what="LR scheduler")
+
+    def _trains(self, optimizer: Any) -> str:
+        """``" training model: head.weight, head.bias"``: the state's parameters the optimizer
+        trains (none of the state's optimizers covers them)."""
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        named = {entry: [name for name, p in value.named_parameters() if id(p) in params]
+                 for entry, value in self.state.items() if hasattr(value, "named_parameters")}
+        parts = []
+        for entry, names in named.items():
+            if names:
+                more = f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
+                parts.append(f"{entry}: {', '.join(names[:_NAMED])}{more}")
+        return " training " + "; ".join(parts) if parts else ""
 
     def close(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._tapped:
+            self._tapped = False
+            _LossTap.remove()
         for sampler in self.samplers:
             sampler.consumed = None

@@ -30,8 +30,11 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
   (``EXIT_FORCED``), written from the watchdog's thread.
 * ``load_failed``: ``error``; every rank whose load of the latest checkpoint raised (the process
   then exits with that error). Corrupt checkpoints passed over are ``start``'s ``skipped``.
-* ``data``: ``step``, ``ids`` (a digest of the sample ids that step drew); ``unsaved``: ``what``
-  (an optimizer or LR scheduler the job uses but did not hand to ``Run``); rank 0, see
+* ``data``: ``step``, ``ids`` (a digest of the sample ids that step drew); ``marks``: ``step``,
+  ``at`` (``save`` or ``load``), ``rng`` (a digest per RNG stream), ``lr``, ``epoch``, ``loss``
+  (the progress state at each save and after a resume's load); ``unsaved``: ``what`` (an
+  optimizer or LR scheduler the job uses but did not hand to ``Run``); ``ddp``: ``entry``,
+  ``world_size`` (a model trained through a DDP that ``Run`` was not given); rank 0, see
   :mod:`spotguard._audit`.
 
 Two runs of the same job that end with equal ``finish`` digests ended in bit-identical states: the
@@ -85,7 +88,10 @@ SCHEMA: dict[str, dict[str, str]] = {
     "forced_exit": {"reason": "str?"},
     "load_failed": {"error": "str?"},
     "data": {"step": "count", "ids": "str"},
+    "marks": {"step": "count", "at": "str", "rng": "dict?", "lr": "list?", "epoch": "count?",
+              "loss": "number?"},
     "unsaved": {"what": "str"},
+    "ddp": {"entry": "str", "world_size": "count?"},
     "restore_failed": {"store": "str?", "store_step": "count?", "local_step": "count?", "error": "str?"},
 }
 """Each event's fields and their types (``?``: may be absent or null); ``*`` applies to every

@@ -471,6 +471,7 @@ class Run:
         self._save_kinds[done] = kind
         self._save_reached[done] = utcnow()
         _ddp.settle(self.state)  # every rank: DDP's due bucket rebuild happens before the snapshot
+        self._audit.saving(done)  # the record's progress marks (RNG, LR, epoch, loss) of this save
         self.checkpointer.save(done, self.state, blocking=kind == "emergency")
         self._saved_step = done
         self.cadence.mark_saved(done)

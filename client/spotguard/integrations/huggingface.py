@@ -84,6 +84,7 @@ from spotguard._record import Recorder
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.integrations._hf_commit import COMMITTED, NotCommitted, commit_copy, newest_committed
+from spotguard.integrations._hf_record import TrainerRecord
 from spotguard.distributed import Agreement, Decision, PeerLostError
 from spotguard.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
@@ -156,6 +157,7 @@ class SpotguardTrainerCallback(TrainerCallback):
         self._checked = False
         self.durable = durable
         self._record = Recorder()
+        self._trace = TrainerRecord(self._record)  # the run record, for spotguard drill and run
         self._progress: Watchdog | None = None
         self._last_end: float | None = None
         self._step_seconds = 0.0
@@ -191,6 +193,8 @@ class SpotguardTrainerCallback(TrainerCallback):
             store = ((self.guard.daemon_status() or {}).get("uploads") or {}).get("store")
             self.durable = bool(store_from_env()[0] or store)
         self._last_step = state.global_step
+        self._trace = TrainerRecord(self._record)
+        self._trace.begin(args, state)
         self._layouts = _ddp.trainer_layouts(kwargs.get("model"), _resumed_dirs(args, state))  # DDP's buckets
         if state.global_step > 0:  # the Trainer loaded a checkpoint's state before this event
             log.info("resumed from step %d", state.global_step)
@@ -208,6 +212,7 @@ class SpotguardTrainerCallback(TrainerCallback):
             return
         step = self._last_step = state.global_step
         self._observe_step()
+        self._record.progress(step)
         self.guard.report_progress(step)
         assert self.agreement is not None
         if not self.agreement.enabled or self.agreement.due(step):
@@ -242,12 +247,15 @@ class SpotguardTrainerCallback(TrainerCallback):
             self._collective(lambda: self.agreement.barrier(state.global_step), state.global_step)
         if self._progress is not None and not self.stopped:
             self._arm_progress()
+        self._trace.saved(state, path, self.save_seconds, kwargs)
         if self.guard is not None and self.durable and state.is_world_process_zero and path.is_dir():
             self._commit(state, path)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         """After a stop, tell the daemon the process is safe; close a guard of our own."""
+        if not self.stopped and self._drained is None:
+            self._trace.end(state, kwargs)
         if self._progress is not None:
             self._progress.disarm()
         if self._unhook is not None:
@@ -348,6 +356,7 @@ class SpotguardTrainerCallback(TrainerCallback):
                         "stands", step, decision.save_seconds, _describe(left))
         control.should_training_stop = True
         self.stopped = True
+        self._trace.stopped(step, bool(control.should_save), left)
 
     def _expected_save_seconds(self, kwargs: Mapping[str, Any]) -> float | None:
         """The last save's measured duration, else model + optimizer bytes at an assumed speed."""

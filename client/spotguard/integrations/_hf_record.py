@@ -1,0 +1,85 @@
+"""The run record (:mod:`spotguard._record`) of a Hugging Face ``Trainer`` job, so that
+``spotguard drill`` and ``spotguard run`` judge it as they judge a ``Run`` job.
+
+The :class:`~spotguard.integrations.huggingface.SpotguardTrainerCallback` calls :class:`TrainerRecord`
+at its events: ``start`` at ``on_train_begin`` (``root`` is ``output_dir``, ``resumed_from`` the
+global step the Trainer loaded), ``progress`` at every step end, ``commit`` at each ``on_save``
+(``path`` the ``checkpoint-<N>`` directory, ``blocking_s`` the save's measured time), ``stop`` when
+a notice stops training, and ``finish`` at a normal end; rank 0 alone records progress, commits and
+the finish. A commit's and the finish's ``digest`` (:func:`state_digest`) covers what a resume
+restores: the weights, the optimizer's and the LR scheduler's states, the global step and epoch
+and every global RNG stream, computed from the objects in memory (the Trainer's files hold times
+and control flags that differ between two equal runs). Nothing here raises into training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Mapping
+
+from spotguard._audit import rng_digests
+from spotguard._record import Recorder
+
+__all__ = ["TrainerRecord", "state_digest"]
+
+ENTRIES = ["model", "optimizer", "rng", "scheduler", "trainer_state"]
+"""What a Trainer checkpoint holds, in the start event's ``entries``."""
+
+
+def _feed(digest: Any, value: Any) -> None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous().view(-1)
+        digest.update(f"{tensor.dtype}{tuple(value.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    elif isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            digest.update(repr(key).encode())
+            _feed(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(repr(value).encode())
+
+
+def state_digest(state: Any, kwargs: Mapping[str, Any]) -> str:
+    """sha256 of what a resume of this Trainer restores (see the module docstring)."""
+    digest = hashlib.sha256()
+    for name in ("model", "optimizer", "lr_scheduler"):
+        obj = kwargs.get(name)
+        if obj is not None and hasattr(obj, "state_dict"):
+            digest.update(name.encode())
+            _feed(digest, obj.state_dict())
+    _feed(digest, [state.global_step, state.epoch, rng_digests()])
+    return digest.hexdigest()
+
+
+class TrainerRecord:
+    """The record of one ``trainer.train()`` call (see the module docstring)."""
+
+    def __init__(self, record: Recorder) -> None:
+        self.record = record
+
+    @property
+    def zero(self) -> bool:
+        return self.record.enabled and self.record.rank == 0
+
+    def begin(self, args: Any, state: Any) -> None:
+        self.record.start(root=os.path.abspath(args.output_dir), world_size=args.world_size,
+                          resumed_from=state.global_step or None, skipped=[], total=state.max_steps,
+                          entries=ENTRIES)
+
+    def saved(self, state: Any, path: Any, seconds: float | None, kwargs: Mapping[str, Any]) -> None:
+        if self.zero:
+            self.record.emit("commit", step=state.global_step, kind="periodic", path=os.path.abspath(path),
+                             digest=state_digest(state, kwargs), blocking_s=seconds, persist_s=0.0)
+
+    def stopped(self, step: int, saved: bool, seconds_left: float | None) -> None:
+        self.record.emit("stop", step=step, saved=saved, seconds_left=seconds_left)
+
+    def end(self, state: Any, kwargs: Mapping[str, Any]) -> None:
+        if self.zero:
+            self.record.emit("finish", step=state.global_step, digest=state_digest(state, kwargs))

@@ -21,7 +21,11 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
   ``digest`` (:attr:`~spotguard.checkpoint.CommitInfo.digest`), ``blocking_s``, ``persist_s``,
   ``bytes``, ``path``; rank 0, once the checkpoint is committed.
 * ``stop``: ``step``, ``saved`` (an emergency save was taken), ``seconds_left``, ``notice`` (its
-  ``id`` and ``kind``); every rank, before it exits 75.
+  ``id`` and ``kind``); every rank, before it exits 75. The client's side of the daemon's notice
+  timeline too: ``save`` (``committed``, ``already``, ``no_room`` or ``failed``), ``estimate_s``
+  (the save's expected seconds that decided it), and the Unix times ``flagged_t`` (the stop flag
+  was set), ``stopped_t`` (the loop stopped), ``committed_t`` (the emergency save committed) and
+  ``safe_t`` (the daemon took the safe report; None when none answered).
 * ``finish``: ``step`` and ``digest`` of the final training state; rank 0, at the normal end.
 * ``peer_lost``: ``step``, ``error``; a rank that exits 77 (``EXIT_PEER_LOST``) because a peer is
   gone, whether the agreement timed out or the progress watchdog found no step boundary for
@@ -64,7 +68,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 __all__ = ["ENV", "VERSION", "PROGRESS_SECONDS", "SCHEMA", "RecordError", "Recorder", "check_path",
-           "problem", "read", "read_new", "restart_count", "untrusted"]
+           "problem", "read", "read_new", "restart_count", "stop_times", "untrusted"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,9 @@ SCHEMA: dict[str, dict[str, str]] = {
     "progress": {"step": "count"},
     "commit": {"step": "count", "kind": "str?", "digest": "str?", "blocking_s": "seconds?",
                "persist_s": "seconds?", "bytes": "count?", "path": "str?"},
-    "stop": {"step": "count", "saved": "bool?", "seconds_left": "number?", "notice": "dict?"},
+    "stop": {"step": "count", "saved": "bool?", "seconds_left": "number?", "notice": "dict?",
+             "save": "str?", "estimate_s": "seconds?", "flagged_t": "time?", "stopped_t": "time?",
+             "committed_t": "time?", "safe_t": "time?"},
     "finish": {"step": "count", "digest": "str"},
     "peer_lost": {"step": "count?", "error": "str?"},
     "forced_exit": {"reason": "str?"},
@@ -143,6 +149,18 @@ def restart_count() -> int | None:
         if value.isdigit():
             return int(value)
     return None
+
+
+def stop_times(stop: dict[str, Any], flagged_at: Any, safe: bool) -> dict[str, Any]:
+    """The ``stop`` event's timeline fields from what the stop reported to the daemon (``stop``:
+    :class:`~spotguard.protocol.SafeRequest`'s fields, times as aware datetimes), when the flag was
+    set and whether the daemon took the safe report (then, now)."""
+    def unix(when: Any) -> float | None:
+        return None if when is None else when.timestamp()
+
+    return {"save": stop.get("save"), "estimate_s": stop.get("estimate_s"), "flagged_t": unix(flagged_at),
+            "stopped_t": unix(stop.get("stopped_at")), "committed_t": unix(stop.get("committed_at")),
+            "safe_t": time.time() if safe else None}
 
 
 class Recorder:

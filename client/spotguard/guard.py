@@ -5,7 +5,9 @@ A :class:`Guard` learns of an interruption in two ways, whichever comes first:
 * from the local daemon over ZeroMQ (:mod:`spotguard._daemon_client`), when one is reachable;
 * from ``SIGTERM`` or ``SIGUSR1`` sent to this process (Kubernetes, Slurm ``--signal``, RunPod,
   ``docker stop``, or the daemon's own signal delivery). A signal becomes a *local* notice whose
-  deadline is ``signal_deadlines[signum]`` seconds after it arrived (``None``: no deadline).
+  deadline is ``signal_deadlines[signum]`` seconds after it arrived (``None``: no deadline). With
+  the default deadlines, SIGTERM's is ``$SPOTGUARD_SIGNAL__GRACE`` when set (the daemon's
+  ``signal.grace``: one variable in a pod spec sets both, e.g. GKE Spot's 120 s), else 30 s.
 
 One notice per event, whichever channel brought it: the daemon's signal fallback (``daemon_signal``,
 SIGUSR1) means "ask the daemon". While the daemon is reachable the guard asks it for its pending
@@ -31,6 +33,9 @@ Contract:
 * Notices named in ``$SPOTGUARD_HANDLED_NOTICES`` (comma-separated ids) are ignored: ``spotguard
   run`` sets it when it relaunches the job after a drill or manual stop that the daemon still
   holds, which an earlier launch of the same job already obeyed.
+* The notice timeline: the background thread tells the daemon when this process set its stop flag
+  for each daemon notice (``ack``), and :meth:`report_safe` carries the client's side of the stop
+  (step, save outcome, the estimate that decided it, commit time) for the daemon's record.
 * Training never fails because the daemon is absent or restarts: requests time out quickly and
   report ``False``. A commit report that got no answer is kept (the newest ``MAX_UNSENT_COMMITS``)
   and sent again by the background thread once the daemon answers, so a checkpoint committed while
@@ -47,6 +52,7 @@ Exceptions: none of its own; it raises only for invalid arguments (``ValueError`
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -54,14 +60,15 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
+from pydantic import ValidationError
+
 from spotguard import _record
 from spotguard._daemon_client import DaemonLink
 from spotguard._watchdog import Watchdog
 from spotguard.exit_codes import EXIT_FORCED
-from pydantic import ValidationError
-
-from spotguard.protocol import (CancelEvent, CommitRequest, DurableEvent, JobRate, Kind, Notice, NoticeEvent,
-                                ProgressRequest, RegisterRequest, SafeRequest, StatusRequest, utcnow)
+from spotguard.protocol import (AckRequest, CancelEvent, CommitRequest, DurableEvent, JobRate, Kind, Notice,
+                                NoticeEvent, ProgressRequest, RegisterRequest, SafeRequest, StatusRequest,
+                                utcnow)
 
 __all__ = ["Guard", "DEFAULT_SIGNAL_DEADLINES"]
 
@@ -84,6 +91,8 @@ HANDLED_ENV = "SPOTGUARD_HANDLED_NOTICES"
 
 DEFAULT_SIGNAL_DEADLINES: Mapping[int, float | None] = {signal.SIGTERM: 30.0, signal.SIGUSR1: None}
 """SIGTERM: Kubernetes' default grace period is 30 s. SIGUSR1: a stop request with no deadline."""
+GRACE_ENV = "SPOTGUARD_SIGNAL__GRACE"
+"""Seconds from SIGTERM to the kill, shared with the daemon's ``signal.grace`` setting."""
 
 
 class Guard:
@@ -113,7 +122,7 @@ class Guard:
         self._progress_interval = _progress_interval(progress_interval)
         self.job_id = job_id
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-        self._signal_deadlines = dict(signal_deadlines)
+        self._signal_deadlines = _with_grace(signal_deadlines)
         self._daemon_signal = daemon_signal
         self._stop_on_advisory, self._checkpoint_on_advisory = stop_on_advisory, checkpoint_on_advisory
         self._margin, self._timeout = force_exit_margin, force_exit_timeout
@@ -126,6 +135,9 @@ class Guard:
         self._notices: dict[str, Notice] = {}
         self._handled = frozenset(filter(None, os.environ.get(HANDLED_ENV, "").split(",")))
         self._force_at: dict[str, float] = {}
+        self._flagged: dict[str, datetime] = {}
+        """When this process set its stop flag for each notice (first seen)."""
+        self._acks: list[str] = []
         self._durable: dict[str, int] = {}
         """Newest durable step per job, from the daemon's ``durable`` events."""
         self._checkpoint_ids: set[str] = set()
@@ -191,6 +203,11 @@ class Guard:
         notice = self.notice
         return None if notice is None else notice.seconds_left()
 
+    @property
+    def forced_exit_at(self) -> float | None:
+        """The ``time.monotonic()`` instant of the forced exit (76), None while none is armed."""
+        return None if self._watchdog is None else self._watchdog.armed_at
+
     def begin_stop(self) -> None:
         """Mark the clean stop as begun: from now on a cancel no longer clears the notice."""
         with self._lock:
@@ -198,10 +215,27 @@ class Guard:
 
     # ------------------------------------------------------------------ reports to the daemon
 
-    def report_safe(self) -> bool:
-        """Tell the daemon this process is safe for the pending notices; False if none answered."""
-        ids = [n.id for n in self._notices.values() if n.platform != "local"][:64]
-        return self._request(SafeRequest(pid=os.getpid(), notice_ids=ids))
+    def flagged_at(self, notice_id: str) -> datetime | None:
+        """When this process set its stop flag for the notice (None: not held)."""
+        with self._lock:
+            return self._flagged.get(notice_id)
+
+    def report_safe(self, **stop: Any) -> bool:
+        """Tell the daemon this process is safe for the pending notices; False if none answered.
+
+        ``stop``: the client's side of the stop for the notice timeline, as :class:`SafeRequest`
+        names it (``step``, ``stopped_at``, ``save``, ``estimate_s``, ``seconds_left``,
+        ``committed_at``); the flag's time is added here."""
+        with self._lock:
+            ids = [n.id for n in self._notices.values() if n.platform != "local"][:64]
+            flagged = [self._flagged[i] for i in ids if i in self._flagged]
+        try:
+            message = SafeRequest(pid=os.getpid(), notice_ids=ids, flagged_at=min(flagged) if flagged
+                                  else None, **stop)
+        except ValidationError as exc:  # a figure out of the protocol's bounds: report safe anyway
+            log.debug("stop details left out of the safe report: %s", exc)
+            message = SafeRequest(pid=os.getpid(), notice_ids=ids)
+        return self._request(message)
 
     def durable_step(self, job_id: str | None = None) -> int | None:
         """The newest step of ``job_id`` (default: this guard's job) that the daemon made durable.
@@ -347,11 +381,22 @@ class Guard:
                 else:
                     self._closed.wait(0.05)
                 self._take_signals()
+                self._send_acks()
                 self._resend_commits()
                 self._send_progress()
             except Exception:  # noqa: BLE001 - the guard must never die silently mid-run
                 log.exception("spotguard guard loop error; continuing")
                 self._closed.wait(0.5)
+
+    def _send_acks(self) -> None:
+        """Tell the daemon when the stop flag was set for its notices (guard thread; one try each:
+        the safe report carries the time again)."""
+        if not self._acks or self._link is None or not self._link.alive:
+            return
+        with self._lock:
+            ids, self._acks = self._acks[:64], self._acks[64:]
+            at = min(self._flagged[i] for i in ids)
+        self._link.request(AckRequest(pid=os.getpid(), notice_ids=ids, at=at))
 
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -429,6 +474,10 @@ class Guard:
                         "no deadline" if left is None else f"{left:.1f} s left",
                         notice.detail if known is None else "rescheduled")
             if self._stops(notice):
+                if notice.id not in self._flagged:
+                    self._flagged[notice.id] = utcnow()
+                    if notice.platform != "local":
+                        self._acks.append(notice.id)
                 grace = self._timeout if left is None else left - self._margin
                 self._force_at[notice.id] = time.monotonic() + max(grace, 1.0)
                 self._rearm()
@@ -444,6 +493,7 @@ class Guard:
                 return
             log.warning("notice %s cancelled (%s)", notice_id, reason or "no reason given")
             del self._notices[notice_id]
+            self._flagged.pop(notice_id, None)
             self._force_at.pop(notice_id, None)
             self._checkpoint_ids.discard(notice_id)
             self._rearm()
@@ -479,6 +529,21 @@ def _progress_interval(given: float | None) -> float:
     if not given > 0:
         raise ValueError(f"progress_interval must be > 0 seconds, not {given}")
     return given
+
+
+def _with_grace(deadlines: Mapping[int, float | None]) -> dict[int, float | None]:
+    """``deadlines``, with SIGTERM's from ``$SPOTGUARD_SIGNAL__GRACE`` when they are the defaults;
+    ValueError for a value that is not a number of seconds > 0."""
+    deadlines, raw = dict(deadlines), os.environ.get(GRACE_ENV, "")
+    if raw and deadlines == dict(DEFAULT_SIGNAL_DEADLINES):
+        try:
+            grace = float(raw)
+        except ValueError:
+            grace = math.nan
+        if not 0 < grace <= 7 * 24 * 3600:
+            raise ValueError(f"${GRACE_ENV}={raw!r} is not a number of seconds > 0")
+        deadlines[signal.SIGTERM] = grace
+    return deadlines
 
 
 def _signal_notice(signum: int, at: float, grace: float | None, count: int) -> Notice:

@@ -11,7 +11,7 @@ Sockets (ZeroMQ):
   event: ``notice``, ``cancel``, ``heartbeat``, ``durable``.
 * **ROUTER** (daemon) <- REQ (clients): one JSON request frame, one JSON reply frame
   (:class:`Reply`). Request types: ``register``, ``unregister``, ``status``, ``safe``, ``commit``,
-  ``notify``, ``progress``, ``cadence``.
+  ``notify``, ``progress``, ``ack``, ``cadence``.
 
 Exceptions::
 
@@ -52,8 +52,11 @@ __all__ = [
     "CommitRequest",
     "NotifyRequest",
     "ProgressRequest",
+    "AckRequest",
     "CadenceRequest",
     "JobRate",
+    "SAVE_OUTCOMES",
+    "MAX_HISTORY",
     "Request",
     "Reply",
     "ProtocolError",
@@ -220,16 +223,40 @@ class UnregisterRequest(_Message):
     pid: Pid
 
 
+MAX_HISTORY = 64
+"""The most notice timelines a daemon keeps, and a ``status`` request may ask for."""
+
+
 class StatusRequest(_Message):
+    """``history``: also send the last that many notice timelines (newest first)."""
+
     type: Literal["status"] = "status"
+    history: int = Field(default=0, ge=0, le=MAX_HISTORY)
+
+
+SAVE_OUTCOMES = ("committed", "already", "no_room", "failed")
+"""What a stopping client did about its emergency save: ``committed`` it, the step was ``already``
+committed, there was ``no_room`` before the deadline (``estimate_s`` said so), or the save ``failed``."""
 
 
 class SafeRequest(_Message):
-    """The client reached a safe state for these notices (checkpoint committed, or nothing to save)."""
+    """The client reached a safe state for these notices (checkpoint committed, or nothing to save).
+
+    The optional fields tell the daemon's notice timeline the client's side of the stop (older
+    clients and plain jobs leave them out): when the flag was set, the step it stopped at and when,
+    what became of the emergency save (``save``, one of :data:`SAVE_OUTCOMES`) with the estimate
+    that decided it and the seconds left then, and when the save was committed."""
 
     type: Literal["safe"] = "safe"
     pid: Pid
     notice_ids: list[str] = Field(default_factory=list, max_length=64)
+    flagged_at: Stamp | None = None
+    step: Count | None = None
+    stopped_at: Stamp | None = None
+    save: Literal["committed", "already", "no_room", "failed"] | None = None
+    estimate_s: Seconds | None = None
+    seconds_left: Annotated[float, Field(ge=-WEEK, le=WEEK)] | None = None
+    committed_at: Stamp | None = None
 
 
 class CommitRequest(_Message):
@@ -319,7 +346,7 @@ class AckRequest(_Message):
 
 Request = Annotated[
     Union[RegisterRequest, UnregisterRequest, StatusRequest, SafeRequest, CommitRequest, NotifyRequest,
-          ProgressRequest, CadenceRequest],
+          ProgressRequest, AckRequest, CadenceRequest],
     Field(discriminator="type"),
 ]
 
@@ -367,7 +394,7 @@ def decode_event(data: bytes, limit: int = 1024 * 1024) -> NoticeEvent | CancelE
 def decode_request(
     data: bytes, limit: int = MAX_MESSAGE_BYTES
 ) -> (RegisterRequest | UnregisterRequest | StatusRequest | SafeRequest | CommitRequest | NotifyRequest
-      | ProgressRequest | CadenceRequest):
+      | ProgressRequest | AckRequest | CadenceRequest):
     return _decode(_REQUEST, data, limit)
 
 

@@ -41,10 +41,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ENDPOINT_PATHS, markdown_table, summarize, write_results  # noqa: E402
 
-from spotguard_daemon.settings import Settings  # noqa: E402
+from spotguard_daemon.core.settings import Settings  # noqa: E402
 from spotguard_daemon.simulator import Simulator  # noqa: E402
-from spotguard_daemon.watchers.detect import build_watchers  # noqa: E402
-from spotguard_daemon.watchers.runner import Runner, backoff_delay  # noqa: E402
+from spotguard_daemon.core.watchers.detect import build_watchers  # noqa: E402
+from spotguard_daemon.core.watchers.runner import Runner, backoff_delay  # noqa: E402
 
 PLATFORMS = ("aws", "gcp", "azure", "alibaba")
 MODES = ("500", "503", "429", "401", "hang", "garbage", "truncated")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BenchError, DaemonProcess, markdown_table, summarize, write_results  # noqa: E402
 from bench_idle import sample  # noqa: E402
 
-from spotguard_daemon.supervise import daemon_status  # noqa: E402
+from spotguard_daemon.commands.common import daemon_status  # noqa: E402
 
 JOB = """
 import pathlib, sys, time

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard_daemon.cli_demo import verdict
+from spotguard_daemon.commands.demo import verdict
 
 DEMO = [sys.executable, "-m", "spotguard_daemon", "demo"]
 

@@ -82,7 +82,8 @@ from spotguard import _ddp, _exit, _jobid, rng
 from spotguard._optim import hookable
 from spotguard._peer import exit_peer_lost, is_peer_failure
 from spotguard._audit import Audit
-from spotguard._record import Recorder
+from spotguard._between import Between
+from spotguard._record import Recorder, stop_times
 from spotguard._stall import LocalHangs
 from spotguard._watchdog import Watchdog
 from spotguard.cadence import job_nodes
@@ -155,6 +156,7 @@ class Run:
         guard: Guard | None = None,
         durable: str | None = None,
         peer_timeout: float | None = 600.0,
+        abandon_between_steps: bool = False,
     ) -> None:
         self.state = _build_state(model, optimizer, scheduler, sampler, state)
         self.state.update(_ddp.entries(self.state))  # DDP's real bucket layout, for an exact resume
@@ -203,11 +205,13 @@ class Run:
         self._open_step: tuple[int, Any] | None = None  # (optimizer steps, loader state) at a yield
         self._optimizer_steps = 0
         self._counts_steps = _count_steps(optimizer, self._count_optimizer_step)
+        self._between = Between(self, optimizer, abandon_between_steps)  # a notice outside a step
 
     # ------------------------------------------------------------------ the loop
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers still to run, resuming after the latest committed checkpoint."""
+        self._between.starting(total)
         self._restore_from_store()
         try:
             self.resumed_from = self._load_latest()
@@ -228,14 +232,14 @@ class Run:
             log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
             return  # a completed job relaunched under a pending notice must exit 0, not 75
         try:
-            if self._boundary(self.step):
+            if self._at_boundary(self.step):
                 return
             while self.step < total:
                 self._open_step = (self._optimizer_steps, self._loader_mark())
                 yield self.step
                 self._open_step = None
                 self.step += 1
-                if self._boundary(self.step):
+                if self._at_boundary(self.step):
                     return
         finally:  # the loop ended, or was left (break closes this generator)
             if self._progress is not None:
@@ -295,6 +299,9 @@ class Run:
         framework's loop driving :meth:`steps` from its step-end hook ended on its own)."""
         if self._closed:
             return
+        if self._between.wait() is not None:  # a stop began beside the work: take it
+            self._stop_between(self._between.wait())
+            return
         if at_boundary:
             self._open_step = None
         if not self.stopped:
@@ -306,11 +313,19 @@ class Run:
         if not self.stopped and last is not None and last.step == self.step:
             self.record.emit("finish", step=self.step, digest=last.digest)
 
-    def heartbeat(self) -> None:
-        """Tell the peer-loss progress watchdog this rank is busy, not stuck: call it from work
-        between two steps that may outlast ``peer_timeout``, such as an evaluation loop."""
+    def heartbeat(self) -> bool:
+        """Call it now and then from work between two steps, such as an evaluation loop.
+
+        When a notice's save ran beside that work (:mod:`spotguard._between`), this is where the
+        work stops: it waits for the save, then raises ``SystemExit(75)`` as a boundary would
+        (``exit_on_stop=False``: returns True, and the loop ends at its next boundary). Otherwise
+        it returns False, after telling the peer-loss progress watchdog this rank is busy, not stuck."""
+        outcome = self._between.wait()
+        if outcome is not None:
+            return self._stop_between(outcome)
         if self._progress is not None and self._progress.armed_at is not None:
             self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
+        return False
 
     def _record_forced_exit(self) -> None:
         """The progress watchdog's exit, in the run record (its thread, one write): a lost peer, or
@@ -351,6 +366,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        self._between.close()
         self._audit.close()
         try:
             self.checkpointer.close()
@@ -369,6 +385,15 @@ class Run:
             self.close(exiting=isinstance(exc, SystemExit))
 
     # ------------------------------------------------------------------ boundaries
+
+    def _at_boundary(self, done: int) -> bool:
+        """A boundary: stop when a save ran beside the work since the last one, else act on it."""
+        outcome = self._between.enter_boundary()
+        if outcome is not None:
+            return self._stop_between(outcome)
+        ended = self._boundary(done)
+        self._between.leave_boundary()
+        return ended
 
     def _boundary(self, done: int) -> bool:
         """Act on the agreed decision after ``done`` steps; True when the loop must end."""
@@ -433,11 +458,12 @@ class Run:
         if self._progress is not None:
             self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
         self.guard.begin_stop()
-        left = decision.seconds_left
-        saved = False
-        if self._saved_step == done:
+        stopped_at, left = utcnow(), decision.seconds_left
+        saved, already = False, self._saved_step == done
+        fits = already or save_fits(decision.save_seconds, left, self.save_margin)
+        if already:
             log.warning("stopping at step %d, already saved", done)
-        elif save_fits(decision.save_seconds, left, self.save_margin):
+        elif fits:
             log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", done,
                         decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
             saved = self._save_emergency(done)
@@ -448,11 +474,31 @@ class Run:
             self.checkpointer.wait(None if left is None else max(0.0, left - self.save_margin))
         except CheckpointError as exc:  # the previous commit is still valid: stop anyway
             log.error("the last save failed (%s); the previous checkpoint stands", exc)
-        self.guard.report_safe()
+        stop = {"step": done, "stopped_at": stopped_at, "estimate_s": decision.save_seconds,
+                "seconds_left": left, "committed_at": utcnow() if saved else None,
+                "save": "already" if already else "committed" if saved else "failed" if fits else "no_room"}
+        self._report_stop(done, stop, saved)
+        return self._exit_stopped()
+
+    def _report_stop(self, done: int, stop: dict[str, Any], saved: bool) -> None:
+        """Tell the daemon the process is safe and record the stop (``stop``: :class:`SafeRequest`'s
+        fields); any thread, once."""
+        safe = self.guard.report_safe(**stop)
         self.stopped = True
         notice = self.guard.notice
-        self.record.emit("stop", step=done, saved=saved, seconds_left=left,
-                         notice=None if notice is None else {"id": notice.id, "kind": notice.kind.value})
+        self.record.emit("stop", step=done, saved=saved, seconds_left=stop["seconds_left"],
+                         notice=None if notice is None else {"id": notice.id, "kind": notice.kind.value},
+                         **stop_times(stop, self.guard.flagged_at(notice.id) if notice else None, safe))
+
+    def _stop_between(self, outcome: dict[str, Any]) -> bool:
+        """The loop came back after a stop whose save ran beside the work: end it as :meth:`_stop`."""
+        if not self.stopped:
+            self._report_stop(outcome["step"], outcome, outcome["save"] == "committed")
+        if self._progress is not None:
+            self._progress.disarm()
+        return self._exit_stopped()
+
+    def _exit_stopped(self) -> bool:
         self.close(exiting=True)
         if self.exit_on_stop:
             raise _exit.stop_exit(EXIT_PREEMPTED)
@@ -467,12 +513,13 @@ class Run:
             return False
         return True
 
-    def _save(self, done: int, kind: str = "periodic") -> None:
+    def _save(self, done: int, kind: str = "periodic", state: Mapping[str, Any] | None = None) -> None:
+        """Save ``state`` (default: the run's) as step ``done``; an emergency save commits first."""
         self._save_kinds[done] = kind
         self._save_reached[done] = utcnow()
         _ddp.settle(self.state)  # every rank: DDP's due bucket rebuild happens before the snapshot
         self._audit.saving(done)  # the record's progress marks (RNG, LR, epoch, loss) of this save
-        self.checkpointer.save(done, self.state, blocking=kind == "emergency")
+        self.checkpointer.save(done, self.state if state is None else state, blocking=kind == "emergency")
         self._saved_step = done
         self.cadence.mark_saved(done)
 

@@ -1,6 +1,6 @@
 """``python -m spotguard_daemon``: the same as the ``spotguard`` command."""
 
-from spotguard_daemon.cli import main
+from spotguard_daemon.commands.cli import main
 
 if __name__ == "__main__":
     main()

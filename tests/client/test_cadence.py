@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from spotguard import cadence as cad
 from spotguard.cadence import Cadence
-from spotguard_daemon.cli_cadence import cadence as cadence_command
+from spotguard_daemon.commands.cadence import cadence as cadence_command
 
 HOUR = 3600.0
 

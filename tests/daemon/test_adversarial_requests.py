@@ -28,10 +28,10 @@ from spotguard.protocol import (
     CommitRequest, Notice, NotifyRequest, RegisterRequest, Reply, SafeRequest, StatusRequest, decode_event, decode_reply,
     encode, utcnow,
 )
-from spotguard_daemon.handlers import MAX_MANUAL
-from spotguard_daemon.server import Server
-from spotguard_daemon.store import NoticeStore
-from spotguard_daemon.watchers.manual import manual_notice
+from spotguard_daemon.core.handlers import MAX_MANUAL
+from spotguard_daemon.core.server import Server
+from spotguard_daemon.core.store import NoticeStore
+from spotguard_daemon.core.watchers.manual import manual_notice
 
 from _recorder import start_recorder
 from _users import new_user

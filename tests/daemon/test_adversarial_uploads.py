@@ -323,7 +323,7 @@ class MotoS3:
                 time.sleep(0.2)
 
     def durable(self) -> Durable:
-        from spotguard.storage.base import StoreOptions, open_store
+        from spotguard.storage import StoreOptions, open_store
 
         return Durable(open_store(f"s3://{self.bucket}/pre", StoreOptions(endpoint_url=self.url)))
 

@@ -89,8 +89,8 @@ def test_version_and_help():
 
 
 def test_the_group_imports_without_the_daemons_heavy_parts():
-    code = ("import sys, spotguard_daemon.cli; "
-            "print(sorted(m for m in ('httpx', 'prometheus_client', 'tenacity', 'spotguard_daemon.app')"
+    code = ("import sys, spotguard_daemon.commands.cli; "
+            "print(sorted(m for m in ('httpx', 'prometheus_client', 'tenacity', 'spotguard_daemon.core.app')"
             " if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.stdout.strip() == "[]", result

@@ -39,7 +39,7 @@ REGISTRAR = """
 import signal, subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", sys.argv[2], "", "", ""], stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline() == "ready\\n"
-from spotguard_daemon.supervise import Registrar
+from spotguard_daemon.commands.supervise import Registrar
 Registrar(sys.argv[1], signal.SIGWINCH).scan(child.pid)
 print(child.pid, flush=True)
 print(child.stdout.readline().strip(), flush=True)

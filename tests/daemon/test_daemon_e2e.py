@@ -222,8 +222,8 @@ def test_tcp_loopback_endpoints_for_sidecars(daemon_factory, zctx):
 
 
 def in_process_daemon(sock_dir, tmp_path, **settings):
-    from spotguard_daemon.app import Daemon
-    from spotguard_daemon.settings import load_settings
+    from spotguard_daemon.core.app import Daemon
+    from spotguard_daemon.core.settings import load_settings
 
     (tmp_path / "ckpt").mkdir(exist_ok=True)
     return Daemon(load_settings(None, platform="none", runtime_dir=sock_dir / "run",

@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from spotguard.protocol import Kind, Notice
-from spotguard_daemon.delivery import Delivery, listed_pids, signal_pids
-from spotguard_daemon.settings import DeliverySettings
+from spotguard_daemon.core.delivery import Delivery, listed_pids, signal_pids
+from spotguard_daemon.core.settings import DeliverySettings
 
 from _recorder import start_recorder
 

@@ -6,9 +6,9 @@ import asyncio
 
 import httpx
 import pytest
-from spotguard_daemon.settings import Settings
-from spotguard_daemon.watchers.base import Watcher
-from spotguard_daemon.watchers.detect import AZURE_ASSET_TAG, build_watchers, detect_platform
+from spotguard_daemon.core.settings import Settings
+from spotguard_daemon.core.watchers.base import Watcher
+from spotguard_daemon.core.watchers.detect import AZURE_ASSET_TAG, build_watchers, detect_platform
 
 TABLE = [
     ({"sys_vendor": "Amazon EC2", "product_name": "g5.xlarge", "bios_vendor": "Amazon EC2"}, "aws"),

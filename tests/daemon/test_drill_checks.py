@@ -18,8 +18,8 @@ import torch
 import spotguard
 from spotguard._record import Recorder, read, read_new
 from spotguard.checkpoint import CheckpointCorruptError
-from spotguard_daemon.drill_checks import Launch, judge, losses, save_figures, verdict
-from spotguard_daemon.drill_report import CHAR_W, Live, write_report
+from spotguard_daemon.commands.drill_checks import Launch, judge, losses, save_figures, verdict
+from spotguard_daemon.commands.drill_report import CHAR_W, Live, write_report
 
 
 def recorded(tmp_path, index, *, resumed=None, steps=(), commits=(), stop=None, finish=None,

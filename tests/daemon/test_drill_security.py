@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from spotguard._record import RecordError, check_path, read_new
-from spotguard_daemon.drill_tree import Tree, private_dir, write_private
+from spotguard_daemon.commands.drill_tree import Tree, private_dir, write_private
 
 DRILL = [sys.executable, "-m", "spotguard_daemon", "drill"]
 RUN = [sys.executable, "-m", "spotguard_daemon", "run"]

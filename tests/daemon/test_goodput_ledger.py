@@ -6,7 +6,7 @@ import json
 from datetime import datetime, timezone
 
 import pytest
-from spotguard_daemon.goodput import MAX_COMMITS, MAX_REPORT_AGE, MAX_STAMP_AGE, GoodputLedger, Loss
+from spotguard_daemon.core.goodput import MAX_COMMITS, MAX_REPORT_AGE, MAX_STAMP_AGE, GoodputLedger, Loss
 
 
 class Clock:

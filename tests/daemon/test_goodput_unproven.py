@@ -65,7 +65,7 @@ def test_a_report_may_not_date_before_its_registration_nor_minutes_back(daemon_f
 
 
 def test_the_jobs_copied_to_the_store_are_capped(daemon_factory, tmp_path):
-    from spotguard_daemon.goodput_store import MAX_STORE_JOBS
+    from spotguard_daemon.core.goodput_store import MAX_STORE_JOBS
 
     bucket = tmp_path / "bucket"
     daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{bucket}"})

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from spotguard.protocol import Kind, Notice, utcnow
-from spotguard_daemon.metrics import Metrics
+from spotguard_daemon.core.metrics import Metrics
 
 NAMES = {
     "spotguard_notices_total", "spotguard_poll_requests_total", "spotguard_poll_duration_seconds",

@@ -123,7 +123,7 @@ def test_a_misspelt_none_is_refused_at_start(tmp_path, value, hint):
 
 @pytest.mark.parametrize("value", ["none", "NONE", " None "])
 def test_the_settings_read_none_as_no_store(value):
-    from spotguard_daemon.settings import load_settings
+    from spotguard_daemon.core.settings import load_settings
 
     settings = load_settings(None, storage={"url": value})
     assert settings.storage.url == "none" and settings.storage_url is None

@@ -22,7 +22,7 @@ from spotguard.protocol import NotifyRequest, StatusRequest
 from test_adversarial_requests import other_user  # noqa: F401 (fixture)
 from test_run_supervisor import JOB, RUN, finished
 
-from spotguard_daemon.supervise import descendants
+from spotguard_daemon.proctree import descendants
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                                 reason="a PID namespace needs root and unshare")

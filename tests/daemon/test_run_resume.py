@@ -18,7 +18,7 @@ import pytest
 from spotguard._record import read
 from spotguard.protocol import NotifyRequest, RegisterRequest, StatusRequest
 
-from spotguard_daemon.run_summary import Launch, human, summary
+from spotguard_daemon.commands.run_summary import Launch, human, summary
 from test_run_supervisor import finished
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 from spotguard.protocol import Kind, Notice
-from spotguard_daemon.settings import RunnerSettings
-from spotguard_daemon.watchers.base import BadPayload, WatcherError
-from spotguard_daemon.watchers.runner import Runner, backoff_delay, classify
+from spotguard_daemon.core.settings import RunnerSettings
+from spotguard_daemon.core.watchers.base import BadPayload, WatcherError
+from spotguard_daemon.core.watchers.runner import Runner, backoff_delay, classify
 
 FAST = RunnerSettings(request_timeout=0.5, backoff_initial=0.01, backoff_max=0.05)
 
@@ -99,7 +99,7 @@ def test_sink_gets_snapshots_only_after_success_and_nothing_escapes(caplog):
     watcher = ScriptedWatcher([[notice()], *boom, [notice()], []], interval=0.01)
     seen, recorder = [], Recorder()
     runner = Runner(watcher, lambda w, s: seen.append([n.id for n in s]), FAST, recorder)
-    with caplog.at_level(logging.DEBUG, logger="spotguard_daemon.watchers.runner"):
+    with caplog.at_level(logging.DEBUG, logger="spotguard_daemon.core.watchers.runner"):
         asyncio.run(run_for(runner, 0.6))
     assert seen[:3] == [["n1"], ["n1"], []]  # failures hand nothing to the sink: no false cancel
     assert recorder.outcomes[:7] == ["ok", "error", "error", "bad_payload", "error", "ok", "ok"]

@@ -13,10 +13,10 @@ import logging
 
 import httpx
 import pytest
-from spotguard_daemon.settings import Settings
+from spotguard_daemon.core.settings import Settings
 from spotguard_daemon.simulator import Simulator
-from spotguard_daemon.watchers.detect import build_watchers
-from spotguard_daemon.watchers.runner import Runner, backoff_cap
+from spotguard_daemon.core.watchers.detect import build_watchers
+from spotguard_daemon.core.watchers.runner import Runner, backoff_cap
 
 INTERVAL, BACKOFF_MAX = 0.2, 30.0
 KINDS = {"aws": "terminate", "gcp": "preempt", "azure": "Preempt", "alibaba": "terminate"}
@@ -99,7 +99,7 @@ def test_a_short_retry_after_is_honoured_and_a_long_one_cut_to_the_cap():
 
 @pytest.mark.parametrize("every, warnings", [(60.0, 1), (0.0, 5)])
 def test_a_long_fault_logs_one_line_then_one_reminder_per_period(monkeypatch, caplog, every, warnings):
-    from spotguard_daemon.watchers import runner as runner_module
+    from spotguard_daemon.core.watchers import runner as runner_module
 
     monkeypatch.setattr(runner_module, "STILL_FAILING_LOG_SECONDS", every)
 
@@ -113,7 +113,7 @@ def test_a_long_fault_logs_one_line_then_one_reminder_per_period(monkeypatch, ca
                 for _ in range(5):
                     assert not await runner.poll_once()
 
-    with caplog.at_level(logging.DEBUG, logger="spotguard_daemon.watchers.runner"):
+    with caplog.at_level(logging.DEBUG, logger="spotguard_daemon.core.watchers.runner"):
         asyncio.run(scenario())
     lines = [r for r in caplog.records if r.name.endswith("runner") and r.levelno >= logging.INFO]
     assert len(lines) == warnings

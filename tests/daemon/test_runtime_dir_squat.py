@@ -86,7 +86,7 @@ def python_for_anyone(where: Path) -> Path:
     (where / "bin").mkdir()
     (where / "bin" / "python").symlink_to(base)
     (where / "bin" / "spotguard").write_text(
-        f"#!{where}/bin/python\nimport sys\nfrom spotguard_daemon.cli import main\nsys.exit(main())\n")
+        f"#!{where}/bin/python\nimport sys\nfrom spotguard_daemon.commands.cli import main\nsys.exit(main())\n")
     (where / "bin" / "spotguard").chmod(0o755)
     where.chmod(0o755)
     return where / "bin"

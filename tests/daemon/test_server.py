@@ -10,7 +10,7 @@ import zmq.asyncio
 from spotguard.protocol import (
     Kind, Notice, NoticeEvent, Reply, StatusRequest, decode_event, decode_reply, encode,
 )
-from spotguard_daemon.server import Server
+from spotguard_daemon.core.server import Server
 
 LIMIT = 4096
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from spotguard_daemon.settings import SettingsError, load_settings, redacted
+from spotguard_daemon.core.settings import SettingsError, load_settings, redacted
 
 
 @pytest.fixture(autouse=True)

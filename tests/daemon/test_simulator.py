@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from spotguard_daemon.simulator import ControlError, Simulator, parse_option
-from spotguard_daemon.watchers.base import parse_time
+from spotguard_daemon.core.watchers.base import parse_time
 
 AWS_TTL = "X-aws-ec2-metadata-token-ttl-seconds"
 AWS_TOKEN = "X-aws-ec2-metadata-token"

@@ -78,7 +78,7 @@ def test_sigterm_stops_a_daemon_whose_store_never_answers_within_seconds(daemon_
 POOL_STUCK = """
 import logging, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
-from spotguard_daemon.abandon import exit_abandoning
+from spotguard_daemon.core.abandon import exit_abandoning
 logging.basicConfig(level=logging.INFO)
 started = threading.Event()
 ThreadPoolExecutor(2, thread_name_prefix="sdk-transfer").submit(lambda: (started.set(), time.sleep(120)))
@@ -99,7 +99,7 @@ def test_a_transfer_pool_thread_still_running_does_not_hold_the_exit():
 def test_a_call_on_an_abandonable_thread_hands_back_its_result_or_its_error():
     import asyncio
 
-    from spotguard_daemon.abandon import in_thread
+    from spotguard_daemon.core.abandon import in_thread
 
     def fails() -> None:
         raise ValueError("the store said no")

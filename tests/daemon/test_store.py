@@ -7,7 +7,7 @@ import stat
 from datetime import timedelta
 
 from spotguard.protocol import Kind, Notice, utcnow
-from spotguard_daemon.store import NoticeStore
+from spotguard_daemon.core.store import NoticeStore
 
 
 def notice(nid: str, source: str = "aws.spot", seconds: float | None = 120, **kw) -> Notice:

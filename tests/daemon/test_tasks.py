@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from prometheus_client import CollectorRegistry, Counter
-from spotguard_daemon.tasks import Supervisor
+from spotguard_daemon.core.tasks import Supervisor
 
 
 def counter() -> Counter:
@@ -35,7 +35,7 @@ def test_a_failing_loop_is_restarted_with_backoff_logged_once_per_cause_and_coun
         return tasks
 
     failures = counter()
-    with caplog.at_level(logging.ERROR, logger="spotguard_daemon.tasks"):
+    with caplog.at_level(logging.ERROR, logger="spotguard_daemon.core.tasks"):
         tasks = asyncio.run(main())
     assert len(runs) == 5 and not tasks.tasks
     gaps = [b - a for a, b in zip(runs, runs[1:])]
@@ -58,7 +58,7 @@ def test_a_one_shot_task_that_fails_is_logged_and_counted_and_nothing_else_stops
         assert not tasks.tasks
 
     failures = counter()
-    with caplog.at_level(logging.ERROR, logger="spotguard_daemon.tasks"):
+    with caplog.at_level(logging.ERROR, logger="spotguard_daemon.core.tasks"):
         asyncio.run(main())
     assert failures.labels(task="storage-check")._value.get() == 1
     assert "daemon task storage-check failed (RuntimeError: the store said no)" in caplog.text

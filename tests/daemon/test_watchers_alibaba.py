@@ -8,10 +8,10 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 from spotguard.protocol import Kind
-from spotguard_daemon.settings import Settings
+from spotguard_daemon.core.settings import Settings
 from spotguard_daemon.simulator import Simulator
-from spotguard_daemon.watchers.alibaba import AlibabaPreemptWatcher
-from spotguard_daemon.watchers.base import BadPayload
+from spotguard_daemon.core.watchers.alibaba import AlibabaPreemptWatcher
+from spotguard_daemon.core.watchers.base import BadPayload
 
 
 def settings_for(url: str, **alibaba) -> Settings:

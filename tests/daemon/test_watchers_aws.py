@@ -10,12 +10,12 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 from spotguard.protocol import Kind
-from spotguard_daemon.settings import Settings
+from spotguard_daemon.core.settings import Settings
 from spotguard_daemon.simulator import Simulator
-from spotguard_daemon.watchers._common import MetadataToken
-from spotguard_daemon.watchers.aws import (AwsRebalanceWatcher, AwsScheduledWatcher, AwsSpotWatcher,
+from spotguard_daemon.core.watchers._common import MetadataToken
+from spotguard_daemon.core.watchers.aws import (AwsRebalanceWatcher, AwsScheduledWatcher, AwsSpotWatcher,
                                            Imds)
-from spotguard_daemon.watchers.base import BadPayload, WatcherError
+from spotguard_daemon.core.watchers.base import BadPayload, WatcherError
 
 
 def settings_for(url: str, **aws) -> Settings:

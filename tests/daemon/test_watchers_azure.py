@@ -10,10 +10,10 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 from spotguard.protocol import Kind, utcnow
-from spotguard_daemon.settings import Settings
+from spotguard_daemon.core.settings import Settings
 from spotguard_daemon.simulator import Simulator
-from spotguard_daemon.watchers.azure import AzureScheduledWatcher
-from spotguard_daemon.watchers.base import WatcherError
+from spotguard_daemon.core.watchers.azure import AzureScheduledWatcher
+from spotguard_daemon.core.watchers.base import WatcherError
 
 
 def settings_for(url: str, **azure) -> Settings:
@@ -90,7 +90,7 @@ def test_cancelled_event_disappears_and_incarnation_logged_per_change(sim, caplo
         sim.cancel(event["id"])
         return before, [await w.poll(), await w.poll()]
 
-    with caplog.at_level(logging.INFO, logger="spotguard_daemon.watchers.azure"):
+    with caplog.at_level(logging.INFO, logger="spotguard_daemon.core.watchers.azure"):
         before, after = watching(settings_for(sim.url), body)
     assert [len(x) for x in before] == [1, 1] and after == [[], []]
     changes = [r for r in caplog.records if "DocumentIncarnation" in r.getMessage()]

@@ -16,13 +16,13 @@ import time
 import httpx
 import pytest
 from spotguard.protocol import Kind
-from spotguard_daemon.settings import Settings
+from spotguard_daemon.core.settings import Settings
 from spotguard_daemon.simulator import Simulator
-from spotguard_daemon.watchers.alibaba import AlibabaPreemptWatcher
-from spotguard_daemon.watchers.aws import AwsSpotWatcher, Imds
-from spotguard_daemon.watchers.azure import AzureScheduledWatcher
-from spotguard_daemon.watchers.gcp import GcpPreemptedWatcher
-from spotguard_daemon.watchers.runner import Runner
+from spotguard_daemon.core.watchers.alibaba import AlibabaPreemptWatcher
+from spotguard_daemon.core.watchers.aws import AwsSpotWatcher, Imds
+from spotguard_daemon.core.watchers.azure import AzureScheduledWatcher
+from spotguard_daemon.core.watchers.gcp import GcpPreemptedWatcher
+from spotguard_daemon.core.watchers.runner import Runner
 
 INTERVAL, TIMEOUT, BACKOFF_MAX = 0.1, 0.3, 0.2
 FAULT_SECONDS = 0.8

@@ -9,12 +9,12 @@ from datetime import datetime, timedelta, timezone
 import httpx
 import pytest
 from spotguard.protocol import Kind, utcnow
-from spotguard_daemon.settings import Settings
+from spotguard_daemon.core.settings import Settings
 from spotguard_daemon.simulator import Simulator
-from spotguard_daemon.watchers.base import BadPayload
-from spotguard_daemon.watchers.gcp import (GcpMaintenanceWatcher, GcpPreemptedWatcher,
+from spotguard_daemon.core.watchers.base import BadPayload
+from spotguard_daemon.core.watchers.gcp import (GcpMaintenanceWatcher, GcpPreemptedWatcher,
                                            GcpPreemptibleWatcher, read_boot_time)
-from spotguard_daemon.watchers.runner import Runner
+from spotguard_daemon.core.watchers.runner import Runner
 
 
 def settings_for(url: str, **gcp) -> Settings:

@@ -9,10 +9,10 @@ from datetime import datetime, timezone
 
 import pytest
 from spotguard.protocol import Kind
-from spotguard_daemon.settings import RunnerSettings, Settings
-from spotguard_daemon.watchers.base import WatcherError
-from spotguard_daemon.watchers.runner import Runner
-from spotguard_daemon.watchers.slurm import SlurmWalltimeWatcher, parse_end_time
+from spotguard_daemon.core.settings import RunnerSettings, Settings
+from spotguard_daemon.core.watchers.base import WatcherError
+from spotguard_daemon.core.watchers.runner import Runner
+from spotguard_daemon.core.watchers.slurm import SlurmWalltimeWatcher, parse_end_time
 
 
 def local(ts: float) -> str:

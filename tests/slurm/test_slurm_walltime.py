@@ -11,8 +11,8 @@ from datetime import datetime, timezone
 import pytest
 from slurm_cluster import tool, wait_for
 from spotguard.protocol import Kind
-from spotguard_daemon.settings import Settings
-from spotguard_daemon.watchers.slurm import SlurmWalltimeWatcher
+from spotguard_daemon.core.settings import Settings
+from spotguard_daemon.core.watchers.slurm import SlurmWalltimeWatcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

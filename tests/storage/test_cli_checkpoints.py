@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from spotguard.storage import Durable
 from spotguard.storage.durable import manifest_key, object_key
-from spotguard_daemon.cli_checkpoints import checkpoints
+from spotguard_daemon.commands.checkpoints import checkpoints
 
 
 @pytest.fixture

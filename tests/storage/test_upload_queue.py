@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from spotguard.storage.durable import Durable
 from spotguard.storage.file import FileStore
-from spotguard_daemon.uploads import UploadQueue
+from spotguard_daemon.core.uploads import UploadQueue
 
 from storage_proxy import Proxy
 

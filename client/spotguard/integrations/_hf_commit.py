@@ -2,7 +2,7 @@
 
 The Trainer writes ``<output_dir>/checkpoint-<N>`` in place, without a manifest. The daemon uploads
 only committed ``step-NNNNNNNNNN`` directories whose manifest lists every file (the rules of
-:mod:`spotguard_daemon.confine`: regular files only, no symlinks, below the checkpoint root, steps
+:mod:`spotguard_daemon.core.confine`: regular files only, no symlinks, below the checkpoint root, steps
 ordered per job), so :func:`commit_copy` copies a finished ``checkpoint-<N>`` into
 ``<output_dir>/spotguard/step-<N>`` through the same atomic commit a restore uses (private
 ``.tmp-`` directory, sha256 of every byte copied, ``manifest.json`` last, rename, ``latest``).

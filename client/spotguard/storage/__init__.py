@@ -15,10 +15,10 @@ from spotguard.storage.base import (
     StoreError,
     StoreOptions,
     TransientError,
-    open_store,
 )
 from spotguard.storage.durable import Durable, DurableInfo, PruneReport
 from spotguard.storage.fresh_node import restore_newer, store_from_env
+from spotguard.storage.registry import open_store
 
 __all__ = [
     "CredentialsError",

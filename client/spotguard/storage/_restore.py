@@ -30,14 +30,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
+from spotguard.storage._keys import object_key
 from spotguard.storage._local import MANIFEST, ManifestError, commit_dir, sha256_file, step_name, tmp_dir
-from spotguard.storage.base import CredentialsError, IntegrityError, NotFound, StoreError, TransientError
+from spotguard.storage.base import (CredentialsError, IntegrityError, NotFound, Store, StoreError,
+                                    TransientError)
 from spotguard.storage.file import make_private_dirs
-
-if TYPE_CHECKING:
-    from spotguard.storage.durable import Durable
 
 __all__ = ["restore", "verify"]
 
@@ -49,6 +48,21 @@ PROGRESS_EVERY_S = 10.0
 RETRY_SECONDS = 60.0
 """How long one restore retries transient store errors before it gives up."""
 RETRY_MAX_DELAY = 8.0
+
+
+class Source(Protocol):
+    """What a restore reads through: a :class:`~spotguard.storage.durable.Durable` (which calls
+    this module; this module never imports it)."""
+
+    store: Store
+    concurrency: int
+    retry_seconds: float
+
+    def list(self, job_id: str) -> list[int]: ...
+
+    def latest(self, job_id: str) -> int | None: ...
+
+    def manifest(self, job_id: str, step: int) -> dict[str, Any]: ...
 
 
 class Retry:
@@ -101,13 +115,11 @@ def _check_room(manifest: dict[str, Any], dest: Path) -> None:
         raise IntegrityError(f"checkpoint of {need} bytes does not fit in {dest} ({free} bytes free)")
 
 
-def _fetch(durable: "Durable", manifest: dict[str, Any], dest: Path, retry: Retry) -> list[str]:
+def _fetch(durable: Source, manifest: dict[str, Any], dest: Path, retry: Retry) -> list[str]:
     """Download and hash every file of ``manifest`` under ``dest``; return the problems found.
     Each download is refused when the object is larger than the manifest says; transient errors
     are retried (``retry``), and an object that fails its sha256 is downloaded once more before it
     counts as corrupt."""
-    from spotguard.storage.durable import object_key
-
     _check_room(manifest, dest)
     progress = _Progress(f"{durable.store.url} {step_name(manifest['step'])}",
                          sum(meta["size"] for meta in manifest["files"].values()))
@@ -136,21 +148,19 @@ def _fetch(durable: "Durable", manifest: dict[str, Any], dest: Path, retry: Retr
         return [p for p in pool.map(one, sorted(manifest["files"].items())) if p]
 
 
-def verify(durable: "Durable", job_id: str, step: int, *, deep: bool) -> list[str]:
+def verify(durable: Source, job_id: str, step: int, *, deep: bool) -> list[str]:
     try:
         manifest = durable.manifest(job_id, step)
     except ManifestError as exc:
         return [str(exc)]
     if not deep:
-        from spotguard.storage.durable import object_key
-
         return [f"{rel}: object {meta['sha256'][:12]}... is missing" for rel, meta in manifest["files"].items()
                 if not durable.store.exists(object_key(meta["sha256"]))]
     with tempfile.TemporaryDirectory(prefix="spotguard-verify-") as scratch:
         return _fetch(durable, manifest, Path(scratch), Retry(time.monotonic() + durable.retry_seconds))
 
 
-def _manifest(durable: "Durable", job_id: str, step: int, retry: Retry) -> dict[str, Any]:
+def _manifest(durable: Source, job_id: str, step: int, retry: Retry) -> dict[str, Any]:
     """The manifest of ``step``, transient errors retried; one that fails to parse is read once
     more before it counts as damaged (a reply cut short is not damage)."""
     try:
@@ -160,7 +170,7 @@ def _manifest(durable: "Durable", job_id: str, step: int, retry: Retry) -> dict[
     return retry(lambda: durable.manifest(job_id, step), f"read the manifest of {step_name(step)}")
 
 
-def _restore_one(durable: "Durable", job_id: str, dest_root: Path, step: int, retry: Retry) -> Path:
+def _restore_one(durable: Source, job_id: str, dest_root: Path, step: int, retry: Retry) -> Path:
     manifest = _manifest(durable, job_id, step, retry)
     tmp = tmp_dir(dest_root, step)
     try:
@@ -176,7 +186,7 @@ def _restore_one(durable: "Durable", job_id: str, dest_root: Path, step: int, re
         raise
 
 
-def _candidates(durable: "Durable", job_id: str) -> list[int]:
+def _candidates(durable: Source, job_id: str) -> list[int]:
     """Steps to try: the one ``latest`` names (if it has a manifest), then every other manifest,
     newest first. A pointer naming a missing step never hides a sound checkpoint."""
     steps = durable.list(job_id)
@@ -184,7 +194,7 @@ def _candidates(durable: "Durable", job_id: str) -> list[int]:
     return ([pointer] if pointer in steps else []) + [s for s in reversed(steps) if s != pointer]
 
 
-def restore(durable: "Durable", job_id: str, dest_root: Path, step: int | None,
+def restore(durable: Source, job_id: str, dest_root: Path, step: int | None,
             retry_until: float | None = None) -> Path:
     make_private_dirs(dest_root)
     retry = Retry(time.monotonic() + durable.retry_seconds if retry_until is None else retry_until)

@@ -1,4 +1,5 @@
-"""The object-store contract every backend implements, its errors, and :func:`open_store`.
+"""The object-store contract every backend implements, and its errors (a store is built from its URL
+by :func:`spotguard.storage.registry.open_store`, which sits above the backends).
 
 A store holds opaque objects under ``str`` keys relative to the store's root (``objects/sha256/ab..``);
 keys never start with ``/`` and never contain ``..`` segments. ``Path`` is never used for keys: it
@@ -40,7 +41,6 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
-from urllib.parse import unquote, urlsplit
 
 __all__ = [
     "CredentialsError",
@@ -58,7 +58,6 @@ __all__ = [
     "cut_headers_are_errors",
     "transport_error",
     "join_key",
-    "open_store",
 ]
 
 
@@ -258,40 +257,3 @@ def join_key(prefix: str, key: str) -> str:
     """``prefix/key`` with exactly one slash; an empty prefix adds nothing."""
     check_key(key)
     return f"{prefix.strip('/')}/{key}" if prefix.strip("/") else key
-
-
-def _split_bucket(rest: str) -> tuple[str, str]:
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise ValueError("the URL names no bucket or container")
-    return bucket, prefix.strip("/")
-
-
-def open_store(url: str, options: Any = None) -> Store:
-    """The store for ``url``: ``file:///dir``, ``s3://bucket/prefix``, ``gs://bucket/prefix``,
-    ``az://container/prefix`` or ``https://<account>.blob.core.windows.net/<container>/prefix``.
-
-    ``options`` is a :class:`StoreOptions` or any settings-like object with the same field names.
-    Nothing is contacted here; call ``check()`` for that. Raises :class:`ValueError` for a bad URL."""
-    opts = StoreOptions.of(options)
-    parts = urlsplit(url)
-    if parts.scheme == "file" or (not parts.scheme and url.startswith("/")):
-        from spotguard.storage.file import FileStore
-
-        return FileStore(Path(unquote(parts.path or url)))
-    if parts.scheme == "s3":
-        from spotguard.storage.s3 import S3Store
-
-        return S3Store(*_split_bucket(parts.netloc + parts.path), options=opts)
-    if parts.scheme == "gs":
-        from spotguard.storage.gcs import GcsStore
-
-        return GcsStore(*_split_bucket(parts.netloc + parts.path), options=opts)
-    if parts.scheme == "az" or (parts.scheme == "https" and parts.netloc.endswith(".blob.core.windows.net")):
-        from spotguard.storage.azure import AzureStore
-
-        if parts.scheme == "https":
-            opts = StoreOptions(**{**opts.__dict__, "azure_account": parts.netloc.split(".")[0]})
-            return AzureStore(*_split_bucket(parts.path.lstrip("/")), options=opts)
-        return AzureStore(*_split_bucket(parts.netloc + parts.path), options=opts)
-    raise ValueError(f"unsupported store URL {url!r}: use file://, s3://, gs://, az:// or https://<account>.blob.core.windows.net/")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spotguard.storage import _restore
+from spotguard.storage._keys import OBJECTS, object_key
 from spotguard.storage._local import ManifestError, read_manifest, step_name, validate_manifest
 from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError, TransientError
 
@@ -43,7 +44,6 @@ __all__ = ["Durable", "DurableInfo", "PruneReport", "object_key", "progress_key"
 
 log = logging.getLogger(__name__)
 
-OBJECTS = "objects/sha256/"
 _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MANIFEST = re.compile(r"^jobs/([^/]+)/manifests/step-(\d{10})\.json$")
 
@@ -66,10 +66,6 @@ def _step_of(text: str) -> int:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} in JSON")
-
-
-def object_key(sha256: str) -> str:
-    return OBJECTS + sha256
 
 
 def _job(job_id: str) -> str:

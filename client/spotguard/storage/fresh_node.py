@@ -31,8 +31,9 @@ from typing import Mapping
 
 from spotguard.storage import _restore
 from spotguard.storage._local import ManifestError, read_manifest
-from spotguard.storage.base import StoreError, StoreOptions, open_store
+from spotguard.storage.base import StoreError, StoreOptions
 from spotguard.storage.durable import Durable
+from spotguard.storage.registry import open_store
 
 __all__ = ["restore_newer", "local_latest_step", "store_from_env", "no_store", "DEFAULT_JOB",
            "NO_STORE", "RestoreFailed"]

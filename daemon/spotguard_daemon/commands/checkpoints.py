@@ -20,7 +20,7 @@ __all__ = ["checkpoints"]
 
 def _durable(store_url: str | None, endpoint_url: str | None, config: str | None) -> Any:
     from spotguard.storage import Durable, StoreOptions, open_store
-    from spotguard_daemon.settings import SettingsError, load_settings
+    from spotguard_daemon.core.settings import SettingsError, load_settings
 
     try:
         settings = load_settings(Path(config) if config else None)

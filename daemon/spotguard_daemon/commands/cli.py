@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
@@ -22,44 +21,12 @@ import click
 from spotguard import __version__
 from spotguard._paths import untrusted
 from spotguard.protocol import Kind
-from spotguard_daemon.settings import Settings, SettingsError, load_settings, redacted
+from spotguard_daemon.commands.common import fail, request, settings_or_exit
+from spotguard_daemon.core.settings import Settings, redacted
 
-__all__ = ["main", "request"]
+__all__ = ["main"]
 
 PLATFORMS = ("aws", "gcp", "azure", "alibaba")
-
-
-def _fail(status: int, message: str) -> None:
-    click.echo(f"spotguard: {message}", err=True)
-    sys.exit(status)
-
-
-def _settings(config: str | None, **overrides: Any) -> Settings:
-    try:
-        return load_settings(Path(config) if config else None, **overrides)
-    except SettingsError as exc:
-        _fail(2, str(exc))
-
-
-def request(endpoint: str, message: Any, timeout: float, *, strict: bool = True) -> Any:
-    """Send one request to the daemon and return its :class:`Reply`, or None after ``timeout``.
-    An invalid reply exits 1 with one line, or (``strict=False``, for a supervisor that must
-    outlive a broken daemon) counts as no reply."""
-    import zmq
-    from spotguard.protocol import ProtocolError, decode_reply, encode
-
-    with zmq.Context() as ctx, ctx.socket(zmq.REQ) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        sock.send(encode(message))
-        if not sock.poll(int(timeout * 1000)):
-            return None
-        try:
-            return decode_reply(sock.recv())
-        except ProtocolError as exc:
-            if not strict:
-                return None
-            _fail(1, f"the daemon at {endpoint} sent an invalid reply: {exc}")
 
 
 class _Group(click.Group):
@@ -70,11 +37,11 @@ class _Group(click.Group):
             super().main(args=args, prog_name=prog_name or "spotguard", standalone_mode=False, **extra)
         except click.UsageError as exc:
             where = f"{exc.ctx.command_path}: " if exc.ctx else ""
-            _fail(2, f"{where}{exc.format_message()}")
+            fail(2, f"{where}{exc.format_message()}")
         except click.ClickException as exc:
-            _fail(exc.exit_code, exc.format_message())
+            fail(exc.exit_code, exc.format_message())
         except click.Abort:
-            _fail(1, "aborted")
+            fail(1, "aborted")
         sys.exit(0)
 
 
@@ -102,7 +69,7 @@ def daemon(config: str | None, metrics_port: str | None, print_config: bool, **f
     overrides = {k: v for k, v in flags.items() if v is not None}
     if metrics_port is not None:
         overrides["metrics"] = {"port": metrics_port}
-    settings = _settings(config, **overrides)
+    settings = settings_or_exit(config, **overrides)
     if print_config:
         click.echo(json.dumps(redacted(settings), indent=2))
         return
@@ -112,16 +79,16 @@ def daemon(config: str | None, metrics_port: str | None, print_config: bool, **f
 def _run_daemon(settings: Settings) -> None:
     import asyncio
 
-    from spotguard_daemon import logs
-    from spotguard_daemon.abandon import exit_abandoning
-    from spotguard_daemon.app import Daemon
-    from spotguard_daemon.server import ServerError
+    from spotguard_daemon.core import logs
+    from spotguard_daemon.core.abandon import exit_abandoning
+    from spotguard_daemon.core.app import Daemon
+    from spotguard_daemon.core.server import ServerError
 
     logs.configure(settings.log_level, settings.log_format)
     try:
         status = asyncio.run(Daemon(settings, on_ready=lambda: _announce_root(settings)).run())
     except (ServerError, OSError) as exc:
-        _fail(1, f"cannot start: {exc}")
+        fail(1, f"cannot start: {exc}")
     exit_abandoning(status)  # a store call still in flight must not hold the exit (abandon.py)
 
 
@@ -147,16 +114,16 @@ def status(config: str | None, as_json: bool, timeout: float) -> None:
     ``--json``, a JSON object ``{"ok": false, "error": ...}`` on stdout as well)."""
     from spotguard.protocol import StatusRequest
 
-    from spotguard_daemon.redact import redact_data
+    from spotguard_daemon.core.redact import redact_data
 
-    endpoint = _settings(config).request_endpoint
+    endpoint = settings_or_exit(config).request_endpoint
     distrust = untrusted(endpoint)  # another user's directory: a fake daemon
     reply = None if distrust else request(endpoint, StatusRequest(), timeout)
     if reply is None:
         error = distrust or f"no daemon answered on {endpoint} within {timeout:g} s"
         if as_json:
             click.echo(json.dumps({"ok": False, "error": error, "endpoint": endpoint}))
-        _fail(1, error)
+        fail(1, error)
     if as_json:
         click.echo(json.dumps(redact_data(reply.data), indent=2))
     else:
@@ -225,15 +192,15 @@ def notify(config: str | None, kind: str, deadline: float | None, detail: str, t
     """Inject a manual notice (a drill, or a scripted stop) into the daemon."""
     from spotguard.protocol import NotifyRequest
 
-    endpoint = _settings(config).request_endpoint
+    endpoint = settings_or_exit(config).request_endpoint
     if distrust := untrusted(endpoint):
-        _fail(1, distrust)
+        fail(1, distrust)
     reply = request(endpoint, NotifyRequest(kind=Kind(kind), deadline_seconds=deadline,
                                             detail=detail), timeout)
     if reply is None:
-        _fail(1, f"no daemon answered on {endpoint} within {timeout:g} s")
+        fail(1, f"no daemon answered on {endpoint} within {timeout:g} s")
     if not reply.ok:
-        _fail(1, f"the daemon refused: {reply.error}")
+        fail(1, f"the daemon refused: {reply.error}")
     click.echo(reply.data["notice"]["id"])
 
 
@@ -251,13 +218,13 @@ def simulate(platform: str, host: str, port: int, options: tuple[str, ...]) -> N
     try:
         parsed = dict(parse_option(text) for text in options)
     except ValueError as exc:
-        _fail(2, f"simulate: {exc}")
+        fail(2, f"simulate: {exc}")
     try:
         serve(platform, host, port, **parsed)
     except (TypeError, ValueError) as exc:
-        _fail(2, f"simulate: {exc}")
+        fail(2, f"simulate: {exc}")
     except OSError as exc:
-        _fail(1, f"simulate: cannot listen on {host}:{port}: {exc}")
+        fail(1, f"simulate: cannot listen on {host}:{port}: {exc}")
 
 
 @main.command()
@@ -268,11 +235,11 @@ def version() -> None:
 
 # ---------------------------------------------------------------- commands of other parts
 # Each part adds its command here, one line each.
-from spotguard_daemon.cli_cadence import cadence  # noqa: E402
-from spotguard_daemon.cli_checkpoints import checkpoints  # noqa: E402
-from spotguard_daemon.cli_demo import demo  # noqa: E402
-from spotguard_daemon.cli_drill import drill  # noqa: E402
-from spotguard_daemon.cli_run import run  # noqa: E402
+from spotguard_daemon.commands.cadence import cadence  # noqa: E402
+from spotguard_daemon.commands.checkpoints import checkpoints  # noqa: E402
+from spotguard_daemon.commands.demo import demo  # noqa: E402
+from spotguard_daemon.commands.drill import drill  # noqa: E402
+from spotguard_daemon.commands.run import run  # noqa: E402
 
 main.add_command(cadence)
 main.add_command(checkpoints)

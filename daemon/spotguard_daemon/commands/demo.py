@@ -28,24 +28,24 @@ Exceptions::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import click
 
-__all__ = ["DemoError", "Timeline", "demo", "guarded", "verdict"]
+from spotguard_daemon.commands.common import guarded
+
+__all__ = ["DemoError", "Timeline", "demo", "verdict"]
 
 JOB_MODULE = "spotguard_examples.train_plain"
 JOB_ID = "default"
@@ -286,7 +286,7 @@ def _mark() -> str:
 
 def _status(endpoint: str) -> dict | None:
     from spotguard.protocol import StatusRequest
-    from spotguard_daemon.cli import request
+    from spotguard_daemon.commands.common import request
 
     reply = request(endpoint, StatusRequest(), 0.5)
     return reply.data if reply is not None else None
@@ -299,7 +299,7 @@ def _durable_step(endpoint: str) -> int:
 
 def _notify(endpoint: str) -> None:
     from spotguard.protocol import Kind, NotifyRequest
-    from spotguard_daemon.cli import request
+    from spotguard_daemon.commands.common import request
 
     reply = request(endpoint, NotifyRequest(kind=Kind.DRILL, deadline_seconds=NOTICE_DEADLINE,
                                             detail="spotguard demo"), 5.0)
@@ -317,44 +317,6 @@ def _restore(store_url: str, job_dir: Path) -> int:
         return durable.latest(JOB_ID)
     except StoreError as exc:
         raise DemoError(f"restoring from {store_url} failed: {exc}") from exc
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _signals(handler: object) -> Iterator[None]:
-    """SIGINT and SIGTERM go to ``handler`` inside the block: :func:`_interrupt` while the demo
-    runs (SIGTERM stops it like Ctrl-C), ``SIG_IGN`` while it stops its children, so that a
-    second Ctrl-C cannot leave them behind."""
-    previous = {signum: signal.signal(signum, handler)
-                for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
-
-
-def guarded(name: str, body: Callable[[], int], close: Callable[[int], None],
-            failure: type[Exception]) -> int:
-    """``body()``'s exit status, with SIGINT and SIGTERM stopping it like Ctrl-C: 1 after
-    ``failure`` (its message on stderr), 130 after an interrupt. ``close(status)`` runs on every
-    path, with both signals ignored so that a second Ctrl-C cannot leave children behind."""
-    status = 1
-    with _signals(_interrupt):
-        try:
-            status = body()
-        except failure as exc:
-            click.echo(f"spotguard {name}: failed: {exc}", err=True)
-        except KeyboardInterrupt:
-            status = 130
-            click.echo(f"spotguard {name}: interrupted", err=True)
-        finally:
-            with _signals(signal.SIG_IGN):
-                close(status)
-    return status
 
 
 @click.command("demo")

@@ -12,11 +12,11 @@ The command runs as given, twice over:
    (else the first launch's), the preemptions are spread over the steps after the first commit
    and early enough to land before the job ends; none is delivered before a step is committed
    (nothing to resume from). Signals go to the command's process group and to every descendant
-   seen, each checked to still be the process seen (:mod:`spotguard_daemon.drill_tree`).
+   seen, each checked to still be the process seen (:mod:`spotguard_daemon.commands.drill_tree`).
    Whatever survives a deadline is killed. The identical command is relaunched after each until
    it ends.
 3. when the job turns out not to be reproducible run to run, a second reference, to measure how
-   far apart two uninterrupted runs end (:mod:`spotguard_daemon.drill_spread`).
+   far apart two uninterrupted runs end (:mod:`spotguard_daemon.commands.drill_spread`).
 
 Notices come from a private daemon (``--platform none``, embedded default settings, its sockets
 and state in private temporary directories), started for each launch that gets one and stopped
@@ -25,11 +25,11 @@ machine meets a fresh node anyway. A daemon already running on the node is never
 would stop every job on the node.
 
 The verdict comes only from the run records the library writes (``$SPOTGUARD_RECORD``, one file
-per launch), never from what the job prints; see :mod:`spotguard_daemon.drill_checks`. Output: a
+per launch), never from what the job prints; see :mod:`spotguard_daemon.commands.drill_checks`. Output: a
 live timeline with a progress bar, a one-screen summary, and ``report.json`` plus
-``timeline.svg`` in the report directory (:mod:`spotguard_daemon.drill_report`); ``--json``
+``timeline.svg`` in the report directory (:mod:`spotguard_daemon.commands.drill_report`); ``--json``
 prints the report on stdout's last line too. The report directory must be the user's own and
-writable by no one else (:func:`~spotguard_daemon.drill_tree.private_dir`).
+writable by no one else (:func:`~spotguard_daemon.commands.drill_tree.private_dir`).
 
 Exit statuses: 0 PASSED; 1 FAILED (a check failed, the diagnosis on stderr); 2 usage; 3
 INCONCLUSIVE (nothing failed, but fewer preemptions took effect than asked, or the final states
@@ -54,12 +54,12 @@ from pathlib import Path
 import click
 
 from spotguard._record import RecordError, read_new
-from spotguard_daemon.cli_demo import guarded
-from spotguard_daemon.drill_checks import Launch, judge, reproducible, save_figures, SPREAD_FACTOR
-from spotguard_daemon.drill_report import Live, write_report
-from spotguard_daemon.drill_spread import distance, entry_of
-from spotguard_daemon.drill_tree import Tree, new_file, private_dir
-from spotguard_daemon.supervise import LaunchError, command_after_options, killpg, spawn, start_daemon, stop
+from spotguard_daemon.commands.common import guarded
+from spotguard_daemon.commands.drill_checks import Launch, judge, reproducible, save_figures, SPREAD_FACTOR
+from spotguard_daemon.commands.drill_report import Live, write_report
+from spotguard_daemon.commands.drill_spread import distance, entry_of
+from spotguard_daemon.commands.drill_tree import Tree, new_file, private_dir
+from spotguard_daemon.commands.supervise import LaunchError, command_after_options, killpg, spawn, start_daemon, stop
 
 __all__ = ["drill", "KINDS", "EXIT_INCONCLUSIVE"]
 
@@ -393,7 +393,7 @@ def _layout(launches: list[Launch], reference: Launch | None) -> dict | None:
 
 def _notify(endpoint: str | None, deadline: float) -> None:
     from spotguard.protocol import Kind, NotifyRequest
-    from spotguard_daemon.cli import request
+    from spotguard_daemon.commands.common import request
 
     reply = request(endpoint, NotifyRequest(kind=Kind.DRILL, deadline_seconds=deadline,
                                             detail="spotguard drill"), 5.0)

@@ -7,7 +7,7 @@ gets the lines alone. The picture is a small SVG written here, with no plotting 
 axes carry round ticks (1, 2 or 5 times a power of ten) and its legend is sized to its longest
 entry, inside the canvas. Every step shown (log, table, checks, report, picture) is the one the
 record showed: a preemption's step is the launch's at delivery. Files are written through a private
-temporary file renamed into place (:func:`~spotguard_daemon.drill_tree.write_private`).
+temporary file renamed into place (:func:`~spotguard_daemon.commands.drill_tree.write_private`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 import click
 
-from spotguard_daemon.drill_checks import Check, Launch, losses, save_figures, verdict
-from spotguard_daemon.drill_tree import write_private
+from spotguard_daemon.commands.drill_checks import Check, Launch, losses, save_figures, verdict
+from spotguard_daemon.commands.drill_tree import write_private
 
 __all__ = ["DESCRIBE", "EXIT", "Live", "write_report", "svg", "round_ticks"]
 

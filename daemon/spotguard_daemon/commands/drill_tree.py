@@ -5,7 +5,7 @@ launcher killed with SIGKILL, so the drill notes every descendant of a launch as
 signals them at a preemption and at the launch's end. A pid is only a name, reused once its process
 is gone: each is remembered with its start time (``/proc/<pid>/stat``) and signalled only while
 the process under that pid has the same start time and belongs to this user, as the daemon checks
-its clients (:mod:`spotguard_daemon.peers`). A pid reused by an unrelated process is never
+its clients (:mod:`spotguard_daemon.core.peers`). A pid reused by an unrelated process is never
 signalled.
 
 The report directory must not let another user plant or swap files in it: :func:`private_dir`
@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from spotguard._record import untrusted
-from spotguard_daemon.peers import owner_uid, process_start_time
-from spotguard_daemon.supervise import descendants, descends
+from spotguard_daemon.proctree import descendants, descends, owner_uid, process_start_time
 
 __all__ = ["Tree", "private_dir", "new_file", "write_private"]
 

@@ -25,7 +25,7 @@ stopped at the end, and one that cannot start leaves the job running without a d
 the job's processes that catch the daemon's delivery signal (``delivery.signal``, SIGUSR1 by
 default) with the daemon over its ``ipc://`` socket, so that jobs that do not import spotguard learn
 of notices too, and reports them safe after their exit 75; the daemon accepts only the sender's own
-descendants (:mod:`spotguard_daemon.peers`). Over ``tcp://`` nothing is registered (the daemon would
+descendants (:mod:`spotguard_daemon.core.peers`). Over ``tcp://`` nothing is registered (the daemon would
 signal none of them), which it says at start. A socket directory another user could have made
 (:func:`spotguard._paths.untrusted`) is refused at start: one line, exit 1, nothing launched.
 What a launch leaves running after it exited (a background child) is ended before the next launch
@@ -35,7 +35,7 @@ forwarded to the command's process group (a launcher passes them on to its worke
 relaunching; SIGUSR1 and SIGUSR2 are forwarded only. As PID 1 (a container's entry point) it reaps
 orphans too.
 
-At the end a one-line summary on stderr (:mod:`spotguard_daemon.run_summary`); ``--json`` prints it
+At the end a one-line summary on stderr (:mod:`spotguard_daemon.commands.run_summary`); ``--json`` prints it
 as one JSON object on the last line of stdout. ``$SPOTGUARD_RECORD`` is used when set, else a
 private record file is given to the job and removed at the end.
 
@@ -61,9 +61,10 @@ from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
 
-from spotguard_daemon.run_summary import PREEMPTED, Launch, human, summary
-from spotguard_daemon.supervise import (STOP_S, CommandNotFound, LaunchError, Registrar,
-                                        become_subreaper, command_after_options, daemon_status,
+from spotguard_daemon.commands.common import daemon_status, settings_or_exit
+from spotguard_daemon.commands.run_summary import PREEMPTED, Launch, human, summary
+from spotguard_daemon.commands.supervise import (STOP_S, CommandNotFound, LaunchError, Registrar,
+                                        become_subreaper, command_after_options,
                                         killpg, leftovers, reap, signal_each, spawn, start_daemon,
                                         stop)
 
@@ -400,13 +401,11 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
     status of the command (127: not found; 128+N: killed by signal N).
     """
     command = command_after_options(command, "spotguard run [OPTIONS] -- COMMAND [ARGS]...")
-    from spotguard_daemon.cli import _settings
-
     try:  # a record another user made (or a FIFO) could forge preemptions or hang the supervisor
         check_path(os.environ.get(RECORD_ENV) or "")
     except RecordError as exc:
         raise click.UsageError(f"${RECORD_ENV}: {exc}") from exc
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     _refuse_untrusted(settings)
     private = Path(tempfile.mkdtemp(prefix="spotguard-run-"))
     started = time.time()

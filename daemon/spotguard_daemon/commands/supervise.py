@@ -3,7 +3,7 @@ supervise a job (``spotguard drill``, ``spotguard run``).
 
 A command runs in a session (and process group) of its own, so that a signal to the group reaches
 the command and every child it did not move elsewhere, and never the supervisor itself. Launchers
-such as ``torchrun`` may start workers in sessions of their own: :func:`descendants` finds them
+such as ``torchrun`` may start workers in sessions of their own: :func:`~spotguard_daemon.proctree.descendants` finds them
 in ``/proc``, never by name. A supervisor that is a subreaper (:func:`become_subreaper`) also finds
 what a command left running after it exited (:func:`leftovers`). :func:`start_daemon` starts
 ``spotguard daemon`` and waits until it answers on its request socket. :class:`Registrar` registers a job's processes with the daemon for
@@ -24,10 +24,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Callable, Iterable
+from typing import IO, Iterable
 
-__all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "daemon_status", "killpg",
-           "signal_each", "stop", "reap", "descendants", "descends", "parent_of", "catches",
+from spotguard_daemon.commands.common import daemon_status, request
+from spotguard_daemon.proctree import catches, descendants, stat_fields
+
+__all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "killpg",
+           "signal_each", "stop", "reap",
            "Registrar", "STOP_S", "command_after_options", "become_subreaper", "leftovers"]
 
 STOP_S = 10.0
@@ -70,23 +73,6 @@ def spawn(argv: list[str], env: dict[str, str], out: IO | int | None = None,
         raise LaunchError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
 
 
-def daemon_status(endpoint: str, timeout: float = 0.5) -> dict | None:
-    """The daemon's ``status`` reply data, or None when nothing answered within ``timeout`` (at
-    once for an ``ipc://`` socket that does not exist, or one in a directory another user could
-    have made: :func:`spotguard._paths.untrusted`, which the caller reports)."""
-    from spotguard._paths import untrusted
-    from spotguard.protocol import StatusRequest
-
-    from spotguard_daemon.cli import request
-
-    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
-        return None
-    if untrusted(endpoint):
-        return None
-    reply = request(endpoint, StatusRequest(), timeout, strict=False)
-    return reply.data if reply is not None else None
-
-
 def start_daemon(args: list[str], env: dict[str, str], log: IO | int | None, endpoint: str,
                  timeout: float = 30.0) -> subprocess.Popen:
     """``spotguard daemon ARGS`` in a session of its own, once it answers on ``endpoint``; the
@@ -126,23 +112,6 @@ def stop(proc: subprocess.Popen, timeout: float = STOP_S) -> None:
             proc.wait()
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command's name (state, ppid, pgrp, ...); None
-    when the process is not visible."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields if len(fields) > 2 else None
-
-
-def parent_of(pid: int) -> int | None:
-    """The parent pid of ``pid`` (0 for a namespace's first process); None when it is not
-    visible."""
-    fields = _stat(pid)
-    return int(fields[1]) if fields and fields[1].isdigit() else None
-
-
 def become_subreaper() -> bool:
     """Have this process's orphaned descendants reparented to it rather than to init (Linux's
     ``PR_SET_CHILD_SUBREAPER``), so that a supervisor still finds, ends and reaps what a command
@@ -164,75 +133,11 @@ def leftovers(pgid: int | None, spare: Iterable[int] = ()) -> set[int]:
     spared = set(spare).union(*(descendants(pid) for pid in spare))
     found = descendants(os.getpid())
     for stat in Path("/proc").glob("[0-9]*/stat") if pgid is not None else ():
-        fields = _stat(int(stat.parent.name))
+        fields = stat_fields(int(stat.parent.name))
         if fields and fields[2] == str(pgid):
             found.add(int(stat.parent.name))
     return {pid for pid in found - spared - {os.getpid()}
-            if (fields := _stat(pid)) is not None and fields[0] not in "ZX"}
-
-
-def descends(pid: int, ancestor: int) -> bool:
-    """Whether ``ancestor`` is ``pid``'s parent, grandparent... (a walk up from ``pid``)."""
-    for _ in range(256):
-        pid = parent_of(pid) or 0
-        if pid == ancestor:
-            return True
-        if pid <= 1:
-            return False
-    return False
-
-
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every process visible in /proc now."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        parent = parent_of(int(stat.parent.name))
-        if parent is not None:
-            parents[int(stat.parent.name)] = parent
-    return parents
-
-
-def descendants(root: int) -> set[int]:
-    """The pids below ``root`` in the process tree now (empty where there is no /proc): read from
-    each thread's ``children`` list, or, on a kernel without one, from every process's parent."""
-    if Path(f"/proc/{root}/task/{root}/children").exists():
-        return _walk(root, _children)
-    tree: dict[int, list[int]] = {}
-    for pid, parent in _parents().items():
-        tree.setdefault(parent, []).append(pid)
-    return _walk(root, lambda pid: tree.get(pid, []))
-
-
-def _walk(root: int, children: Callable[[int], Iterable[int]]) -> set[int]:
-    found, todo = set(), [root]
-    while todo:
-        for child in children(todo.pop()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _children(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            found.update(int(word) for word in task.read_text().split())
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def catches(pid: int, signum: int) -> bool:
-    """Whether process ``pid`` installed a handler for ``signum`` (``SigCgt`` in its status):
-    only such a process may be sent a stop signal, which would otherwise kill it."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        return False
-    return False
+            if (fields := stat_fields(pid)) is not None and fields[0] not in "ZX"}
 
 
 def reap(known: list[subprocess.Popen]) -> None:
@@ -277,16 +182,12 @@ class Registrar:
         early. The processes are forgotten: the next launch has new ones."""
         from spotguard.protocol import SafeRequest
 
-        from spotguard_daemon.cli import request
-
         for pid in sorted(self.mine):
             request(self.endpoint, SafeRequest(pid=pid), 2.0, strict=False)
         self.mine.clear()
 
     def _register(self, pid: int) -> bool:
         from spotguard.protocol import RegisterRequest
-
-        from spotguard_daemon.cli import request
 
         reply = request(self.endpoint, RegisterRequest(pid=pid), 2.0, strict=False)
         if reply is None:

@@ -1,7 +1,7 @@
 """Validators of the settings that name places: URLs and bind addresses (used by settings.py).
 
 Each raises ``ValueError`` with the problem in a few words; pydantic turns it into the one-line
-:class:`~spotguard_daemon.settings.SettingsError` naming the setting.
+:class:`~spotguard_daemon.core.settings.SettingsError` naming the setting.
 """
 
 from __future__ import annotations

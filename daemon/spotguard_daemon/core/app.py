@@ -23,7 +23,7 @@ No loop's failure stops it either: every background loop runs under :class:`~.ta
 which logs, counts and restarts a loop that fails, so what a client sent can at worst cost a loop a
 restart.
 
-Exceptions: :class:`~spotguard_daemon.server.ServerError` (sockets or runtime directory unusable)
+Exceptions: :class:`~spotguard_daemon.core.server.ServerError` (sockets or runtime directory unusable)
 and ``OSError`` (metrics port taken) escape :meth:`Daemon.run` at start-up; nothing escapes later.
 """
 
@@ -43,21 +43,21 @@ from spotguard.protocol import (TERMINATING_KINDS, CancelEvent, CommitRequest, D
                                 NoticeEvent, utcnow)
 from spotguard.storage.base import StoreError
 
-from spotguard_daemon import systemd, uploads
-from spotguard_daemon.abandon import in_thread
-from spotguard_daemon.delivery import Delivery
-from spotguard_daemon.goodput import GoodputLedger
-from spotguard_daemon.goodput_store import DurableProgress, NoProgress
-from spotguard_daemon.handlers import RequestHandler
-from spotguard_daemon.metrics import Metrics
-from spotguard_daemon.server import Server, ServerError, lock_runtime_dir
-from spotguard_daemon.settings import Settings
-from spotguard_daemon.store import NoticeStore
-from spotguard_daemon.tasks import Supervisor
-from spotguard_daemon.watchers import detect
-from spotguard_daemon.watchers import manual as manual_source
-from spotguard_daemon.watchers import signal as signal_source
-from spotguard_daemon.watchers.runner import Runner
+from spotguard_daemon.core import systemd, uploads
+from spotguard_daemon.core.abandon import in_thread
+from spotguard_daemon.core.delivery import Delivery
+from spotguard_daemon.core.goodput import GoodputLedger
+from spotguard_daemon.core.goodput_store import DurableProgress, NoProgress
+from spotguard_daemon.core.handlers import RequestHandler
+from spotguard_daemon.core.metrics import Metrics
+from spotguard_daemon.core.server import Server, ServerError, lock_runtime_dir
+from spotguard_daemon.core.settings import Settings
+from spotguard_daemon.core.store import NoticeStore
+from spotguard_daemon.core.tasks import Supervisor
+from spotguard_daemon.core.watchers import detect
+from spotguard_daemon.core.watchers import manual as manual_source
+from spotguard_daemon.core.watchers import signal as signal_source
+from spotguard_daemon.core.watchers.runner import Runner
 
 __all__ = ["Daemon"]
 

@@ -29,7 +29,7 @@ import httpx
 from spotguard.protocol import Notice, encode
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from spotguard_daemon.settings import DeliverySettings
+from spotguard_daemon.core.settings import DeliverySettings
 
 __all__ = ["Delivery", "DeliveryError", "signal_pids", "listed_pids"]
 

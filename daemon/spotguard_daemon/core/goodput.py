@@ -9,7 +9,7 @@ saved), and restarts (``register`` with ``resumed_from_step`` R from rank 0). Wh
 * ``steps``: the newest reported step minus the job's last commit C (the newest of R and the steps
   committed since the previous restart; never negative): steps trained after the last commit and
   trained again by the restart. Committed steps not resumed (C - R) are counted apart, as steps
-  re-run (:meth:`~spotguard_daemon.metrics.Metrics.resumed`);
+  re-run (:meth:`~spotguard_daemon.core.metrics.Metrics.resumed`);
 * ``seconds``: the training time those steps took: the newest report's time minus the time step C was
   reached (the time the client stamped on the commit, ``reached_at``: a commit is reported after
   its write, often behind reports of later steps; a client that stamps none leaves an upper bound,
@@ -47,7 +47,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
-from spotguard_daemon.store import write_private_atomic
+from spotguard_daemon.core.store import write_private_atomic
 
 __all__ = ["GoodputLedger", "Loss", "JobRecord", "restart_loss"]
 

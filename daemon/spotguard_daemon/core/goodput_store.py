@@ -51,8 +51,8 @@ from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError
 from spotguard.storage.durable import progress_key
 from spotguard.storage.file import make_private_dirs
 
-from spotguard_daemon.goodput import MAX_COMMITS, GoodputLedger, JobRecord, restart_loss
-from spotguard_daemon.metrics import Metrics
+from spotguard_daemon.core.goodput import MAX_COMMITS, GoodputLedger, JobRecord, restart_loss
+from spotguard_daemon.core.metrics import Metrics
 
 __all__ = ["DurableProgress", "NoProgress", "ProgressObject"]
 

@@ -4,8 +4,8 @@ The server validates every request before it gets here; these methods only decid
 do no network I/O (the server answers one request at a time) and cost O(1) amortised: nothing here
 walks every client for every request.
 
-Who may do what (the peer's credentials come from :data:`~spotguard_daemon.server.current_peer`;
-the rules are in :mod:`spotguard_daemon.peers`): ``register``, ``unregister`` and ``safe`` only for
+Who may do what (the peer's credentials come from :data:`~spotguard_daemon.core.server.current_peer`;
+the rules are in :mod:`spotguard_daemon.core.peers`): ``register``, ``unregister`` and ``safe`` only for
 the sender's own processes (root: any); a process is signalled only when its owner was proven.
 ``progress`` likewise names a process of the sender's. ``status``, ``commit`` and ``notify`` are open
 to every peer that can reach the socket.
@@ -15,7 +15,7 @@ Goodput is fed by proven peers only (``ipc://``, whose credentials the kernel re
 they reach neither the metrics nor the durable store's ``progress.json``. A report may date back no
 further than its process's registration, nor more than ``goodput.MAX_REPORT_AGE``.
 
-Registrations are keyed by the process the kernel proves (:func:`~spotguard_daemon.peers.key_of`),
+Registrations are keyed by the process the kernel proves (:func:`~spotguard_daemon.core.peers.key_of`),
 never by the pid a client names: two containers' pid 1 are two clients. A process registered again
 (a client that resumed, or ``spotguard run``'s registrar naming a client that registered itself)
 keeps its first registration time, and its rank and job unless the new request names a job.
@@ -34,7 +34,7 @@ job is refused, never answered ``ok`` and dropped. An accepted commit is passed 
 tree may change after the check).
 
 Goodput: commits, ``progress`` reports and rank-0 restarts feed the
-:class:`~spotguard_daemon.goodput.GoodputLedger`, whose losses go to the metrics; a restart of a job
+:class:`~spotguard_daemon.core.goodput.GoodputLedger`, whose losses go to the metrics; a restart of a job
 the ledger does not know goes to ``recall`` (the durable store's copy, :mod:`.goodput_store`).
 
 Exceptions: none; every refusal is an error :class:`~spotguard.protocol.Reply`.
@@ -57,13 +57,13 @@ from spotguard.protocol import (
 )
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
-from spotguard_daemon.goodput import GoodputLedger
-from spotguard_daemon.metrics import Metrics
-from spotguard_daemon.peers import Client, key_of, may_act_for, process_start_time
-from spotguard_daemon.server import current_peer
-from spotguard_daemon.store import NoticeStore
-from spotguard_daemon.watchers import manual
-from spotguard_daemon.watchers.manual import manual_notice
+from spotguard_daemon.core.goodput import GoodputLedger
+from spotguard_daemon.core.metrics import Metrics
+from spotguard_daemon.core.peers import Client, key_of, may_act_for, process_start_time
+from spotguard_daemon.core.server import current_peer
+from spotguard_daemon.core.store import NoticeStore
+from spotguard_daemon.core.watchers import manual
+from spotguard_daemon.core.watchers.manual import manual_notice
 
 __all__ = ["Client", "RequestHandler", "checkpoint_dir", "confine", "process_start_time"]
 

@@ -5,7 +5,7 @@ and never install handlers. Calling it again replaces the handler it installed b
 the CLI may call it more than once) and leaves other handlers alone.
 
 Every record that reaches the handler, at every level, passes :class:`RedactFilter` first, so no
-secret (see :mod:`spotguard_daemon.redact`) reaches the log, whichever module wrote the line. The
+secret (see :mod:`spotguard_daemon.core.redact`) reaches the log, whichever module wrote the line. The
 cloud SDKs' own loggers stay at WARNING or above even at DEBUG: they dump request headers.
 
 Exceptions: none.

@@ -2,7 +2,7 @@
 
 Names carry their unit and counters end in ``_total``; labels take small fixed value sets (a platform,
 a kind, a watcher name, a poll outcome), never a notice id. :class:`Metrics` also implements the
-watchers' :class:`~spotguard_daemon.watchers.base.PollObserver`, so the runner reports every poll here.
+watchers' :class:`~spotguard_daemon.core.watchers.base.PollObserver`, so the runner reports every poll here.
 
 ``spotguard_notices_pending`` (by kind and whether the kind terminates) and
 ``spotguard_clients_safe`` (registered clients that reported safe for every pending terminating notice)
@@ -44,7 +44,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from spotguard.protocol import TERMINATING_KINDS, Notice, utcnow
 
-from spotguard_daemon.goodput import Loss
+from spotguard_daemon.core.goodput import Loss
 
 __all__ = ["Metrics"]
 

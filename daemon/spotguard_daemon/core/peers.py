@@ -6,7 +6,7 @@ the client died, or belong to someone else entirely. So a registration records
 * the process's start time from ``/proc/<pid>/stat``: a client counts as alive (and may be
   signalled) only while the same process still runs;
 * the uid that owns it, which must be the uid of the peer that registered it (``SO_PEERCRED`` on
-  ``ipc://``, see :class:`~spotguard_daemon.server.Peer`). A peer may name only its own processes
+  ``ipc://``, see :class:`~spotguard_daemon.core.server.Peer`). A peer may name only its own processes
   (real and effective uid both its own), and of those only itself and its descendants (``spotguard
   run`` registers the job it started); root in the daemon's PID namespace may name any. The daemon
   runs with ``CAP_KILL`` under the shipped systemd unit, so without this rule any client could have
@@ -39,37 +39,12 @@ from pathlib import Path
 
 from spotguard.protocol import utcnow
 
-from spotguard_daemon.server import Peer
-from spotguard_daemon.supervise import descendants, descends
+from spotguard_daemon.core.server import Peer
+from spotguard_daemon.proctree import descendants, descends, owner_uid, process_start_time
 
-__all__ = ["Client", "key_of", "may_act_for", "owner_uid", "process_start_time"]
+__all__ = ["Client", "key_of", "may_act_for"]
 
 log = logging.getLogger(__name__)
-
-
-def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, or None when the pid is not visible."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def owner_uid(pid: int) -> int | None:
-    """The uid that fully owns the process (real and effective uid equal), else None.
-
-    None also when the pid is not visible. A setuid program run by a user (real uid the user's,
-    effective uid root's) is owned by no one here, so nobody but root can register it.
-    """
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                real, effective = (int(v) for v in line.split()[1:3])
-                return real if real == effective else None
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 @dataclass

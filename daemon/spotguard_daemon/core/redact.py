@@ -1,7 +1,7 @@
 """Secrets out of everything the daemon shows: one place that knows what a secret looks like.
 
-Used by ``--print-config`` (:func:`spotguard_daemon.settings.redacted`), the invalid-setting errors,
-the status reply's store URL and, through a logging filter (:mod:`spotguard_daemon.logs`), every log
+Used by ``--print-config`` (:func:`spotguard_daemon.core.settings.redacted`), the invalid-setting errors,
+the status reply's store URL and, through a logging filter (:mod:`spotguard_daemon.core.logs`), every log
 line at every level. What it hides:
 
 - a URL's password (``https://user:pass@host`` -> ``https://user:***@host``) and the value of every

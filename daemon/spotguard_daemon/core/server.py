@@ -19,7 +19,7 @@ directory fails with a clear error.
 Who sent a request: on ``ipc://`` the kernel's credentials of the peer (``SO_PEERCRED``, which
 libzmq reports as the ``Peer-Address`` property ``host:uid:gid:pid`` of every message); the
 handler reads them from :data:`current_peer`. A ``tcp://`` peer cannot be identified: its
-:class:`Peer` has ``uid=None`` (see :mod:`spotguard_daemon.handlers` for what that allows).
+:class:`Peer` has ``uid=None`` (see :mod:`spotguard_daemon.core.handlers` for what that allows).
 
 No message can end the request loop or the daemon: a handler that raises, or a reply that cannot be
 encoded (a path that is not UTF-8), becomes an error reply, logged once per cause. The loop yields

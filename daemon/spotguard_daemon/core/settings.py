@@ -334,7 +334,7 @@ class Settings(BaseSettings):
         return self
 
     def register_secrets(self) -> None:
-        """Tell :mod:`~spotguard_daemon.redact` the secret values, so no output shows them."""
+        """Tell :mod:`~spotguard_daemon.core.redact` the secret values, so no output shows them."""
         secrets = (self.delivery.webhook_secret, self.storage.azure_connection_string)
         register(s.get_secret_value() for s in secrets if s is not None)
         register_environment()

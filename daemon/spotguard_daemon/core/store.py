@@ -42,7 +42,7 @@ from pydantic import ValidationError
 from spotguard.protocol import Notice, utcnow
 from spotguard.storage.file import atomic_write, make_private_dirs
 
-from spotguard_daemon.watchers.manual import SOURCE as MANUAL_SOURCE
+from spotguard_daemon.core.watchers.manual import SOURCE as MANUAL_SOURCE
 
 __all__ = ["NoticeStore", "Entry", "write_private_atomic"]
 

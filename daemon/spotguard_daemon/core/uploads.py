@@ -2,17 +2,15 @@
 
 ::
 
-    commit request --submit()--> journal (uploads.json) --worker thread--> Durable.upload
-                                                   --> on_durable(job, step) --> prune (retention)
+    commit request --submit()--> journal (uploads.json) --worker thread--> Durable.upload (Flight)
+                                                   --> on_durable(job, step) --> Retention.run
 
 * **One job, one checkpoint in flight, newest first.** A newer commit of a job supersedes an older
-  one still queued; while a notice is pending (``urgent``), another job's newer commit pre-empts the
-  upload in flight at the next chunk read, inside a file (it is queued again and resumes, reusing the
-  objects already sent; the part-sent file is sent again). One already uploading is abandoned at the
-  next chunk unless
-  ``finish_superseded`` (its objects stay in the bucket and the newer checkpoint reuses them, so the
-  abandoned work is not lost). Uploads and retention of one prefix run one at a time, as
-  :mod:`spotguard.storage.durable` requires.
+  one still queued, and abandons one uploading unless ``finish_superseded``; while a notice is
+  pending (``urgent``), another job's newer commit pre-empts the upload in flight, which is queued
+  again and resumes, reusing the objects already sent (:mod:`.upload_flight`: the hooks that pace
+  and abandon an upload). Uploads and retention (:mod:`.upload_retention`) of one prefix run one
+  at a time, as :mod:`spotguard.storage.durable` requires.
 * **Journaled.** Every accepted commit is written to ``<state_dir>/uploads.json`` (atomically) before
   the request is answered and removed only once durable, so a daemon killed mid-upload resumes on
   restart; content addressing means objects already in the bucket are not sent again. A journal
@@ -28,14 +26,15 @@
   (benchmarks/bench_upload.py, 1 GB) a one-thread training loop slowed by several times at nice 0
   (eight runnable hashing/copy threads), by more than 10 % at nice 10, and by less at nice 19. The
   price: on cores saturated by training an upload progresses slowly, until a notice stops it.
-* **Bounded.** File-level concurrency is the store's (``storage.concurrency``); bandwidth
-  (``storage.bandwidth_mbps``) is capped chunk by chunk on the bytes read, so it holds inside a
-  file; transient store errors are retried with exponential backoff, forever but never slower
-  than ``retry_max`` seconds apart, because a checkpoint that is not durable yet is exactly what
-  must not be dropped; a failed upload waits without holding up other jobs'.
+* **Bounded.** File-level concurrency is the store's (``storage.concurrency``), bandwidth is capped
+  inside a file (:mod:`.upload_flight`); transient store errors are retried with exponential
+  backoff, forever but never slower than ``retry_max`` seconds apart, because a checkpoint that is
+  not durable yet is exactly what must not be dropped; a failed upload waits without holding up
+  other jobs'.
 
-Without a store (``storage.url = "none"``) :func:`from_settings` gives a :class:`NoStoreQueue`
-instead: same interface, commits accepted and not copied, never a ``durable`` event.
+Without a store (``storage.url = "none"``) :func:`from_settings` gives a
+:class:`~.no_store.NoStoreQueue` instead: same interface, commits accepted and not copied, never a
+``durable`` event.
 
 Exceptions: none escape the worker; failures are logged once per attempt and retried, and an error
 that escapes anyway restarts the worker (``spotguard_upload_worker_restarts_total``).
@@ -54,13 +53,17 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry
 from spotguard._priority import lower_priority
 from spotguard.storage._local import ManifestError
-from spotguard.storage.base import IntegrityError, Interrupted, Store, StoreOptions, open_store
+from spotguard.storage.base import IntegrityError, Store, StoreOptions
+from spotguard.storage.registry import open_store
 from spotguard.storage.durable import Durable, DurableInfo, manifest_key
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
-from spotguard_daemon import confine
-from spotguard_daemon.upload_journal import Journal, Upload, UploadMetrics
-from spotguard_daemon.redact import redact_url
+from spotguard_daemon.core import confine
+from spotguard_daemon.core.no_store import NoStoreQueue
+from spotguard_daemon.core.upload_flight import Flight, Preempted, Superseded
+from spotguard_daemon.core.upload_journal import Journal, Upload, UploadMetrics
+from spotguard_daemon.core.upload_retention import Retention, backoff
+from spotguard_daemon.core.redact import redact_url
 
 __all__ = ["UploadQueue", "NoStoreQueue", "Upload", "from_settings"]
 
@@ -69,19 +72,6 @@ log = logging.getLogger(__name__)
 JOURNAL_RETRY_SECONDS = 2.0
 INTEGRITY_ATTEMPTS = 3
 """A checkpoint whose files disagree with its manifest this many times in a row is refused."""
-RETENTION_RETRY_MAX = 600.0
-"""The longest wait between retries of a failed retention: it is never urgent, and a bucket that
-never allows deletes (a policy without ``DeleteObject``) then logs a few lines an hour, not a flood."""
-
-
-class Superseded(Interrupted):
-    """Raised inside an upload's hooks (before a chunk is read, after a file) to abandon it for a
-    newer checkpoint."""
-
-
-class Preempted(Interrupted):
-    """Raised inside an upload's hooks to let another job's newer checkpoint go first
-    while a notice is pending; the pre-empted upload is queued again (its objects are reused)."""
 
 
 class UploadQueue:
@@ -97,9 +87,6 @@ class UploadQueue:
                  url: str = "", root: Path | None = None, staging: Path | None = None,
                  urgent: Callable[[], bool] = lambda: False) -> None:
         self.durable, self.keep = durable, keep
-        self._abandon: type[Exception] | None = None
-        """Why the upload in flight is being abandoned (Superseded or Preempted), decided once, so
-        that every file still in flight raises the same: one drops the upload, the other requeues it."""
         self.url = redact_url(url.split("?", 1)[0])
         """Where checkpoints go, as clients may restore from it (a query string or a password masked)."""
         self.root, self.staging = root, staging or journal.parent / "upload-staging"
@@ -115,8 +102,7 @@ class UploadQueue:
         self._progress = (0, 0)
         self._durable: dict[str, dict[str, Any]] = {}
         self._refused: dict[str, dict[str, Any]] = {}
-        self._retention_due: dict[str, tuple[float, int]] = {}
-        """Jobs whose retention failed: when to try again, and how many tries failed so far."""
+        self.retention = Retention(lambda job: self.durable.prune(job, self.keep), min(retry_max, 5.0))
         self._restarts = 0
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -182,8 +168,7 @@ class UploadQueue:
                     "uploading": current, "bytes_pending": sum(u["size_bytes"] for u in pending) + (total - done),
                     "durable": {job: dict(d) for job, d in self._durable.items()},
                     "refused": {job: dict(r) for job, r in self._refused.items()},
-                    "retention_retry": {job: {"failures": n, "at": when}
-                                        for job, (when, n) in self._retention_due.items()},
+                    "retention_retry": self.retention.status(),
                     "worker": {"alive": alive, "restarts": self._restarts},
                     "journal_ok": self.journal.ok}
 
@@ -273,7 +258,7 @@ class UploadQueue:
             if upload is not None:
                 self._attempt(upload)
             else:
-                self._prune(prune)
+                self.retention.run(prune)
 
     def _enqueue(self, upload: Upload) -> bool:
         """Queue ``upload`` unless a newer one of its job is queued or durable; lock held."""
@@ -298,30 +283,27 @@ class UploadQueue:
         return self._current
 
     def _retention_ready(self) -> str | None:
-        """A job whose failed retention is due again; lock held."""
-        if not self._retention_due or self._urgent():
-            return None
-        now = time.time()
-        return next((job for job, (when, _) in self._retention_due.items() if when <= now), None)
+        """A job whose failed retention is due again, unless a notice is pending."""
+        job = self.retention.ready()
+        return job if job is not None and not self._urgent() else None
 
     def _wait_time(self) -> float | None:
         waits = [u.not_before - time.time() for u in self._queue.values()]
-        waits += [when - time.time() for when, _ in self._retention_due.values()]
+        waits += self.retention.waits()
         if self.journal.dirty:
             waits.append(JOURNAL_RETRY_SECONDS)
         return max(0.05, min(waits)) if waits else None
 
     def _attempt(self, upload: Upload) -> None:
         upload.attempts += 1
-        started = time.monotonic()
-        self._abandon = None
+        flight = Flight(self._cond, lambda: self._why_abandon(upload), self._set_progress,
+                        self.bytes_per_second)
         try:
             _check_job(upload.job_id)
             with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
                                 self.staging) as ckpt:
-                progress, interrupt = self._hooks(upload, started)
-                info = self.durable.upload(ckpt, upload.job_id, progress=progress, interrupt=interrupt,
-                                           cleanup=False)
+                info = self.durable.upload(ckpt, upload.job_id, progress=flight.progress,
+                                           interrupt=flight.interrupt, cleanup=False)
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
             self._finish(upload, None)
@@ -342,44 +324,10 @@ class UploadQueue:
             self.metrics.seconds.observe(info.seconds)
             self._finish(upload, info)  # the pointer is written: durable now, published before any delete
             self.durable.cleanup(info)  # a slow or stalled delete delays nothing a client waits for
-            self._prune(upload.job_id)
+            self.retention.run(upload.job_id)
 
-    def _hooks(self, upload: Upload,
-               started: float) -> tuple[Callable[[int, int], None], Callable[[int], None]]:
-        """``Durable.upload``'s ``progress`` (after each file) and ``interrupt`` (before each chunk is
-        read): both raise Superseded/Preempted to abandon the upload; ``interrupt`` also paces the
-        bytes read to ``bytes_per_second``, waiting on the condition so that a newer commit stops
-        the wait at once."""
-        read = [0]
-
-        def progress(done: int, total: int) -> None:
-            with self._cond:
-                self._progress = (done, total)
-                self._check_abandon(upload)
-
-        def interrupt(n: int) -> None:
-            with self._cond:
-                read[0] += n  # paid for before it is read: no burst above the cap, even at the end
-                while True:
-                    self._check_abandon(upload)
-                    ahead = self._ahead(read[0], started)
-                    if ahead <= 0:
-                        break
-                    self._cond.wait(min(ahead, 1.0))
-        return progress, interrupt
-
-    def _check_abandon(self, upload: Upload) -> None:
-        """Raise why the upload in flight is abandoned, if it is; lock held."""
-        if self._abandon is None:
-            self._abandon = self._why_abandon(upload)
-        if self._abandon is not None:
-            raise self._abandon()
-
-    def _ahead(self, sent: int, started: float) -> float:
-        """Seconds the upload is ahead of ``bytes_per_second`` after ``sent`` bytes (<= 0: go on)."""
-        if not self.bytes_per_second:
-            return 0.0
-        return sent / self.bytes_per_second - (time.monotonic() - started)
+    def _set_progress(self, done: int, total: int) -> None:
+        self._progress = (done, total)  # lock held (Flight)
 
     def _why_abandon(self, upload: Upload) -> type[Exception] | None:
         """Superseded by a newer commit of its job, or pre-empted by another job's newer commit
@@ -398,21 +346,6 @@ class UploadQueue:
         except Exception:  # noqa: BLE001 - read from another thread without a lock: a guess is enough
             return False
 
-    def _prune(self, job_id: str) -> None:
-        """Apply retention to ``job_id``; a failure is retried with backoff until it succeeds (or a
-        later upload's retention does), so a store that failed once never keeps extra checkpoints."""
-        try:
-            self.durable.prune(job_id, self.keep)
-        except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
-            with self._cond:
-                failures = self._retention_due.get(job_id, (0.0, 0))[1] + 1
-                delay = _backoff(min(self.retry_max, 5.0), failures - 1, RETENTION_RETRY_MAX)
-                self._retention_due[job_id] = (time.time() + delay, failures)
-            log.warning("retention of %s failed (attempt %d): %s; retrying in %.1fs", job_id, failures, exc, delay)
-        else:
-            with self._cond:
-                self._retention_due.pop(job_id, None)
-
     def _refuse(self, upload: Upload, exc: Exception) -> None:
         """A checkpoint that cannot be uploaded as committed: say so once, drop it, go on."""
         self.metrics.refused.inc()
@@ -424,7 +357,7 @@ class UploadQueue:
 
     def _failed(self, upload: Upload, exc: Exception) -> None:
         self.metrics.failures.inc()
-        delay = _backoff(0.5, upload.attempts, self.retry_max)
+        delay = backoff(0.5, upload.attempts, self.retry_max)
         log.warning("upload of %s step %d failed (attempt %d): %s; retrying in %.1fs",
                     upload.job_id, upload.step, upload.attempts, exc, delay)
         with self._cond:
@@ -471,11 +404,6 @@ class UploadQueue:
             self._save_journal()
 
 
-def _backoff(base: float, exponent: int, cap: float) -> float:
-    """``base`` doubled ``exponent`` times (at most 10), never above ``cap``."""
-    return min(cap, base * 2 ** min(exponent, 10))
-
-
 def _printable(text: str) -> str:
     """``text`` with lone surrogates (undecodable path bytes) escaped: replies must be UTF-8."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -490,44 +418,6 @@ def _check_job(job_id: str) -> None:
         manifest_key(job_id, 0)
     except ValueError as exc:
         raise confine.UnsafeCheckpoint(str(exc)) from None
-
-
-class NoStoreQueue:
-    """The queue of a daemon without a durable store (``storage.url = "none"``): a commit is
-    accepted and nothing is copied, so nothing ever becomes durable and no ``durable`` event is
-    published (a client must never be told a checkpoint is safe when it is not); a node stop waits
-    for no upload. The interface of :class:`UploadQueue`; its metrics exist, so dashboards and
-    alerts keep their series, and stay at their idle values (nothing durable: the age is NaN)."""
-
-    store = None
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.metrics = UploadMetrics(registry)
-        self.metrics.durable_age.set_function(lambda: float("nan"))
-
-    def start(self) -> None:
-        log.info("no durable store (storage.url = none): committed checkpoints are not uploaded")
-
-    def submit(self, job_id: str, path: Path, step: int, size_bytes: int = 0) -> None:
-        log.debug("not uploading %s step %d: no durable store", job_id or DEFAULT_JOB, step)
-
-    def durable_step(self, job_id: str) -> int | None:
-        return None
-
-    def idle(self) -> bool:
-        return True
-
-    def wait_idle(self, timeout: float) -> bool:
-        return True
-
-    def status(self) -> dict[str, Any]:
-        """:meth:`UploadQueue.status`'s shape, empty, with ``store`` None and ``disabled`` true."""
-        return {"store": None, "disabled": True, "pending": [], "uploading": None,
-                "bytes_pending": 0, "durable": {}, "refused": {}, "retention_retry": {}, "worker": None,
-                "journal_ok": True}
-
-    def close(self, timeout: float = 5.0) -> None:
-        pass
 
 
 def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,

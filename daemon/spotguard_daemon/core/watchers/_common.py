@@ -2,8 +2,8 @@
 
 A watcher translates transport trouble once, here: an unexpected status becomes
 ``httpx.HTTPStatusError`` (the runner counts it as ``http_error``), an unparsable 200 becomes
-:class:`~spotguard_daemon.watchers.base.BadPayload`, a token that cannot be had becomes
-:class:`~spotguard_daemon.watchers.base.WatcherError`.
+:class:`~spotguard_daemon.core.watchers.base.BadPayload`, a token that cannot be had becomes
+:class:`~spotguard_daemon.core.watchers.base.WatcherError`.
 
 Exceptions::
 

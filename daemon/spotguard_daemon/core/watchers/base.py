@@ -2,7 +2,7 @@
 
 A watcher knows one endpoint and how to read it; it owns no loop. Each call of :meth:`Watcher.poll`
 does one request (or one long-poll step) and returns the notices *currently pending* from that source,
-a snapshot. The :class:`~spotguard_daemon.watchers.runner.Runner` owns the loop, timeouts, backoff with
+a snapshot. The :class:`~spotguard_daemon.core.watchers.runner.Runner` owns the loop, timeouts, backoff with
 jitter, error counting and logging, and hands each snapshot to the notice store, which decides what is
 new and what was cancelled (an id that was in the last snapshot and is not in this one).
 

@@ -1,0 +1,114 @@
+"""What the ``spotguard`` commands share: a failure as one line and an exit status, the settings
+or exit 2, one request to a daemon over the client's protocol, and a body run with SIGINT and
+SIGTERM stopping it like Ctrl-C.
+
+A leaf of the commands: each command imports it, never :mod:`~spotguard_daemon.commands.cli` (the
+group, which imports every command). A command talks to a daemon only here, through
+:mod:`spotguard.protocol`, as any other client does.
+
+Exceptions: none escape; :func:`fail` exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from spotguard_daemon.core.settings import Settings, SettingsError, load_settings
+
+__all__ = ["daemon_status", "fail", "guarded", "request", "settings_or_exit"]
+
+
+def fail(status: int, message: str) -> NoReturn:
+    """``spotguard: MESSAGE`` on stderr, then exit ``status``."""
+    click.echo(f"spotguard: {message}", err=True)
+    sys.exit(status)
+
+
+def settings_or_exit(config: str | None, **overrides: Any) -> Settings:
+    """The effective settings (``config``: a TOML file, else the default one); exit 2 naming the
+    setting when they are invalid."""
+    try:
+        return load_settings(Path(config) if config else None, **overrides)
+    except SettingsError as exc:
+        fail(2, str(exc))
+
+
+def request(endpoint: str, message: Any, timeout: float, *, strict: bool = True) -> Any:
+    """Send one request to the daemon and return its :class:`Reply`, or None after ``timeout``.
+    An invalid reply exits 1 with one line, or (``strict=False``, for a supervisor that must
+    outlive a broken daemon) counts as no reply."""
+    import zmq
+    from spotguard.protocol import ProtocolError, decode_reply, encode
+
+    with zmq.Context() as ctx, ctx.socket(zmq.REQ) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(encode(message))
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        try:
+            return decode_reply(sock.recv())
+        except ProtocolError as exc:
+            if not strict:
+                return None
+            fail(1, f"the daemon at {endpoint} sent an invalid reply: {exc}")
+
+
+def daemon_status(endpoint: str, timeout: float = 0.5) -> dict | None:
+    """The daemon's ``status`` reply data, or None when nothing answered within ``timeout`` (at
+    once for an ``ipc://`` socket that does not exist, or one in a directory another user could
+    have made: :func:`spotguard._paths.untrusted`, which the caller reports)."""
+    from spotguard._paths import untrusted
+    from spotguard.protocol import StatusRequest
+
+    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
+        return None
+    if untrusted(endpoint):
+        return None
+    reply = request(endpoint, StatusRequest(), timeout, strict=False)
+    return reply.data if reply is not None else None
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _signals(handler: object) -> Iterator[None]:
+    """SIGINT and SIGTERM go to ``handler`` inside the block: :func:`_interrupt` while the command
+    runs (SIGTERM stops it like Ctrl-C), ``SIG_IGN`` while it stops its children, so that a
+    second Ctrl-C cannot leave them behind."""
+    previous = {signum: signal.signal(signum, handler)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def guarded(name: str, body: Callable[[], int], close: Callable[[int], None],
+            failure: type[Exception]) -> int:
+    """``body()``'s exit status, with SIGINT and SIGTERM stopping it like Ctrl-C: 1 after
+    ``failure`` (its message on stderr), 130 after an interrupt. ``close(status)`` runs on every
+    path, with both signals ignored so that a second Ctrl-C cannot leave children behind."""
+    status = 1
+    with _signals(_interrupt):
+        try:
+            status = body()
+        except failure as exc:
+            click.echo(f"spotguard {name}: failed: {exc}", err=True)
+        except KeyboardInterrupt:
+            status = 130
+            click.echo(f"spotguard {name}: interrupted", err=True)
+        finally:
+            with _signals(signal.SIG_IGN):
+                close(status)
+    return status

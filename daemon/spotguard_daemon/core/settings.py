@@ -257,7 +257,7 @@ class StorageSettings(_Section):
 
 
 class Settings(BaseSettings):
-    """Everything the daemon can be told. See README's settings reference."""
+    """Everything the daemon can be told. See docs/reference/settings.md."""
 
     model_config = SettingsConfigDict(
         env_prefix="SPOTGUARD_",

@@ -10,8 +10,8 @@ the heal (``time.time()``) to the first snapshot holding the notice at the runne
 
 The baseline, in the same run and the same way, is the runner before the bound
 (:class:`UncappedRunner`): every path backs off with full jitter up to ``backoff_max`` and
-``Retry-After`` is ignored. The bound under test (README, "Detection bound after a fault"): one
-interval plus the request timeout, 3 s with the defaults.
+``Retry-After`` is ignored. The bound under test (docs/deploy/platforms.md, "Detection bound after a
+fault"): one interval plus the request timeout, 3 s with the defaults.
 
 Log volume: for each platform and mode, the bounded runners poll an endpoint that stays faulty for
 ``--log-seconds``; every record a daemon at INFO would print (``spotguard*`` at INFO and above,

@@ -47,6 +47,7 @@ from typing import Any, NoReturn
 
 from spotguard import rng
 from spotguard._optim import hookable
+from spotguard._run_stop import save_fits
 from spotguard._watchdog import Watchdog, run_exit_hooks
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.exit_codes import EXIT_PREEMPTED
@@ -249,7 +250,7 @@ class Between:
         run.guard.begin_stop()
         stopped_at, left = utcnow(), decision.seconds_left
         already = run._saved_step == done
-        from spotguard.run import save_fits  # run imports this module
+        from spotguard._run_stop import save_fits  # below run, which imports this module
 
         fits = already or save_fits(decision.save_seconds, left, run.save_margin)
         saved = False

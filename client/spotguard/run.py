@@ -73,29 +73,29 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from datetime import datetime
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
-from spotguard import _ddp, _exit, _jobid, rng
-from spotguard._optim import hookable
+from spotguard import _ddp, _jobid
 from spotguard._peer import exit_peer_lost, is_peer_failure
 from spotguard._audit import Audit
 from spotguard._between import Between
-from spotguard._record import Recorder, stop_times
+from spotguard._record import Recorder
+from spotguard._run_parts import RngState as _RngState  # noqa: F401 (tests import it here)
+from spotguard._run_parts import (build_state, count_steps, default_group, is_spotguard_loader, loader_entry,
+                                  make_cadence, rank, state_bytes)
+from spotguard._run_start import load_latest, restore_from_store
+from spotguard._run_stop import Stopping, save_fits  # noqa: F401 (save_fits is public here)
 from spotguard._stall import LocalHangs
 from spotguard._watchdog import Watchdog
 from spotguard.cadence import job_nodes
-from spotguard.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError
+from spotguard.checkpoint import Checkpointer
 from spotguard.checkpoint.emergency import ASSUMED_THROUGHPUT  # noqa: F401 (integrations import it here)
-from spotguard.checkpoint.load import read_manifest
-from spotguard.distributed import Agreement, Decision, PeerLostError
-from spotguard.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
+from spotguard.distributed import Agreement, PeerLostError
+from spotguard.exit_codes import EXIT_PEER_LOST
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
 from spotguard.protocol import utcnow
-from spotguard.storage import StoreError, restore_newer, store_from_env
-from spotguard.storage.fresh_node import RestoreFailed
 
 __all__ = ["Run", "save_fits"]
 
@@ -106,30 +106,7 @@ PEER_LOST_GRACE = 10.0
 agreement, the agreement's own timeout (which logs and records the cause) comes first."""
 
 
-def save_fits(save_seconds: float | None, seconds_left: float | None, margin: float) -> bool:
-    """Whether an emergency save of ``save_seconds`` fits before a deadline ``seconds_left`` away.
-
-    No deadline: it fits (the forced-exit watchdog still bounds it). Unknown duration: it does not,
-    because a save cut off by the kill costs the time and leaves nothing newer than the last commit.
-    """
-    if seconds_left is None:
-        return True
-    if save_seconds is None:
-        return False
-    return save_seconds + margin < seconds_left
-
-
-class _RngState:
-    """Adapts :mod:`spotguard.rng` to the state_dict protocol the checkpointer saves."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return rng.capture()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        rng.restore(state)
-
-
-class Run:
+class Run(Stopping):
     """A resumable training run over ``root``; see the module docstring for the contract."""
 
     def __init__(
@@ -158,24 +135,24 @@ class Run:
         peer_timeout: float | None = 600.0,
         abandon_between_steps: bool = False,
     ) -> None:
-        self.state = _build_state(model, optimizer, scheduler, sampler, state)
+        self.state = build_state(model, optimizer, scheduler, sampler, state)
         self.state.update(_ddp.entries(self.state))  # DDP's real bucket layout, for an exact resume
         if stop_lead < 0:
             raise ValueError("stop_lead must be >= 0")
         if loader is not None:
-            self.state.setdefault("loader", _loader_entry(loader))
+            self.state.setdefault("loader", loader_entry(loader))
         self.save_margin, self.stop_lead, self.exit_on_stop = save_margin, stop_lead, exit_on_stop
         self._far_notice: str | None = None
-        process_group = _default_group(process_group)
+        process_group = default_group(process_group)
         self.agreement = Agreement(process_group, timeout=peer_timeout)
         self.peer_timeout = peer_timeout
         stalled = (f"no step boundary for {(peer_timeout or 0) + PEER_LOST_GRACE:.0f} s (Run(peer_timeout="
                    f"{peer_timeout})), and this rank was waiting neither for its loader nor for its own save: "
                    "a peer rank is probably gone")
         self._progress = (Watchdog(EXIT_PEER_LOST, stalled, before_exit=self._record_forced_exit,
-                                   probe=LocalHangs(self, peer_timeout, _rank()).probe)
+                                   probe=LocalHangs(self, peer_timeout, rank()).probe)
                           if peer_timeout and self.agreement.enabled else None)
-        self.cadence = _make_cadence(save_every, cadence)
+        self.cadence = make_cadence(save_every, cadence)
         self._user_on_commit = on_commit
         job_id = job_id or os.environ.get(_jobid.ENV, "")
         derived = not job_id
@@ -185,10 +162,10 @@ class Run:
                  "job_id= to choose one)" if derived else "")
         self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,
                                          on_commit=self._on_commit)
-        self.guard = guard or Guard(job_id=job_id, rank=_rank(), daemon=daemon,
+        self.guard = guard or Guard(job_id=job_id, rank=rank(), daemon=daemon,
                                     signal_deadlines=signal_deadlines, nodes=job_nodes())
         self._job_id, self._durable = job_id, durable
-        self.record = Recorder(rank=_rank(), job=job_id)
+        self.record = Recorder(rank=rank(), job=job_id)
         self._audit = Audit(self.record, self.state)  # samples per step, state left out
         self._save_kinds: dict[int, str] = {}
         self._save_reached: dict[int, datetime] = {}
@@ -204,7 +181,7 @@ class Run:
         self._closed = False
         self._open_step: tuple[int, Any] | None = None  # (optimizer steps, loader state) at a yield
         self._optimizer_steps = 0
-        self._counts_steps = _count_steps(optimizer, self._count_optimizer_step)
+        self._counts_steps = count_steps(optimizer, self._count_optimizer_step)
         self._between = Between(self, optimizer, abandon_between_steps)  # a notice outside a step
 
     # ------------------------------------------------------------------ the loop
@@ -212,9 +189,9 @@ class Run:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers still to run, resuming after the latest committed checkpoint."""
         self._between.starting(total)
-        self._restore_from_store()
+        restore_from_store(self)
         try:
-            self.resumed_from = self._load_latest()
+            self.resumed_from = load_latest(self)
         except Exception as exc:
             self.record.emit("load_failed", error=f"{type(exc).__name__}: {exc}")
             raise
@@ -244,53 +221,6 @@ class Run:
         finally:  # the loop ended, or was left (break closes this generator)
             if self._progress is not None:
                 self._progress.disarm()
-
-    def _load_latest(self) -> Any:
-        """Load the newest checkpoint; one that does not fit the state (another model, another run
-        in this root) is refused with a message naming the fix, never half-loaded silently."""
-        try:
-            info = self.checkpointer.load_latest(self.state)
-        except CheckpointCorruptError:
-            raise
-        except CheckpointError as exc:
-            latest = self.checkpointer.latest()
-            if latest is None:
-                raise
-            raise CheckpointError(_jobid.mismatch_message(
-                latest.path, read_manifest(latest.path), self._job_id, " ".join(str(exc).split()).rstrip("."))) from exc
-        if info is not None:
-            manifest = read_manifest(info.path)
-            _jobid.check_matches(manifest, self.state, self._job_id, info.path)
-            if manifest.get("job_id") not in ("", None, self._job_id):
-                log.warning("resuming %s, written by job %r; this is job %r (same checkpoint root)",
-                            info.path, manifest.get("job_id"), self._job_id)
-        return info
-
-    def _restore_from_store(self) -> None:
-        """The fresh-node case: when the durable store holds a newer checkpoint than the local root,
-        fetch it first, so the load below finds it. The store is ``durable=``, else
-        ``$SPOTGUARD_STORAGE__URL``, else the daemon's; one process per node fetches while the others
-        wait. A store that keeps failing (transient errors are retried for a minute) is logged and
-        training goes on from what is local; when the store held, or may have held, a newer
-        checkpoint, that is an error and a ``restore_failed`` record event (work is lost)."""
-        url, options = store_from_env()
-        url = self._durable or url or self._daemon_store()
-        if url and _local_rank() == 0:
-            try:
-                restore_newer(self.checkpointer.root, self._job_id, url, options)
-            except RestoreFailed as exc:
-                log.error("%s; going on with local checkpoints (steps after them are trained again)", exc)
-                self.record.emit("restore_failed", store=url.split("?", 1)[0], store_step=exc.store_step,
-                                 local_step=exc.local_step, error=str(exc))
-            except (StoreError, OSError) as exc:
-                log.warning("could not restore from %s (%s); going on with local checkpoints", url, exc)
-        if self.agreement.enabled:
-            _distributed().barrier(group=self.agreement.process_group)
-
-    def _daemon_store(self) -> str | None:
-        uploads = (self.guard.daemon_status() or {}).get("uploads") or {}
-        store = uploads.get("store")
-        return store if isinstance(store, str) and "://" in store else None
 
     def finish(self, *, at_boundary: bool = False) -> None:
         """Save the final state (if not saved yet), wait until it is committed, and close.
@@ -341,7 +271,7 @@ class Run:
 
     def _loader_mark(self) -> Any:
         loader = self.state.get("loader")
-        return loader.state_dict() if _is_spotguard_loader(loader) else None
+        return loader.state_dict() if is_spotguard_loader(loader) else None
 
     def _close_open_step(self) -> None:
         """The loop was left inside a step: count it when the optimizer stepped in it, else undo
@@ -407,7 +337,7 @@ class Run:
         if due and self._fixed_cadence:
             self._save(done)  # a fixed step count is due at the same step on every rank
         else:
-            self._due_latched |= due and _rank() == 0  # rank 0's cadence (the daemon's MTBF) decides
+            self._due_latched |= due and rank() == 0  # rank 0's cadence (the daemon's MTBF) decides
         if self.agreement.enabled and not self.agreement.due(done):
             return False  # flags wait for the next exchange: every rank acts at the same step
         try:
@@ -422,96 +352,9 @@ class Run:
             self.guard.clear_checkpoint_request()
         return False
 
-    def _local_decision(self, done: int) -> Decision:
-        stop = self.guard.stop_requested
-        left = self.guard.seconds_left() if stop else None
-        save = self.expected_save_seconds() if stop else None
-        if stop and left is not None and left > self._stop_needed(save):
-            self._note_far_notice(left, save)
-            stop = False
-        return Decision(
-            stop=stop,
-            checkpoint=self._due_latched or self.guard.checkpoint_requested,
-            seconds_left=left if stop else None,
-            save_seconds=save if stop else None,
-        )
-
-    def _stop_needed(self, save_seconds: float | None) -> float:
-        """Seconds before a deadline at which the loop must stop: the expected save, the margin,
-        the steps until the next boundary that can act on it, and ``stop_lead``."""
-        steps = self.agreement.interval if self.agreement.enabled else 1
-        step_s = (getattr(self.cadence, "step_s", None) or 0.0) * steps
-        return (save_seconds or 0.0) + self.save_margin + step_s + self.stop_lead
-
-    def _note_far_notice(self, left: float, save: float | None) -> None:
-        notice = self.guard.notice
-        if notice is not None and notice.id != self._far_notice:
-            self._far_notice = notice.id
-            log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
-                        "it", notice.id, left, self._stop_needed(save))
-
     def _peer_lost(self, done: int, exc: PeerLostError) -> NoReturn:
         """Say why, record it, and end the process now (see the module docstring: no teardown)."""
         exit_peer_lost(exc, self.record, done)
-
-    def _stop(self, done: int, decision: Decision) -> bool:
-        if self._progress is not None:
-            self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
-        self.guard.begin_stop()
-        stopped_at, left = utcnow(), decision.seconds_left
-        saved, already = False, self._saved_step == done
-        fits = already or save_fits(decision.save_seconds, left, self.save_margin)
-        if already:
-            log.warning("stopping at step %d, already saved", done)
-        elif fits:
-            log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", done,
-                        decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
-            saved = self._save_emergency(done)
-        else:
-            log.warning("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
-                        "committed checkpoint stands", done, decision.save_seconds, left)
-        try:
-            self.checkpointer.wait(None if left is None else max(0.0, left - self.save_margin))
-        except CheckpointError as exc:  # the previous commit is still valid: stop anyway
-            log.error("the last save failed (%s); the previous checkpoint stands", exc)
-        stop = {"step": done, "stopped_at": stopped_at, "estimate_s": decision.save_seconds,
-                "seconds_left": left, "committed_at": utcnow() if saved else None,
-                "save": "already" if already else "committed" if saved else "failed" if fits else "no_room"}
-        self._report_stop(done, stop, saved)
-        return self._exit_stopped()
-
-    def _report_stop(self, done: int, stop: dict[str, Any], saved: bool) -> None:
-        """Tell the daemon the process is safe and record the stop (``stop``: :class:`SafeRequest`'s
-        fields); any thread, once."""
-        safe = self.guard.report_safe(**stop)
-        self.stopped = True
-        notice = self.guard.notice
-        self.record.emit("stop", step=done, saved=saved, seconds_left=stop["seconds_left"],
-                         notice=None if notice is None else {"id": notice.id, "kind": notice.kind.value},
-                         **stop_times(stop, self.guard.flagged_at(notice.id) if notice else None, safe))
-
-    def _stop_between(self, outcome: dict[str, Any]) -> bool:
-        """The loop came back after a stop whose save ran beside the work: end it as :meth:`_stop`."""
-        if not self.stopped:
-            self._report_stop(outcome["step"], outcome, outcome["save"] == "committed")
-        if self._progress is not None:
-            self._progress.disarm()
-        return self._exit_stopped()
-
-    def _exit_stopped(self) -> bool:
-        self.close(exiting=True)
-        if self.exit_on_stop:
-            raise _exit.stop_exit(EXIT_PREEMPTED)
-        return True
-
-    def _save_emergency(self, done: int) -> bool:
-        """Commit the state now, the loop stopped; False (logged) when the save failed."""
-        try:
-            self._save(done, "emergency")
-        except CheckpointError as exc:  # the previous commit is still valid: stop anyway
-            log.error("the emergency save failed (%s); the previous checkpoint stands", exc)
-            return False
-        return True
 
     def _save(self, done: int, kind: str = "periodic", state: Mapping[str, Any] | None = None) -> None:
         """Save ``state`` (default: the run's) as step ``done``; an emergency save commits first."""
@@ -552,91 +395,5 @@ class Run:
         """Expected notice-to-committed seconds of an emergency save now: the state's bytes (the
         last save's, else counted) at the emergency path's measured bandwidth, which periodic saves
         seed and each emergency save updates (:meth:`Checkpointer.emergency_seconds`)."""
-        size = self.checkpointer.stats.bytes or _state_bytes(self.state)
+        size = self.checkpointer.stats.bytes or state_bytes(self.state)
         return self.checkpointer.emergency_seconds(size) if size else None
-
-
-def _count_steps(optimizer: Any, hook: Callable[..., None]) -> bool:
-    """Register ``hook`` to run after each real step of ``optimizer`` (unwrapped as
-    :func:`spotguard._optim.hookable` says); False when it cannot tell."""
-    inner = hookable(optimizer)
-    if inner is None:
-        return False
-    inner.register_step_post_hook(hook)
-    return True
-
-
-def _make_cadence(save_every: int | None, cadence: Any) -> Any:
-    from spotguard.cadence import Cadence
-
-    if cadence is not None and save_every is not None:
-        raise ValueError("give save_every or cadence, not both")
-    return cadence or Cadence(every_steps=save_every, nodes=job_nodes())
-
-
-def _build_state(model: Any, optimizer: Any, scheduler: Any, sampler: Any,
-                 extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    named = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
-    state = {name: obj for name, obj in named.items() if obj is not None}
-    state.update(extra or {})
-    state.setdefault("rng", _RngState())
-    return state
-
-
-def _loader_entry(loader: Any) -> Any:
-    """The checkpoint entry of ``Run(loader=...)``: a spotguard.DataLoader is one; torchdata's
-    StatefulDataLoader goes through LoaderState; a plain DataLoader is refused with the fix."""
-    from spotguard.data import DataLoader
-    from spotguard.sampler import LoaderState
-
-    if isinstance(loader, DataLoader):
-        return loader
-    if callable(getattr(loader, "state_dict", None)):
-        return LoaderState(loader)
-    raise TypeError(f"Run(loader=) cannot resume a {type(loader).__name__} exactly: build it with "
-                    "spotguard.DataLoader (same arguments), or use torchdata's StatefulDataLoader")
-
-
-def _is_spotguard_loader(obj: Any) -> bool:
-    data = sys.modules.get("spotguard.data")
-    return data is not None and isinstance(obj, data.DataLoader)
-
-
-def _state_bytes(state: Mapping[str, Any]) -> int:
-    """Bytes of every tensor reachable from the state's state_dicts (an estimate for a first save)."""
-    def walk(obj: Any) -> int:
-        if hasattr(obj, "element_size") and hasattr(obj, "nelement"):
-            return obj.element_size() * obj.nelement()
-        if isinstance(obj, Mapping):
-            return sum(walk(v) for v in obj.values())
-        if isinstance(obj, (list, tuple)):
-            return sum(walk(v) for v in obj)
-        return 0
-
-    return sum(walk(o.state_dict() if hasattr(o, "state_dict") else o) for o in state.values())
-
-
-def _distributed() -> Any:
-    """``torch.distributed`` when it is initialised, else None."""
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _default_group(process_group: Any) -> Any:
-    """The world group when distributed runs and no group was given (the checkpointer then
-    coordinates its commits across ranks), else ``process_group`` as given."""
-    dist = _distributed()
-    if process_group is None and dist is not None and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return process_group
-
-
-def _local_rank() -> int:
-    """This process's rank on its node (torchrun's ``LOCAL_RANK``), 0 outside a launcher."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def _rank() -> int:
-    dist = _distributed()
-    return dist.get_rank() if dist is not None else 0

@@ -1,0 +1,112 @@
+"""The parts :class:`spotguard.run.Run` is built from: its state entries, cadence, optimizer hook
+and the distributed context it runs in."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Mapping
+
+from spotguard import rng
+from spotguard._optim import hookable
+from spotguard.cadence import job_nodes
+
+__all__ = ["RngState", "build_state", "count_steps", "default_group", "distributed", "is_spotguard_loader",
+           "loader_entry", "local_rank", "make_cadence", "rank", "state_bytes"]
+
+
+class RngState:
+    """Adapts :mod:`spotguard.rng` to the state_dict protocol the checkpointer saves."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng.capture()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rng.restore(state)
+
+
+
+def count_steps(optimizer: Any, hook: Callable[..., None]) -> bool:
+    """Register ``hook`` to run after each real step of ``optimizer`` (unwrapped as
+    :func:`spotguard._optim.hookable` says); False when it cannot tell."""
+    inner = hookable(optimizer)
+    if inner is None:
+        return False
+    inner.register_step_post_hook(hook)
+    return True
+
+
+def make_cadence(save_every: int | None, cadence: Any) -> Any:
+    from spotguard.cadence import Cadence
+
+    if cadence is not None and save_every is not None:
+        raise ValueError("give save_every or cadence, not both")
+    return cadence or Cadence(every_steps=save_every, nodes=job_nodes())
+
+
+def build_state(model: Any, optimizer: Any, scheduler: Any, sampler: Any,
+                 extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    named = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+    state = {name: obj for name, obj in named.items() if obj is not None}
+    state.update(extra or {})
+    state.setdefault("rng", RngState())
+    return state
+
+
+def loader_entry(loader: Any) -> Any:
+    """The checkpoint entry of ``Run(loader=...)``: a spotguard.DataLoader is one; torchdata's
+    StatefulDataLoader goes through LoaderState; a plain DataLoader is refused with the fix."""
+    from spotguard.data import DataLoader
+    from spotguard.sampler import LoaderState
+
+    if isinstance(loader, DataLoader):
+        return loader
+    if callable(getattr(loader, "state_dict", None)):
+        return LoaderState(loader)
+    raise TypeError(f"Run(loader=) cannot resume a {type(loader).__name__} exactly: build it with "
+                    "spotguard.DataLoader (same arguments), or use torchdata's StatefulDataLoader")
+
+
+def is_spotguard_loader(obj: Any) -> bool:
+    data = sys.modules.get("spotguard.data")
+    return data is not None and isinstance(obj, data.DataLoader)
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of every tensor reachable from the state's state_dicts (an estimate for a first save)."""
+    def walk(obj: Any) -> int:
+        if hasattr(obj, "element_size") and hasattr(obj, "nelement"):
+            return obj.element_size() * obj.nelement()
+        if isinstance(obj, Mapping):
+            return sum(walk(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(v) for v in obj)
+        return 0
+
+    return sum(walk(o.state_dict() if hasattr(o, "state_dict") else o) for o in state.values())
+
+
+def distributed() -> Any:
+    """``torch.distributed`` when it is initialised, else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def default_group(process_group: Any) -> Any:
+    """The world group when distributed runs and no group was given (the checkpointer then
+    coordinates its commits across ranks), else ``process_group`` as given."""
+    dist = distributed()
+    if process_group is None and dist is not None and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return process_group
+
+
+def local_rank() -> int:
+    """This process's rank on its node (torchrun's ``LOCAL_RANK``), 0 outside a launcher."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def rank() -> int:
+    dist = distributed()
+    return dist.get_rank() if dist is not None else 0

@@ -1,0 +1,123 @@
+"""How a :class:`spotguard.run.Run` stops on a notice: the far-deadline rule, the emergency save when
+it fits before the deadline, the report to the daemon and the record, and the exit (75)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from spotguard import _exit
+from spotguard._record import stop_times
+from spotguard.checkpoint import CheckpointError
+from spotguard.distributed import Decision
+from spotguard.exit_codes import EXIT_PREEMPTED
+from spotguard.protocol import utcnow
+
+__all__ = ["Stopping", "save_fits"]
+
+log = logging.getLogger("spotguard.run")
+
+
+def save_fits(save_seconds: float | None, seconds_left: float | None, margin: float) -> bool:
+    """Whether an emergency save of ``save_seconds`` fits before a deadline ``seconds_left`` away.
+
+    No deadline: it fits (the forced-exit watchdog still bounds it). Unknown duration: it does not,
+    because a save cut off by the kill costs the time and leaves nothing newer than the last commit.
+    """
+    if seconds_left is None:
+        return True
+    if save_seconds is None:
+        return False
+    return save_seconds + margin < seconds_left
+
+
+class Stopping:
+    """:class:`spotguard.run.Run`'s stop on a notice (a mixin: it uses the Run's guard, agreement,
+    cadence, checkpointer and record)."""
+
+    def _local_decision(self, done: int) -> Decision:
+        stop = self.guard.stop_requested
+        left = self.guard.seconds_left() if stop else None
+        save = self.expected_save_seconds() if stop else None
+        if stop and left is not None and left > self._stop_needed(save):
+            self._note_far_notice(left, save)
+            stop = False
+        return Decision(
+            stop=stop,
+            checkpoint=self._due_latched or self.guard.checkpoint_requested,
+            seconds_left=left if stop else None,
+            save_seconds=save if stop else None,
+        )
+
+    def _stop_needed(self, save_seconds: float | None) -> float:
+        """Seconds before a deadline at which the loop must stop: the expected save, the margin,
+        the steps until the next boundary that can act on it, and ``stop_lead``."""
+        steps = self.agreement.interval if self.agreement.enabled else 1
+        step_s = (getattr(self.cadence, "step_s", None) or 0.0) * steps
+        return (save_seconds or 0.0) + self.save_margin + step_s + self.stop_lead
+
+    def _note_far_notice(self, left: float, save: float | None) -> None:
+        notice = self.guard.notice
+        if notice is not None and notice.id != self._far_notice:
+            self._far_notice = notice.id
+            log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
+                        "it", notice.id, left, self._stop_needed(save))
+
+    def _stop(self, done: int, decision: Decision) -> bool:
+        if self._progress is not None:
+            self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
+        self.guard.begin_stop()
+        stopped_at, left = utcnow(), decision.seconds_left
+        saved, already = False, self._saved_step == done
+        fits = already or save_fits(decision.save_seconds, left, self.save_margin)
+        if already:
+            log.warning("stopping at step %d, already saved", done)
+        elif fits:
+            log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", done,
+                        decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
+            saved = self._save_emergency(done)
+        else:
+            log.warning("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
+                        "committed checkpoint stands", done, decision.save_seconds, left)
+        try:
+            self.checkpointer.wait(None if left is None else max(0.0, left - self.save_margin))
+        except CheckpointError as exc:  # the previous commit is still valid: stop anyway
+            log.error("the last save failed (%s); the previous checkpoint stands", exc)
+        stop = {"step": done, "stopped_at": stopped_at, "estimate_s": decision.save_seconds,
+                "seconds_left": left, "committed_at": utcnow() if saved else None,
+                "save": "already" if already else "committed" if saved else "failed" if fits else "no_room"}
+        self._report_stop(done, stop, saved)
+        return self._exit_stopped()
+
+    def _report_stop(self, done: int, stop: dict[str, Any], saved: bool) -> None:
+        """Tell the daemon the process is safe and record the stop (``stop``: :class:`SafeRequest`'s
+        fields); any thread, once."""
+        safe = self.guard.report_safe(**stop)
+        self.stopped = True
+        notice = self.guard.notice
+        self.record.emit("stop", step=done, saved=saved, seconds_left=stop["seconds_left"],
+                         notice=None if notice is None else {"id": notice.id, "kind": notice.kind.value},
+                         **stop_times(stop, self.guard.flagged_at(notice.id) if notice else None, safe))
+
+    def _stop_between(self, outcome: dict[str, Any]) -> bool:
+        """The loop came back after a stop whose save ran beside the work: end it as :meth:`_stop`."""
+        if not self.stopped:
+            self._report_stop(outcome["step"], outcome, outcome["save"] == "committed")
+        if self._progress is not None:
+            self._progress.disarm()
+        return self._exit_stopped()
+
+    def _exit_stopped(self) -> bool:
+        self.close(exiting=True)
+        if self.exit_on_stop:
+            raise _exit.stop_exit(EXIT_PREEMPTED)
+        return True
+
+    def _save_emergency(self, done: int) -> bool:
+        """Commit the state now, the loop stopped; False (logged) when the save failed."""
+        try:
+            self._save(done, "emergency")
+        except CheckpointError as exc:  # the previous commit is still valid: stop anyway
+            log.error("the emergency save failed (%s); the previous checkpoint stands", exc)
+            return False
+        return True

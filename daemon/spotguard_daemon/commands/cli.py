@@ -175,6 +175,10 @@ def _human_status(data: dict[str, Any]) -> str:
     clients = data.get("clients", [])
     lines.append(f"clients: {len(clients) or 'none'}")
     lines += [f"  pid {c['pid']} rank {c['rank']} job {c['job_id'] or '-'}" for c in clients]
+    if data.get("timeline"):
+        from spotguard_daemon.commands.notices import human_timeline
+
+        lines += ["latest terminating notice:", *("  " + line for line in human_timeline(data["timeline"]))]
     lines += _human_uploads(data.get("uploads") or {})
     lines.append(f"metrics: {data.get('metrics') or 'off'}")
     return "\n".join(lines)
@@ -239,10 +243,12 @@ from spotguard_daemon.commands.cadence import cadence  # noqa: E402
 from spotguard_daemon.commands.checkpoints import checkpoints  # noqa: E402
 from spotguard_daemon.commands.demo import demo  # noqa: E402
 from spotguard_daemon.commands.drill import drill  # noqa: E402
+from spotguard_daemon.commands.notices import notices  # noqa: E402
 from spotguard_daemon.commands.run import run  # noqa: E402
 
 main.add_command(cadence)
 main.add_command(checkpoints)
 main.add_command(demo)
 main.add_command(drill)
+main.add_command(notices)
 main.add_command(run)

@@ -42,6 +42,7 @@ from spotguard import __version__
 from spotguard.protocol import (TERMINATING_KINDS, CancelEvent, CommitRequest, DurableEvent, Notice,
                                 NoticeEvent, utcnow)
 from spotguard.storage.base import StoreError
+from spotguard.storage.fresh_node import DEFAULT_JOB
 
 from spotguard_daemon.core import systemd, uploads
 from spotguard_daemon.core.abandon import in_thread
@@ -54,6 +55,7 @@ from spotguard_daemon.core.server import Server, ServerError, lock_runtime_dir
 from spotguard_daemon.core.settings import Settings
 from spotguard_daemon.core.store import NoticeStore
 from spotguard_daemon.core.tasks import Supervisor
+from spotguard_daemon.core.timeline import Timelines
 from spotguard_daemon.core.watchers import detect
 from spotguard_daemon.core.watchers import manual as manual_source
 from spotguard_daemon.core.watchers import signal as signal_source
@@ -88,6 +90,7 @@ class Daemon:
         self.queue = uploads.from_settings(settings, registry=self.metrics.registry,
                                            on_durable=self._durable,
                                            urgent=lambda: bool(self.store.pending()))
+        self.timeline = Timelines(settings.state_dir / "timelines.json", self.metrics)
         ledger = GoodputLedger(settings.state_dir / "goodput.json")
         self.progress = NoProgress() if self.queue.store is None else DurableProgress(
             self.queue.store, ledger, self.metrics,
@@ -98,7 +101,7 @@ class Daemon:
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
                                       on_change=self._clients_changed, on_commit=self._committed,
                                       known_step=self.queue.durable_step, metrics=self.metrics,
-                                      ledger=ledger, recall=self.progress.recall)
+                                      ledger=ledger, recall=self.progress.recall, timeline=self.timeline)
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
                              pending_ids=lambda: [n.id for n in self.store.pending()],
@@ -197,6 +200,8 @@ class Daemon:
         self.store.on_announce(self._announce)
         self.store.on_cancel(self._cancel)
         restored = self.store.restore()
+        self.timeline.restore({n.id for n in restored})
+        self.metrics.no_client_streak.set(self.timeline.no_client_streak())
         if restored:
             self.tasks.once("announce-restored", self._announce_restored(restored))
 
@@ -217,15 +222,20 @@ class Daemon:
     # ------------------------------------------------------------------ notices
 
     def _announce(self, notice: Notice) -> None:
+        self.timeline.seen(notice, len(self.handler.clients))
         self.server.publish(NoticeEvent(notice=notice))
+        self.timeline.stage(notice.id, "published")
         self.metrics.notice_published(notice, latency=not self._restoring)
         log.warning("notice %s: %s on %s, deadline %s (%s)", notice.id, notice.kind.value,
                     notice.platform, notice.deadline.isoformat() if notice.deadline else "unknown",
                     notice.detail or notice.source)
-        self.delivery.deliver(notice)
+        signalled = self.delivery.deliver(notice)
+        if signalled:
+            self.timeline.stage(notice.id, "signalled", pids=signalled)
 
     def _cancel(self, notice: Notice, reason: str) -> None:
         self.server.publish(CancelEvent(id=notice.id, reason=reason))
+        self.timeline.cancelled(notice.id, reason)
 
     def publish(self, event: BaseModel) -> None:
         """Publish an event to the subscribers."""
@@ -246,7 +256,12 @@ class Daemon:
     def _durable(self, job_id: str, step: int, location: str) -> None:
         """Called from the upload thread once a checkpoint is durable."""
         event = DurableEvent(job_id=job_id, step=step, location=location)
-        self._loop.call_soon_threadsafe(self.publish, event)
+        self._loop.call_soon_threadsafe(self._made_durable, event)
+
+    def _made_durable(self, event: DurableEvent) -> None:
+        """On the loop: tell the clients, and the timelines waiting for that step."""
+        self.publish(event)
+        self.timeline.durable(event.job_id or DEFAULT_JOB, event.step)
 
     async def _check_storage(self) -> None:
         """Report a missing bucket or a refused credential at start-up, in one line, not at the
@@ -287,6 +302,9 @@ class Daemon:
 
     def _settle(self) -> None:
         self._settle_soon = False
+        for notice in self.store.pending():  # before a drill is withdrawn for it
+            if self._all_safe(notice.id, need_one=True):
+                self.timeline.all_safe(notice.id)
         self._acknowledge_ready()
         self._complete_manual()
 
@@ -349,6 +367,7 @@ class Daemon:
             self.store.expire()
             self.handler.ledger.flush()
             self.progress.tick()
+            self.timeline.tick()
             self.metrics.clients.set(self.handler.reap())
             self._acknowledge_ready()
             if watchdog is not None and loop.time() >= next_ping:
@@ -412,6 +431,7 @@ class Daemon:
 
     async def _shutdown(self, watchers: list) -> None:
         systemd.notify("STOPPING=1")
+        self.timeline.stopping(node_going=self._signal_notice is not None)
         await self.tasks.cancel_all()
         await self.delivery.drain(timeout=2.0)
         for watcher in watchers:

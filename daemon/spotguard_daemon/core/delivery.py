@@ -86,15 +86,18 @@ class Delivery:
         self._backoff = backoff
         self._tasks: set[asyncio.Task] = set()
 
-    def deliver(self, notice: Notice) -> None:
-        """Signal now (for terminating notices) and start the hook and webhook in the background."""
+    def deliver(self, notice: Notice) -> list[int]:
+        """Signal now (for terminating notices) and start the hook and webhook in the background;
+        return the pids signalled."""
+        sent = []
         if notice.terminating and self._settings.signal != "none":
-            self.send_signal(notice)
+            sent = self.send_signal(notice)
         payload = encode(notice)
         if self._settings.hook:
             self._spawn(self._retry("hook", self._run_hook, payload))
         if self._settings.webhook is not None and self._http is not None:
             self._spawn(self._retry("webhook", self._post_webhook, payload))
+        return sent
 
     def send_signal(self, notice: Notice) -> list[int]:
         signum = _signal.Signals[self._settings.signal]

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spotguard.protocol import (
-    CommitRequest, NotifyRequest, ProgressRequest, RegisterRequest, Reply, Request, SafeRequest,
+    AckRequest, CommitRequest, NotifyRequest, ProgressRequest, RegisterRequest, Reply, Request, SafeRequest,
     UnregisterRequest,
 )
 from spotguard.storage.fresh_node import DEFAULT_JOB
@@ -62,6 +62,7 @@ from spotguard_daemon.core.metrics import Metrics
 from spotguard_daemon.core.peers import Client, key_of, may_act_for, process_start_time
 from spotguard_daemon.core.server import current_peer
 from spotguard_daemon.core.store import NoticeStore
+from spotguard_daemon.core.timeline import Timelines
 from spotguard_daemon.core.watchers import manual
 from spotguard_daemon.core.watchers.manual import manual_notice
 
@@ -155,8 +156,11 @@ class RequestHandler:
                  on_change: Callable[[], None] | None = None,
                  known_step: Callable[[str], int | None] | None = None,
                  metrics: Metrics | None = None, ledger: GoodputLedger | None = None,
-                 recall: Callable[[str, int], None] | None = None) -> None:
+                 recall: Callable[[str, int], None] | None = None,
+                 timeline: Timelines | None = None) -> None:
         self.store = store
+        self.timeline = timeline or Timelines()
+        """The notice timeline: clients' flags and safe reports are recorded there (:mod:`.timeline`)."""
         self.metrics = metrics or Metrics()
         self.ledger = ledger or GoodputLedger()
         self.recall = recall or (lambda job, step: None)
@@ -275,8 +279,11 @@ class RequestHandler:
     def _status(self, _request: Request) -> Reply:
         self.reap()  # a bounded slice: all of a small table, so a dead client is not reported
         safe = {n.id: sorted(self.store.safe_pids(n.id)) for n in self.store.pending()}
-        return Reply(ok=True, data={**self._info(), "notices": self._notices(), "safe": safe,
-                                    "clients": [c.public() for c in self.clients.values()]})
+        data = {**self._info(), "notices": self._notices(), "safe": safe,
+                "clients": [c.public() for c in self.clients.values()], "timeline": self.timeline.current()}
+        if getattr(_request, "history", 0):
+            data["history"] = self.timeline.history(_request.history)
+        return Reply(ok=True, data=data)
 
     def _safe(self, request: SafeRequest) -> Reply:
         key = key_of(request.pid, current_peer.get())
@@ -287,8 +294,19 @@ class RequestHandler:
             return Reply(ok=False, error=f"safe refused: pid {request.pid} is not registered and "
                                          f"{MAX_CLIENTS} pids already reported safe")
         unknown = self.store.mark_safe_all(ids, key)
+        client = self.clients.get(key)
+        self.timeline.safe([i for i in ids if i not in unknown], key, request,
+                           (client.job_id if client is not None else "") or DEFAULT_JOB)
         self._on_change()
         return Reply(ok=True, data={"unknown": unknown})
+
+    def _ack(self, request: AckRequest) -> Reply:
+        """A client set its stop flag for these notices: the timeline's ``flagged`` stage."""
+        key = key_of(request.pid, current_peer.get())
+        if not may_act_for(current_peer.get(), request.pid, self.clients.get(key)):
+            return Reply(ok=False, error=f"ack refused: pid {request.pid} is not the sender's")
+        self.timeline.ack(request.notice_ids, key, request.at)
+        return Reply(ok=True)
 
     def _commit(self, request: CommitRequest) -> Reply:
         if self._root is None:

@@ -18,6 +18,11 @@ Goodput (clients report it; older clients do not, and then these stay at zero):
 ``spotguard_steps_redone_total`` adds, per restart, the newest step committed for that job through
 this daemon minus the step resumed from: work committed but not resumed (e.g. lost with the node's
 disk). ``spotguard_checkpoint_save_seconds`` is the time the loop was blocked per save.
+
+The notice timeline (:mod:`.timeline`): ``spotguard_notice_stage_seconds{stage}`` is the seconds from
+a terminating notice's detection to each stage of its handling, ``spotguard_notice_outcomes_total
+{outcome}`` counts each notice's one outcome, and ``spotguard_notices_without_client_streak`` is how
+many of the latest notices in a row found no registered client (for an alert).
 Rank 0 also reports its progress (step reached, and when) every few seconds, and each restart adds
 what it lost after the checkpoint it resumed from (:mod:`.goodput` has the exact rules):
 ``spotguard_steps_lost_total`` the newest reported step minus the job's last commit (the step
@@ -45,6 +50,7 @@ from prometheus_client.registry import Collector
 from spotguard.protocol import TERMINATING_KINDS, Notice, utcnow
 
 from spotguard_daemon.core.goodput import Loss
+from spotguard_daemon.core.timeline import OUTCOMES
 
 __all__ = ["Metrics"]
 
@@ -52,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _POLL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _SAVE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -100,6 +107,17 @@ class Metrics:
         self.save_seconds = Histogram("spotguard_checkpoint_save_seconds", "Seconds the training loop "
                                       "was blocked by one checkpoint save, as reported with its commit.",
                                       buckets=_SAVE_BUCKETS, registry=r)
+        self.stage_seconds = Histogram("spotguard_notice_stage_seconds", "Seconds from a terminating "
+                                       "notice's detection to each stage of its handling: published, "
+                                       "signalled, a client's flag, stop, save committed (or already, no "
+                                       "room, failed), safe, durable, gone.", ["stage"],
+                                       buckets=_STAGE_BUCKETS, registry=r)
+        self.outcomes = Counter("spotguard_notice_outcomes", "Terminating notices by outcome: saved (in "
+                                "time), no_room, missed_deadline, no_client, cancelled.", ["outcome"], registry=r)
+        for outcome in OUTCOMES:  # every series exists from the start, so increase() sees the first one
+            self.outcomes.labels(outcome=outcome)
+        self.no_client_streak = Gauge("spotguard_notices_without_client_streak", "How many of the latest "
+                                      "terminating notices in a row found no registered client.", registry=r)
         self.deadline.set(math.nan)
         self._server = None
 
@@ -133,6 +151,15 @@ class Metrics:
         self.notices.labels(platform=notice.platform, kind=notice.kind.value).inc()
         if latency:
             self.latency.observe(max(0.0, (utcnow() - notice.received_at).total_seconds()))
+
+    def notice_stage(self, stage: str, seconds: float) -> None:
+        """A notice reached ``stage`` ``seconds`` after it was seen (:mod:`.timeline`)."""
+        self.stage_seconds.labels(stage=stage).observe(seconds)
+
+    def notice_outcome(self, outcome: str, no_client_streak: int) -> None:
+        """A notice's outcome was decided; ``no_client_streak``: the latest in a row without a client."""
+        self.outcomes.labels(outcome=outcome).inc()
+        self.no_client_streak.set(no_client_streak)
 
     def request_served(self, kind: str, ok: bool) -> None:
         self.requests.labels(type=kind, outcome="ok" if ok else "error").inc()

@@ -113,6 +113,11 @@ class GcpSettings(_Section):
     """``timeout_sec`` sent to the metadata server; the client waits a little longer."""
     interval: float = Field(1.0, gt=0, le=3600)
     """Seconds between plain polls when long-polls are off or failing."""
+    preemption_notice_duration: float = Field(0.0, ge=0, le=3600)
+    """Seconds of metadata preemption notice before the ACPI soft-off that this Spot VM was created
+    with (``scheduling.preemptionNoticeDuration``, Beta; GCP offers up to 120 s). A preemption's
+    deadline is then this plus the 30 s soft-off window. The metadata server does not document the
+    value, so it is not read from there: set it as the VM was created."""
     preemptible: Literal["auto", "yes", "no"] = "auto"
     """Legacy Preemptible VM (stopped after 24 h): ``auto`` reads ``instance/scheduling/preemptible``."""
     preemptible_max_runtime: float = Field(24 * 3600, gt=0)

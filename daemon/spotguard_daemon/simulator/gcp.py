@@ -10,6 +10,11 @@ have equal ETags). Values, as plain text:
 * ``instance/scheduling/preemptible``: ``TRUE``/``FALSE`` from the ``preemptible`` option
   (settable at run time).
 
+A Spot VM made with ``scheduling.preemptionNoticeDuration`` (the ``preemption_notice_duration``
+option, seconds, settable) shows ``preempted`` that long before its ACPI soft-off, and goes 30 s
+after that: a ``preempt`` event's default deadline is the duration plus 30 s. Like the real server,
+it does not publish the duration.
+
 ``?wait_for_change=true&last_etag=X&timeout_sec=N`` waits on the shared condition (no polling) until
 the value's ETag differs from ``X`` (without ``last_etag``: from the value now), or ``N`` seconds
 pass (default and cap :data:`MAX_WAIT_SECONDS`), or the simulator stops; then it answers the current
@@ -42,12 +47,14 @@ def etag(value: str) -> str:
 class GcpSim(PlatformSim):
     name = "gcp"
     kinds = ("preempt", "terminate_maintenance", "migrate")
-    settable = frozenset({"preemptible"})
+    settable = frozenset({"preemptible", "preemption_notice_duration"})
     server_header = "Metadata Server for VM"
 
-    def __init__(self, cond: threading.Condition, timers: Timers, *, preemptible: bool = True) -> None:
+    def __init__(self, cond: threading.Condition, timers: Timers, *, preemptible: bool = True,
+                 preemption_notice_duration: float = 0.0) -> None:
         super().__init__(cond, timers)
         self.preemptible = bool(preemptible)
+        self.preemption_notice_duration = float(preemption_notice_duration)
         self._values: dict[str, Callable[[], str]] = {
             "instance/preempted": lambda: "TRUE" if self.active("preempt") else "FALSE",
             "instance/maintenance-event": self._maintenance_event,
@@ -55,7 +62,7 @@ class GcpSim(PlatformSim):
         }
 
     def default_deadline(self, kind: str) -> float:
-        return 30.0 if kind == "preempt" else 60.0
+        return 30.0 + self.preemption_notice_duration if kind == "preempt" else 60.0
 
     def handle(self, req: Request) -> Response:
         if req.headers.get("Metadata-Flavor") != "Google":

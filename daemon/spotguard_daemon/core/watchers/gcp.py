@@ -1,6 +1,8 @@
 """GCP Compute Engine: preemption, host maintenance, and the legacy Preemptible 24-hour cap.
 
-* ``gcp.preempted``: ``instance/preempted`` is ``TRUE`` -> PREEMPT, deadline 30 s after first seen.
+* ``gcp.preempted``: ``instance/preempted`` is ``TRUE`` -> PREEMPT, deadline 30 s after first seen, plus
+  ``gcp.preemption_notice_duration`` on a Spot VM made with a metadata notice before the ACPI
+  soft-off (``scheduling.preemptionNoticeDuration``; the metadata server does not say it).
 * ``gcp.maintenance``: ``instance/maintenance-event`` is ``TERMINATE_ON_HOST_MAINTENANCE`` ->
   TERMINATE (terminating, about 60 s), ``MIGRATE_ON_HOST_MAINTENANCE`` -> advisory MAINTENANCE.
 * ``gcp.preemptible``: a legacy Preemptible VM is stopped 24 h after boot whatever the capacity; a
@@ -141,6 +143,19 @@ class GcpPreemptedWatcher(_LongPollWatcher):
     path = "instance/preempted"
     idle = "FALSE"
     values = {"TRUE": (Kind.PREEMPT, True, PREEMPT_NOTICE)}
+
+    def __init__(self, http: httpx.AsyncClient, settings: Settings, **kwargs: float) -> None:
+        super().__init__(http, settings, **kwargs)
+        self._notice = settings.gcp.preemption_notice_duration
+        if self._notice:
+            self.values = {"TRUE": (Kind.PREEMPT, True, PREEMPT_NOTICE + timedelta(seconds=self._notice))}
+
+    def _keep(self, kind: Kind, terminating: bool, lead: timedelta, value: str) -> list[Notice]:
+        notices = super()._keep(kind, terminating, lead, value)
+        if self._notice and "notice duration" not in notices[0].detail:
+            self._pending = notices[0].model_copy(update={"detail": f"{notices[0].detail} (preemption notice "
+                                                                    f"duration {self._notice:g} s + 30 s soft-off)"})
+        return [self._pending]
 
 
 class GcpMaintenanceWatcher(_LongPollWatcher):

@@ -14,8 +14,9 @@ by what stays exact even then:
   by optimizer in the state), ``epoch`` (the first sampler's) and, at a save, ``loss`` (the last
   scalar the job called ``backward()`` on, read only then: no device sync per step);
 * ``unsaved``: once per object (``what``), an optimizer that stepped without being in the state
-  (with the model parameters it trains), or a learning-rate scheduler attached to a stepping
-  optimizer while no scheduler is in the state (torch marks an optimizer's ``step`` its scheduler
+  (with the model parameters it trains), parameters a saved optimizer trains that no model in the
+  state holds, or a learning-rate scheduler attached to a stepping optimizer while no scheduler is
+  in the state (torch marks an optimizer's ``step`` its scheduler
   wraps). Not for a state that holds a framework's own (the Lightning callback's trainer state
   covers its optimizers and schedulers);
 * ``ddp``: once, at the first step, a model in the state that trains through a
@@ -199,9 +200,26 @@ class Audit:
         known = _reachable(self.state)
         if id(optimizer) not in known:
             self.record.emit("unsaved", what=f"optimizer ({type(optimizer).__name__}){self._trains(optimizer)}")
+        else:
+            self._covered(optimizer)
         scheduled = getattr(optimizer.step, "_wrapped_by_lr_sched", False)
         if scheduled and not any(hasattr(v, "get_last_lr") for v in self.state.values()):
             self.record.emit("unsaved", what="LR scheduler")
+
+    def _covered(self, optimizer: Any) -> None:
+        """Record the parameters a saved optimizer trains that no model in the state holds (their
+        weights would start over on resume), when the state holds a model at all."""
+        models = [value for value in self.state.values() if hasattr(value, "named_parameters")]
+        if not models:
+            return
+        held = {id(p) for model in models for p in model.parameters()}
+        loose = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in held]
+        if loose:
+            shapes = ", ".join(str(list(p.shape)) for p in loose[:_NAMED])
+            more = f" and {len(loose) - _NAMED} more" if len(loose) > _NAMED else ""
+            self.record.emit("unsaved", what=f"{len(loose)} parameter tensor(s) the optimizer "
+                             f"({type(optimizer).__name__}) trains but no model in Run holds "
+                             f"(shapes {shapes}{more})")
 
     def _trains(self, optimizer: Any) -> str:
         """``" training model: head.weight, head.bias"``: the state's parameters the optimizer

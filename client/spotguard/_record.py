@@ -170,6 +170,9 @@ class Recorder:
         path = path if path is not None else os.environ.get(ENV) or None
         self.path = Path(path) if path else None
         self.rank, self.job = rank, job
+        self.total: int | None = None
+        """The step budget to record when a framework's loop, not Run's, decides it (the Lightning
+        callback's ``max_steps``; Run's own loop is then given an endless one)."""
         self._next_progress = 0.0
         self._failed = False
 
@@ -180,6 +183,8 @@ class Recorder:
     def start(self, *, root: str | os.PathLike[str], world_size: int, resumed_from: int | None,
               skipped: list[dict[str, str]], total: int | None, entries: list[str] | None = None,
               loaded_digest: str | None = None) -> None:
+        total = self.total or total
+        total = total if total is None or total <= MAX_INT else None  # an endless loop has no budget
         self.emit("start", root=str(root), world_size=world_size, argv=list(sys.argv),
                   cwd=os.getcwd(), host=socket.gethostname(), restart_count=restart_count(),
                   resumed_from=resumed_from, skipped=skipped, total=total, entries=entries,

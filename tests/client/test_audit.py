@@ -67,3 +67,30 @@ def test_a_ddp_not_handed_to_run_is_recorded(tmp_path, monkeypatch):
         dist.destroy_process_group()
     (ddp,) = [e for e in events if e["event"] == "ddp"]
     assert (ddp["entry"], ddp["world_size"]) == ("model", 1)
+
+
+def test_an_endless_budget_is_recorded_as_none_and_a_framework_budget_instead(tmp_path):
+    """The Lightning callback drives Run's loop with an endless budget (2**62, past the schema's
+    bound: the drill refused the start line) and records the trainer's max_steps instead."""
+    from spotguard._record import Recorder
+
+    record = Recorder(tmp_path / "r.jsonl")
+    record.start(root=tmp_path, world_size=1, resumed_from=None, skipped=[], total=2**62)
+    record.total = 60
+    record.start(root=tmp_path, world_size=1, resumed_from=None, skipped=[], total=2**62)
+    problems: list[str] = []
+    assert [e["total"] for e in read(tmp_path / "r.jsonl", problems)] == [None, 60] and not problems
+
+
+def test_parameters_trained_but_held_by_no_model_in_run_are_named(tmp_path, monkeypatch):
+    """A head trained by the saved optimizer but left out of Run: its weights would start over."""
+    monkeypatch.setenv("SPOTGUARD_RECORD", str(tmp_path / "r.jsonl"))
+    body, head = nn.Linear(4, 3), nn.Linear(3, 1)
+    optimizer = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.1)
+    with spotguard.Run(tmp_path / "ckpt", model=body, optimizer=optimizer, daemon=False) as run:
+        for _ in run.steps(2):
+            head(body(torch.ones(2, 4))).sum().backward()
+            optimizer.step()
+    unsaved = [e["what"] for e in read(tmp_path / "r.jsonl") if e["event"] == "unsaved"]
+    assert unsaved == ["2 parameter tensor(s) the optimizer (SGD) trains but no model in Run holds "
+                       "(shapes [1, 3], [1])"]

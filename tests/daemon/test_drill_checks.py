@@ -238,7 +238,7 @@ def test_the_cause_is_named_from_what_the_record_shows(tmp_path):
         return failed(judge([first, last], reference, 1, layout=layout))
 
     unsaved = case(extra=(("unsaved", {"what": "optimizer (AdamW)"}), ("unsaved", {"what": "LR scheduler"})))
-    assert ("The job uses state that is not in its checkpoint: LR scheduler, optimizer (AdamW)"
+    assert ("The job uses state that is not in its checkpoint: LR scheduler; optimizer (AdamW)"
             in unsaved["identical"])
     ddp = case(layout={"restorable": False, "why": "model: a comm hook is registered"})
     assert "DDP's gradient bucket layout cannot be restored (model: a comm hook" in ddp["identical"]

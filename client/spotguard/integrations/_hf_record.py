@@ -6,7 +6,9 @@ at its events: ``start`` at ``on_train_begin`` (``root`` is ``output_dir``, ``re
 global step the Trainer loaded), ``progress`` at every step end, ``commit`` at each ``on_save``
 (``path`` the ``checkpoint-<N>`` directory, ``blocking_s`` the save's measured time), ``stop`` when
 a notice stops training, and ``finish`` at a normal end; rank 0 alone records progress, commits and
-the finish. A commit's and the finish's ``digest`` (:func:`state_digest`) covers what a resume
+the finish. Each save's ``marks`` (RNG stream digests, LRs, epoch) let the drill check that they go
+on as in an uninterrupted run; none is recorded at a load (the Trainer restores its RNG streams
+later, inside its epoch loop). A commit's and the finish's ``digest`` (:func:`state_digest`) covers what a resume
 restores: the weights, the optimizer's and the LR scheduler's states, the global step and epoch
 and every global RNG stream, computed from the objects in memory (the Trainer's files hold times
 and control flags that differ between two equal runs). Nothing here raises into training.
@@ -74,6 +76,10 @@ class TrainerRecord:
 
     def saved(self, state: Any, path: Any, seconds: float | None, kwargs: Mapping[str, Any]) -> None:
         if self.zero:
+            optimizer = kwargs.get("optimizer")
+            self.record.emit("marks", step=state.global_step, at="save", rng=rng_digests(),
+                             lr=[float(g["lr"]) for g in getattr(optimizer, "param_groups", None) or []],
+                             epoch=None if state.epoch is None else int(state.epoch))
             self.record.emit("commit", step=state.global_step, kind="periodic", path=os.path.abspath(path),
                              digest=state_digest(state, kwargs), blocking_s=seconds, persist_s=0.0)
 

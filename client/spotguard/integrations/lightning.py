@@ -153,6 +153,7 @@ class SpotguardCallback(pl.Callback):
         self.run = Run(self.root, state=state, **self._run_kwargs)
         _keep_slurm_requeue(trainer)
         _quiet_lightning_sigterm(trainer)
+        self.run.record.total = trainer.max_steps if trainer.max_steps > 0 else None  # the record's budget
         self._steps = self.run.steps(_ENDLESS)  # loads the latest checkpoint on the first next()
         self._advance(trainer, trainer.global_step)
         self.resumed_from = self.run.resumed_from
@@ -175,6 +176,8 @@ class SpotguardCallback(pl.Callback):
         assert self.run is not None
         self.run.step = trainer.global_step - 1  # keep Run's count on Lightning's (multi-optimizer)
         self._advance(trainer, trainer.global_step)
+        if 0 < trainer.max_steps <= trainer.global_step and not self.stopped:
+            self.run.finish(at_boundary=True)  # the last step's state, where any run saves it
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._defer_sigterm(trainer)

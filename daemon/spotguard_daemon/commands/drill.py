@@ -16,7 +16,8 @@ The command runs as given, twice over:
    Whatever survives a deadline is killed. The identical command is relaunched after each until
    it ends.
 3. when the job turns out not to be reproducible run to run, a second reference, to measure how
-   far apart two uninterrupted runs end (:mod:`spotguard_daemon.commands.drill_spread`).
+   far apart two uninterrupted runs end, in parameters and in the last loss
+   (:mod:`spotguard_daemon.commands.drill_spread`).
 
 Notices come from a private daemon (``--platform none``, embedded default settings, its sockets
 and state in private temporary directories), started for each launch that gets one and stopped
@@ -57,7 +58,7 @@ from spotguard._record import RecordError, read_new
 from spotguard_daemon.commands.common import guarded
 from spotguard_daemon.commands.drill_checks import Launch, judge, reproducible, save_figures, SPREAD_FACTOR
 from spotguard_daemon.commands.drill_report import Live, write_report
-from spotguard_daemon.commands.drill_spread import distance, entry_of
+from spotguard_daemon.commands.drill_spread import distance, entry_of, final_loss, loss_distance
 from spotguard_daemon.commands.drill_tree import Tree, new_file, private_dir
 from spotguard_daemon.commands.supervise import LaunchError, command_after_options, killpg, spawn, start_daemon, stop
 
@@ -192,6 +193,7 @@ class Drill:
             return {"why": str(exc), "second": second.point()}
         figures["threshold"] = max(SPREAD_FACTOR * figures["reference"], 1e-6)
         figures["second"] = second.point()
+        figures["loss"] = _loss_spread(launches[-1], reference, second)
         return figures
 
     # ------------------------------------------------------------------ one launch
@@ -378,6 +380,18 @@ def _mean_step_s(launch: Launch) -> float | None:
     if len(marks) < 2 or marks[-1]["step"] <= marks[0]["step"]:
         return None
     return (marks[-1]["t"] - marks[0]["t"]) / (marks[-1]["step"] - marks[0]["step"])
+
+
+def _loss_spread(last: Launch, reference: Launch, second: Launch) -> dict:
+    """The final losses' relative distances from the reference's: the second reference's and
+    the drilled run's, and the threshold (as for the parameters); ``why`` when not recorded."""
+    base = final_loss(reference.events)
+    spread = loss_distance(final_loss(second.events), base)
+    drilled = loss_distance(final_loss(last.events), base)
+    if spread is None or drilled is None:
+        return {"why": "the record holds no final loss (the job calls no Tensor.backward on a scalar, "
+                       "or its library records none)"}
+    return {"reference": spread, "drill": drilled, "threshold": max(SPREAD_FACTOR * spread, 1e-6)}
 
 
 def _layout(launches: list[Launch], reference: Launch | None) -> dict | None:

@@ -14,9 +14,10 @@ after 0. Fewer than asked makes the verdict INCONCLUSIVE (:func:`verdict`), neve
 A job that is not reproducible run to run (:func:`reproducible`: the reference and the first
 launch, not yet preempted, committed different states at the same step) cannot be judged by
 equal final digests. It is judged by what stays exact even then (each relaunch loaded the state
-that was committed, consumed the reference's samples at every step, its step continued) and by its
-final parameters' distance from the reference's, against the spread of two uninterrupted
-references (``spread``, measured by the drill).
+that was committed, consumed the reference's samples at every step; its step, epoch, LR and RNG
+streams went on: :mod:`~spotguard_daemon.commands.drill_marks`) and by its final parameters' and
+last loss's distances from the reference's, against the spread of two uninterrupted references
+(``spread``, measured by the drill).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.cadence import DEFAULT_NODE_MTBF_S, expected_waste, young_interval
+from spotguard_daemon.commands.drill_marks import progress_checks
 
 __all__ = ["Check", "Launch", "judge", "verdict", "ineffective", "reproducible", "losses",
            "save_figures", "step_seconds", "SPREAD_FACTOR", "DETERMINISM"]
@@ -140,6 +142,7 @@ def judge(launches: list[Launch], reference: Launch | None, asked: int | None = 
     ``ddp_layout`` entry of the job's last checkpoint, when it has one."""
     checks = [_started(launches), _fresh(launches[0]), _resumes(launches), _loads(launches),
               _warned(launches), _finished(launches[-1]), _data(launches, reference)]
+    checks += [Check(*found) for found in progress_checks(launches, reference)]
     checks.append(_took_effect(launches, asked))
     if reference is not None:
         same, step = reproducible(launches, reference)
@@ -206,10 +209,17 @@ def _within_spread(launches: list[Launch], step: int | None, spread: dict[str, A
     if not spread or spread.get("drill") is None or spread.get("reference") is None:
         return Check("identical", False, source + "The final states could not be compared "
                      f"({(spread or {}).get('why', 'no second reference')})", inconclusive=True)
-    within = spread["drill"] <= spread["threshold"]
+    loss = spread.get("loss") or {}
+    within = spread["drill"] <= spread["threshold"] and (
+        loss.get("drill") is None or loss["drill"] <= loss["threshold"])
     figures = (f"the drilled final parameters lie {spread['drill']:.3g} (relative) from the "
-               f"reference's; two uninterrupted references lie {spread['reference']:.3g} apart; "
+               f"reference's, two uninterrupted references {spread['reference']:.3g} apart: "
                f"threshold {spread['threshold']:.3g} ({SPREAD_FACTOR:g} x their spread)")
+    if loss.get("drill") is not None:
+        figures += (f"; the final loss lies {loss['drill']:.3g} (relative) from the reference's, "
+                    f"the second reference's {loss['reference']:.3g}: threshold {loss['threshold']:.3g}")
+    else:
+        figures += f"; the final loss is not compared ({loss.get('why', 'not recorded')})"
     if within:
         return Check("identical", True, source + "Judged by what stays exact (loads, data, steps) "
                      "and " + figures)
@@ -318,8 +328,17 @@ def _cause(launches: list[Launch], layout: dict[str, Any] | None) -> str:
     entries = (launches[-1].first("start") or {}).get("entries")
     holds = f" Its checkpoint holds: {', '.join(map(str, entries))}." if entries else ""
     if unsaved:
-        return (f"The job uses state that is not in its checkpoint: {', '.join(unsaved)}; pass it "
+        return (f"The job uses state that is not in its checkpoint: {'; '.join(unsaved)}. Pass it "
                 "to spotguard.Run (optimizer=, scheduler=, loader=, or state={...})." + holds)
+    ddp = next((e for launch in launches for e in launch.of("ddp")), None)
+    if ddp is not None and (ddp.get("world_size") or 0) >= 3:
+        return (f"Everything the job handed to spotguard.Run is in its checkpoint, but its "
+                f"{ddp.get('entry')} trains through a DistributedDataParallel that Run was not given "
+                "(it got the module inside): DDP's gradient bucket layout is neither recorded nor "
+                "restored, so after a resume DDP all-reduces in other buckets and, with "
+                f"{ddp.get('world_size')} ranks, sums each gradient in another order. The "
+                "arithmetic of the resumed steps differs (DDP bucket layout, reduction order), not "
+                f"the state: pass the DDP itself to spotguard.Run ({ddp.get('entry')}=ddp)." + holds)
     if isinstance(layout, dict) and layout.get("restorable") is False:
         return ("Everything the job uses is in its checkpoint, but DDP's gradient bucket layout "
                 f"cannot be restored ({layout.get('why')}): the first step after a resume "

@@ -5,6 +5,8 @@ with the reference's by distance rather than digest, against the distance betwee
 uninterrupted references: :func:`distance` is ``||a - b|| / ||b||`` over every floating-point
 tensor of the ``model`` entry (of every entry but ``rng`` when there is none), read from the newest
 committed checkpoint of each root, each file checked against the manifest on the way.
+:func:`loss_distance` is ``|a - b| / |b|`` of two runs' last losses (:func:`final_loss`, from the
+run record's ``marks`` at the save of the final step).
 
 Exceptions: :func:`distance` raises ``ValueError`` saying why two checkpoints cannot be compared.
 """
@@ -15,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["distance", "final_parameters", "entry_of"]
+__all__ = ["distance", "final_parameters", "entry_of", "final_loss", "loss_distance"]
 
 
 def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -59,6 +61,22 @@ def entry_of(path: Path, name: str) -> Any:
     except (CheckpointError, OSError, ValueError):
         return None
     return None if found is None else found[1]
+
+
+def final_loss(events: list[dict[str, Any]]) -> float | None:
+    """The loss of a finished run's last step: the ``loss`` of rank 0's ``marks`` at the save of its
+    final step (:mod:`spotguard._audit`), None when the record has none."""
+    finish = next((e for e in events if e["event"] == "finish" and e.get("rank", 0) == 0), None)
+    losses = [e.get("loss") for e in events if e["event"] == "marks" and e.get("rank", 0) == 0
+              and e.get("at") == "save" and finish is not None and e["step"] == finish["step"]]
+    return next((loss for loss in reversed(losses) if loss is not None), None)
+
+
+def loss_distance(mine: float | None, base: float | None) -> float | None:
+    """``|a - b| / |b|`` of two final losses, None without both."""
+    if mine is None or base is None or not math.isfinite(mine) or not math.isfinite(base):
+        return None
+    return abs(mine - base) / (abs(base) or 1.0)
 
 
 def distance(root: Path, base: Path) -> float:

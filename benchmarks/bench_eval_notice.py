@@ -1,0 +1,124 @@
+"""A notice during an evaluation: committed how long after it, against its deadline; steps lost.
+
+A real CPU training job (a synthetic MLP, AdamW: ~100 MB of state, ``save_every=25``) trains 40
+steps, then evaluates inside its loop body (dropout on, ``torch.rand`` inputs, ``run.heartbeat()``
+per batch) for ``--eval-seconds`` (60 s; ``--quick``: 20 s). SIGTERM (30 s deadline: Kubernetes'
+default grace, GCP's notice) arrives 2 s into the evaluation. Two modes, in the same run:
+
+* ``between`` (this release): ``Run(optimizer=...)``: the step's state is saved beside the
+  evaluation, which stops at its next ``run.heartbeat()``;
+* ``boundary`` (the behaviour before): the same job without ``optimizer=`` (the optimizer handed in
+  ``state=``), so ``Run`` cannot tell a step ended and acts at the next step boundary, after the
+  evaluation, or is ended by the forced exit (76) at the deadline minus 2 s.
+
+Per mode: the exit status, the notice to the last commit (``on_commit``'s print, Unix times on one
+machine), the deadline, the step committed and the steps lost (trained but not committed: 40 minus
+the committed step). Results go to ``results/eval_notice.json`` and a table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import markdown_table, write_results  # noqa: E402
+
+DEADLINE = 30.0
+STEPS_BEFORE_EVAL = 40
+
+JOB = textwrap.dedent('''
+    import sys, time
+    import torch
+    from torch import nn
+    import spotguard
+
+    root, mode, eval_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Dropout(0.1), nn.Linear(4096, 2048))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    commit = lambda info: print(f"commit {info.step} {time.time():.3f}", flush=True)
+    if mode == "between":
+        run = spotguard.Run(root, model=model, optimizer=opt, save_every=25, daemon=False, on_commit=commit)
+    else:
+        run = spotguard.Run(root, model=model, state={"optimizer": opt}, save_every=25, daemon=False,
+                            on_commit=commit)
+    with run:
+        for step in run.steps(1000):
+            x = torch.randn(16, 1024)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            if step + 1 == %d:
+                print(f"eval {step} {time.time():.3f}", flush=True)
+                started = time.monotonic()
+                with torch.no_grad():
+                    while time.monotonic() - started < eval_s:
+                        model(torch.rand(16, 1024)); time.sleep(0.05)
+                        run.heartbeat()
+                print("evaluated", flush=True)
+''' % STEPS_BEFORE_EVAL)
+
+
+def one(mode: str, eval_s: float, work: Path) -> dict:
+    script = work / "job.py"
+    script.write_text(JOB)
+    root = work / mode
+    env = {"SPOTGUARD_SIGNAL__GRACE": str(DEADLINE), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "SPOTGUARD_RUNTIME_DIR": str(work / "rt"), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen([sys.executable, str(script), str(root), mode, str(eval_s)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    commits: list[tuple[int, float]] = []
+    sent = None
+    try:
+        for line in proc.stdout:
+            parts = line.split()
+            if parts[:1] == ["commit"]:
+                commits.append((int(parts[1]), float(parts[2])))
+            elif parts[:1] == ["eval"] and sent is None:
+                time.sleep(2.0)  # the notice lands 2 s into the evaluation
+                sent = time.time()
+                proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=eval_s + 120)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    gone = time.time()
+    after = [(s, t) for s, t in commits if sent is not None and t >= sent]
+    step = max((s for s, _ in commits), default=0)
+    return {"mode": mode, "eval_s": eval_s, "status": proc.returncode, "deadline_s": DEADLINE,
+            "notice_to_commit_s": round(after[-1][1] - sent, 2) if after else None,
+            "notice_to_exit_s": round(gone - sent, 2) if sent else None,
+            "committed_step": step, "steps_lost": STEPS_BEFORE_EVAL - step,
+            "stderr_tail": err.strip().splitlines()[-3:]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a 20 s evaluation instead of 60 s")
+    p.add_argument("--eval-seconds", type=float, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args()
+    eval_s = a.eval_seconds or (20.0 if a.quick else 60.0)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-eval-notice-") as tmp:
+        for mode in ("between", "boundary"):
+            rows.append(one(mode, eval_s, Path(tmp)))
+    write_results("eval_notice", {"eval_seconds": eval_s, "steps_before_eval": STEPS_BEFORE_EVAL,
+                                  "rows": rows}, a.out)
+    print(markdown_table(
+        ["mode", "evaluation s", "deadline s", "status", "notice -> commit s", "notice -> exit s",
+         "step committed", "steps lost"],
+        [[r["mode"], r["eval_s"], r["deadline_s"], r["status"], r["notice_to_commit_s"] or "none",
+          r["notice_to_exit_s"], r["committed_step"], r["steps_lost"]] for r in rows]))
+
+
+if __name__ == "__main__":
+    main()

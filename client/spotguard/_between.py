@@ -250,8 +250,6 @@ class Between:
         run.guard.begin_stop()
         stopped_at, left = utcnow(), decision.seconds_left
         already = run._saved_step == done
-        from spotguard._run_stop import save_fits  # below run, which imports this module
-
         fits = already or save_fits(decision.save_seconds, left, run.save_margin)
         saved = False
         if already:

@@ -1,8 +1,11 @@
 """``spotguard cadence``: how often should this job checkpoint? Young/Daly, shown step by step.
 
-A planning aid, not a daemon function: it reads no settings and touches no network. The formulas and
-the per-platform MTBF defaults live in :mod:`spotguard.cadence`; this module only parses, checks and
-prints. Invalid numbers exit with status 2 and one line on stderr (click's usage-error status).
+A planning aid: the formulas and the per-platform MTBF defaults live in :mod:`spotguard.cadence`;
+this module only parses, checks and prints. With ``--job ID`` it asks the local daemon (its settings'
+request socket) for the MTBF it learned for that job (:mod:`spotguard_daemon.core.job_rates`) and
+shows how it was learned; otherwise it touches no network. Invalid numbers exit with status 2 and
+one line on stderr (click's usage-error status); a daemon that does not answer, or knows nothing of
+the job, exits 1.
 """
 
 from __future__ import annotations
@@ -72,26 +75,61 @@ def _node_mtbf(mtbf_hours: float | None, platform: str | None) -> tuple[float, s
 @click.option("--nodes", default="1", show_default=True, metavar="N",
               help="Nodes whose failure ends the job.")
 @click.option("--step-seconds", "step", metavar="S", help="Seconds per training step.")
+@click.option("--job", metavar="ID", help="Use the MTBF the local daemon learned for this job (its "
+              "interruptions over a prior) instead of --mtbf-hours, --platform and --nodes.")
+@click.option("--config", type=click.Path(dir_okay=False), help="The daemon's TOML settings (with --job).")
 def cadence(checkpoint: str, mtbf_hours: str | None, platform: str | None, nodes: str,
-            step: str | None) -> None:
+            step: str | None, job: str | None, config: str | None) -> None:
     """Compute the optimum checkpoint interval (Young 1974, Daly 2006), step by step."""
     c = _number("checkpoint-seconds", checkpoint)
-    node_s, source = _node_mtbf(_number("mtbf-hours", mtbf_hours), platform)
-    n = _number("nodes", nodes, integer=True)
     step_s = _number("step-seconds", step)
-    m = _cadence.job_mtbf(node_s, n)
+    if job is not None:
+        if mtbf_hours is not None or platform is not None or nodes != "1":
+            _fail("give --job or --mtbf-hours/--platform/--nodes, not both")
+        m, mtbf_lines = _learned(job, config)
+    else:
+        node_s, source = _node_mtbf(_number("mtbf-hours", mtbf_hours), platform)
+        n = _number("nodes", nodes, integer=True)
+        m = _cadence.job_mtbf(node_s, n)
+        mtbf_lines = [f"node MTBF          = {_duration(node_s)}  [{source}]",
+                      f"job MTBF         M = node MTBF / nodes = {node_s:.6g} / {n} = {_duration(m)}"]
     young, daly = _cadence.young_interval(m, c), _cadence.daly_interval(m, c)
-    for line in _explain(c, node_s, source, n, m, young, daly, step_s):
+    for line in _explain(c, mtbf_lines, m, young, daly, step_s):
         click.echo(line)
 
 
-def _explain(c: float, node_s: float, source: str, n: int, m: float, young: float, daly: float,
+def _learned(job: str, config: str | None) -> tuple[float, list[str]]:
+    """The job MTBF the daemon learned, and the lines that show how; exit 1 without one."""
+    from spotguard._paths import untrusted
+    from spotguard.protocol import CadenceRequest, JobRate
+
+    from spotguard_daemon.commands.common import fail, request, settings_or_exit
+
+    endpoint = settings_or_exit(config).request_endpoint
+    distrust = untrusted(endpoint)
+    reply = None if distrust else request(endpoint, CadenceRequest(job_id=job), 2.0)
+    if reply is None:
+        fail(1, distrust or f"no daemon answered on {endpoint} within 2 s")
+    if not reply.ok or reply.data.get("rate") is None:
+        fail(1, reply.error or f"the daemon knows nothing of job {job!r} (it learns a job from the "
+                               "progress its rank 0 reports)")
+    r = JobRate.model_validate(reply.data["rate"])
+    w, m0, n, t = r.prior_weight, r.prior_mtbf_s, r.interruptions, r.running_s
+    floor = f", at least the floor {_duration(r.floor_s)}" if r.mtbf_s == r.floor_s else ""
+    return r.mtbf_s, [
+        f"job {r.job_id!r}: {n} interruptions in {_duration(t)} of running, on {r.nodes} node(s) "
+        "[learned by the daemon]",
+        f"prior            M0 = node prior / nodes = {_duration(m0)}, worth w = {w:g} interruptions",
+        f"job MTBF         M = (w*M0 + t) / (w + n) = ({w:g} * {m0:.6g} + {t:.6g}) / ({w:g} + {n})"
+        f" = {_duration(r.mtbf_s)}{floor}"]
+
+
+def _explain(c: float, mtbf_lines: list[str], m: float, young: float, daly: float,
              step_s: float | None) -> list[str]:
     x = c / (2 * m)
     lines = [
         f"checkpoint cost  C = {_duration(c)}",
-        f"node MTBF          = {_duration(node_s)}  [{source}]",
-        f"job MTBF         M = node MTBF / nodes = {node_s:.6g} / {n} = {_duration(m)}",
+        *mtbf_lines,
         f"Young (1974)     T = sqrt(2*M*C) = sqrt(2 * {m:.6g} * {c:.6g}) = {_duration(young)}",
         f"Daly (2006)      x = C/(2M) = {x:.6f}",
     ]

@@ -49,6 +49,7 @@ from spotguard_daemon.core.abandon import in_thread
 from spotguard_daemon.core.delivery import Delivery
 from spotguard_daemon.core.goodput import GoodputLedger
 from spotguard_daemon.core.goodput_store import DurableProgress, NoProgress
+from spotguard_daemon.core.job_rates import JobRates
 from spotguard_daemon.core.handlers import RequestHandler
 from spotguard_daemon.core.metrics import Metrics
 from spotguard_daemon.core.server import Server, ServerError, lock_runtime_dir
@@ -97,11 +98,16 @@ class Daemon:
             scratch=settings.runtime_dir / "progress-scratch",
             interval=settings.storage.progress_seconds, nice=settings.storage.upload_nice,
             urgent=self._terminating)
+        cadence = settings.cadence
+        self.rates = JobRates(ledger, platform=self.platform, node_mtbf_hours=cadence.node_mtbf_hours,
+                              prior_weight=cadence.prior_weight, min_mtbf_seconds=cadence.min_mtbf_seconds)
+        self.metrics.registry.register(self.rates)
         self.handler = RequestHandler(self.store, platform=self.platform,
                                       checkpoint_root=settings.checkpoint_root, info=self.info,
                                       on_change=self._clients_changed, on_commit=self._committed,
                                       known_step=self.queue.durable_step, metrics=self.metrics,
-                                      ledger=ledger, recall=self.progress.recall, timeline=self.timeline)
+                                      ledger=ledger, recall=self.progress.recall, rates=self.rates,
+                                      timeline=self.timeline)
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
                              pending_ids=lambda: [n.id for n in self.store.pending()],
@@ -178,7 +184,7 @@ class Daemon:
     def _start_watching(self, http: httpx.AsyncClient) -> list:
         """Resolve ``auto`` to a platform and build its watchers (unless given to the constructor)."""
         self.platform = detect.detect_platform(self.settings)
-        self.handler.platform = self.platform
+        self.handler.platform = self.rates.platform = self.platform
         watchers = self._watchers
         if watchers is None:
             watchers = detect.build_watchers(self.settings, http, self.platform)
@@ -368,6 +374,7 @@ class Daemon:
             self.handler.ledger.flush()
             self.progress.tick()
             self.timeline.tick()
+            self.rates.snapshot()
             self.metrics.clients.set(self.handler.reap())
             self._acknowledge_ready()
             if watchdog is not None and loop.time() >= next_ping:

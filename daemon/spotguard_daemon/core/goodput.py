@@ -26,6 +26,12 @@ durable store (:meth:`GoodputLedger.due` hands it the records to write): :meth:`
 None for a job this node knows nothing of, or knows only an older part of (the step resumed from is
 past every step and commit this node saw: the job ran elsewhere since), and the caller asks the store.
 
+Interruptions and running time (for :mod:`.job_rates`, the MTBF a job's cadence plans with): each
+record counts the job's restarts (``interruptions``) and the training seconds between consecutive
+reports of one process (``running``), and :meth:`restarted` carries both into the new run's record,
+one interruption more. A job this node knows nothing of takes them from the store's copy
+(:meth:`GoodputLedger.adopt`, one more for the restart that brought it here).
+
 Bounds: at most ``MAX_JOBS`` jobs (the least recently updated are forgotten) and ``MAX_COMMITS``
 commit times per job. Persistence: ``<state_dir>/goodput.json`` (0600, atomic) is written at most every
 ``FLUSH_SECONDS`` while something changed (:meth:`GoodputLedger.flush`, called by the daemon's
@@ -42,7 +48,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -87,6 +93,12 @@ class JobRecord:
     """The process that reported last: a report from another one (a relaunch not reported as a
     restart) adds no training time. 0 for a record only commits made (another node's ranks): such a
     record is never copied to the durable store, where it would hide rank 0's."""
+    interruptions: int = 0
+    """Restarts of the job from a checkpoint, over all its runs known here."""
+    running: float = 0.0
+    """Seconds the job ran, over all its runs known here (between reports of one process)."""
+    nodes: int = 1
+    """Nodes the job spans, as its rank 0 reports."""
 
     def newest(self) -> int:
         """The newest step this record saw reached or committed."""
@@ -108,7 +120,8 @@ class GoodputLedger:
         """Job -> when (monotonic) :meth:`due` last handed it out."""
         self._load()
 
-    def progress(self, job: str, step: int, at: datetime, pid: int, *, not_before: float | None = None) -> float:
+    def progress(self, job: str, step: int, at: datetime, pid: int, *, not_before: float | None = None,
+                 nodes: int = 1) -> float:
         """Record ``pid``'s progress report; return the training seconds since the previous report
         of the same process (0 for a first report, or one whose step went back). A report from the
         future counts as now; one older than ``MAX_REPORT_AGE``, or dated before ``not_before`` (the
@@ -121,13 +134,14 @@ class GoodputLedger:
             raise ValueError(f"the report is dated {not_before - when:.0f} s before its process registered")
         record = self._jobs.get(job) or JobRecord(step, when, pid=pid)
         same_run = record.pid == pid and step >= record.step
-        trained = when - record.at if same_run else 0.0
-        record.step, record.at, record.pid = step, when, pid
+        trained = max(0.0, when - record.at) if same_run else 0.0
+        record.step, record.at, record.pid, record.nodes = step, when, pid, nodes
+        record.running += trained
         for done, reached in record.reached.items():
             if done <= step and when < reached:
                 record.reached[done] = when
         self._touch(job, record)
-        return max(0.0, trained)
+        return trained
 
     def committed(self, job: str, step: int, reached_at: datetime | None = None) -> None:
         """Record a commit of ``step``, reached at ``reached_at`` (the client's stamp: one from the
@@ -154,8 +168,34 @@ class GoodputLedger:
                      "elsewhere since", job, resumed_from, record.newest())
             record = None
         loss = None if record is None else restart_loss(job, record, resumed_from, now)
-        self._touch(job, JobRecord(resumed_from, now, {resumed_from: now}, pid))
+        history = {} if record is None else {"interruptions": record.interruptions + 1,
+                                             "running": record.running, "nodes": record.nodes}
+        self._touch(job, JobRecord(resumed_from, now, {resumed_from: now}, pid, **history))
         return loss
+
+    def adopt(self, job: str, earlier: JobRecord) -> None:
+        """Add the interruptions and running time of ``earlier`` (the job's record from the store,
+        read for a restart this node knew nothing of), plus that restart, to the job's record."""
+        record = self._jobs.get(job)
+        if record is None:
+            return
+        record.interruptions += earlier.interruptions + 1
+        record.running += earlier.running
+        record.nodes = max(record.nodes, earlier.nodes)
+        self._touch(job, record)
+
+    def record(self, job: str) -> JobRecord | None:
+        """The job's record (the ledger's own: do not change it), or None."""
+        return self._jobs.get(job)
+
+    def recent(self, count: int) -> list[tuple[str, JobRecord]]:
+        """The ``count`` most recently updated jobs' records, newest first."""
+        out = []
+        for job in reversed(self._jobs):
+            if len(out) >= count:
+                break
+            out.append((job, self._jobs[job]))
+        return out
 
     def due(self, interval: float) -> list[tuple[str, JobRecord]]:
         """Copies of rank 0's records changed since last handed out at least ``interval`` seconds
@@ -166,7 +206,7 @@ class GoodputLedger:
                 del self._changed[job]
                 self._handed[job] = now
                 record = self._jobs[job]
-                out.append((job, JobRecord(record.step, record.at, dict(record.reached), record.pid)))
+                out.append((job, replace(record, reached=dict(record.reached))))
         return out
 
     def _touch(self, job: str, record: JobRecord) -> None:
@@ -189,7 +229,8 @@ class GoodputLedger:
             return
         self._dirty, self._written_at = False, now
         doc = {"version": STATE_VERSION, "jobs": [
-            {"job": job, "step": r.step, "at": r.at, "reached": sorted(r.reached.items()), "pid": r.pid}
+            {"job": job, "step": r.step, "at": r.at, "reached": sorted(r.reached.items()), "pid": r.pid,
+             "interruptions": r.interruptions, "running": r.running, "nodes": r.nodes}
             for job, r in self._jobs.items()]}
         try:
             write_private_atomic(self._path, json.dumps(doc).encode())
@@ -205,11 +246,21 @@ class GoodputLedger:
                 raise ValueError(f"version {doc.get('version')!r}, not {STATE_VERSION}")
             for item in doc["jobs"][-self._max_jobs:]:
                 reached = {int(s): float(t) for s, t in item["reached"][-MAX_COMMITS:]}
-                self._jobs[str(item["job"])[:256]] = JobRecord(int(item["step"]), float(item["at"]), reached,
-                                                               int(item.get("pid", 0)))
+                self._jobs[str(item["job"])[:256]] = JobRecord(
+                    int(item["step"]), float(item["at"]), reached, int(item.get("pid", 0)),
+                    max(0, int(item.get("interruptions", 0))), _seconds(item.get("running", 0.0)),
+                    max(1, int(item.get("nodes", 1))))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("ignoring unreadable goodput state %s: %s", self._path, exc)
             self._jobs.clear()
+
+
+def _seconds(value: object) -> float:
+    """A finite number of seconds >= 0 from the state file, else ValueError."""
+    number = float(value)  # type: ignore[arg-type]
+    if not (number >= 0 and number != float("inf")):
+        raise ValueError(f"{value!r} is not a number of seconds")
+    return number
 
 
 def restart_loss(job: str, record: JobRecord, resumed_from: int, now: float) -> Loss:

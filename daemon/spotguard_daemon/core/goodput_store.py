@@ -4,10 +4,12 @@ A spot node's daemon dies with the node, and with it what it knew of the job's p
 relaunched on another node and restores its checkpoint from the durable store. So the daemon keeps,
 next to each job's checkpoints, a small object ``jobs/<job>/progress.json``
 (:func:`~spotguard.storage.durable.progress_key`): rank 0's newest reported step and when it was
-reached, and the steps committed in that run and when (:class:`ProgressObject`; no paths, no pids,
-nothing secret). When a rank-0 process registers as resumed from step R and this node knows nothing
+reached, the steps committed in that run and when, and the job's interruptions and running time
+over all its runs (:class:`ProgressObject`; no paths, no pids, nothing secret). When a rank-0 process registers as resumed from step R and this node knows nothing
 of the job (or only an older part of it: see :meth:`.GoodputLedger.restarted`), the object is read
-and the restart's loss counted from it, as the node that ran the job would have.
+and the restart's loss counted from it, as the node that ran the job would have; its interruptions
+and running time go on in this node's record (:meth:`.GoodputLedger.adopt`, on the daemon's loop at
+the next :meth:`DurableProgress.tick`), so the job's learned MTBF (:mod:`.job_rates`) follows it.
 
 * **Bounded rate.** A job's object is written at its first change, then at most every
   ``storage.progress_seconds`` (30 s by default) and only when it changed; while a terminating notice
@@ -66,6 +68,7 @@ MAX_RECALLS = 256
 MAX_STORE_JOBS = 32
 STORE_JOBS_WINDOW = 3600.0
 _Step = Annotated[int, Field(ge=0, lt=2**63)]
+MAX_RUNNING = 100 * 365 * 24 * 3600.0
 
 
 class ProgressObject(BaseModel):
@@ -82,9 +85,15 @@ class ProgressObject(BaseModel):
     reached: list[tuple[_Step, float]] = Field(default=[], max_length=MAX_COMMITS)
     """[step, time first known reached] of the steps committed (or resumed from) in that run."""
     written: float = Field(gt=0)
+    interruptions: _Step = 0
+    """Restarts of the job over all its runs (absent in objects of older daemons)."""
+    running: float = Field(default=0.0, ge=0, le=MAX_RUNNING)
+    """Seconds the job ran over all its runs."""
+    nodes: int = Field(default=1, ge=1, le=2**20)
 
     def record(self) -> JobRecord:
-        return JobRecord(self.step, self.at, dict(self.reached))
+        return JobRecord(self.step, self.at, dict(self.reached), interruptions=self.interruptions,
+                         running=self.running, nodes=self.nodes)
 
 
 class DurableProgress:
@@ -100,6 +109,8 @@ class DurableProgress:
         self._writes: dict[str, bytes] = {}
         self._failed: dict[str, tuple[bytes, float]] = {}
         self._recalls: deque[tuple[str, int, float]] = deque(maxlen=MAX_RECALLS)
+        self._recalled: deque[tuple[str, JobRecord]] = deque(maxlen=MAX_RECALLS)
+        """Records read for restarts, for :meth:`tick` to hand to the ledger on the daemon's loop."""
         self._stored: dict[str, float] = {}
         """Job -> when (monotonic) its object was last queued; at most MAX_STORE_JOBS in a window."""
         self._capped_at = float("-inf")
@@ -113,6 +124,8 @@ class DurableProgress:
 
     def tick(self, *, force: bool = False) -> None:
         """Queue the records due (every change when ``force``) and the failed writes to try again."""
+        while self._recalled:
+            self.ledger.adopt(*self._recalled.popleft())
         interval = 0.0 if force else URGENT_SECONDS if self.urgent() else self.interval
         due = self.ledger.due(interval)
         now = time.monotonic()
@@ -210,6 +223,7 @@ class DurableProgress:
                 return
             self.metrics.lost(restart_loss(job, record, resumed_from, at))
             self.metrics.steps_redone.inc(max(0, max(record.reached, default=-1) - resumed_from))
+            self._recalled.append((job, record))
         return recall
 
     def _read(self, job: str, before: float) -> JobRecord | None:
@@ -269,7 +283,8 @@ class NoProgress:
 
 def _encode(job: str, record: JobRecord) -> bytes:
     return ProgressObject(job=job, step=record.step, at=record.at, reached=sorted(record.reached.items()),
-                          written=time.time()).model_dump_json().encode()
+                          written=time.time(), interruptions=record.interruptions,
+                          running=min(record.running, MAX_RUNNING), nodes=record.nodes).model_dump_json().encode()
 
 
 def _validated(body: bytes, job: str, before: float) -> JobRecord:

@@ -36,6 +36,8 @@ tree may change after the check).
 Goodput: commits, ``progress`` reports and rank-0 restarts feed the
 :class:`~spotguard_daemon.core.goodput.GoodputLedger`, whose losses go to the metrics; a restart of a job
 the ledger does not know goes to ``recall`` (the durable store's copy, :mod:`.goodput_store`).
+The reply to ``progress`` carries the job's learned :class:`~spotguard.protocol.JobRate`
+(:mod:`.job_rates`), which ``cadence`` also answers for any job, to any peer.
 
 Exceptions: none; every refusal is an error :class:`~spotguard.protocol.Reply`.
 """
@@ -52,12 +54,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spotguard.protocol import (
-    AckRequest, CommitRequest, NotifyRequest, ProgressRequest, RegisterRequest, Reply, Request, SafeRequest,
+    AckRequest, CadenceRequest, CommitRequest, NotifyRequest, ProgressRequest, RegisterRequest, Reply,
+    Request, SafeRequest,
     UnregisterRequest,
 )
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
 from spotguard_daemon.core.goodput import GoodputLedger
+from spotguard_daemon.core.job_rates import JobRates
 from spotguard_daemon.core.metrics import Metrics
 from spotguard_daemon.core.peers import Client, key_of, may_act_for, process_start_time
 from spotguard_daemon.core.server import current_peer
@@ -156,7 +160,7 @@ class RequestHandler:
                  on_change: Callable[[], None] | None = None,
                  known_step: Callable[[str], int | None] | None = None,
                  metrics: Metrics | None = None, ledger: GoodputLedger | None = None,
-                 recall: Callable[[str, int], None] | None = None,
+                 recall: Callable[[str, int], None] | None = None, rates: JobRates | None = None,
                  timeline: Timelines | None = None) -> None:
         self.store = store
         self.timeline = timeline or Timelines()
@@ -164,6 +168,7 @@ class RequestHandler:
         self.metrics = metrics or Metrics()
         self.ledger = ledger or GoodputLedger()
         self.recall = recall or (lambda job, step: None)
+        self.rates = rates or JobRates(self.ledger, platform=platform)
         """Called with a restarted job this node knows nothing of, and its step: the durable store's
         copy of the job's record counts the loss (:mod:`.goodput_store`)."""
         self.clients: dict[int, Client] = {}
@@ -339,12 +344,18 @@ class RequestHandler:
             return Reply(ok=False, error=f"progress refused: pid {request.pid} is not the sender's")
         try:
             trained = self.ledger.progress(request.job_id or DEFAULT_JOB, request.step, request.at, key,
-                                           not_before=None if client is None else client.registered)
+                                           not_before=None if client is None else client.registered,
+                                           nodes=request.nodes)
         except ValueError as exc:
             self._refused("progress", exc)
             return Reply(ok=False, error=f"progress refused: {exc}")
         self.metrics.training.inc(trained)
-        return Reply(ok=True)
+        return self._cadence(request)
+
+    def _cadence(self, request: CadenceRequest | ProgressRequest) -> Reply:
+        """The job's learned :class:`~spotguard.protocol.JobRate` (None: the ledger knows nothing of it)."""
+        rate = self.rates.rate(request.job_id or DEFAULT_JOB)
+        return Reply(ok=True, data={"rate": None if rate is None else rate.model_dump()})
 
     def _check_order(self, job: str, step: int) -> None:
         """Record ``step`` as the job's newest; ValueError when an accepted step is newer."""

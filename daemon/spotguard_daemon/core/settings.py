@@ -261,6 +261,18 @@ class StorageSettings(_Section):
     """Connection string instead of ``DefaultAzureCredential`` (Azurite, shared keys); never logged."""
 
 
+class CadenceSettings(_Section):
+    node_mtbf_hours: float | None = Field(None, gt=0, le=100 * 365 * 24)
+    """Prior MTBF of one node, hours, from which each job's MTBF is learned (divided by the nodes
+    the job spans). A published preemption rate of p per day is ``24 / p`` hours. Unset: the
+    platform's rough default (6 h for spot platforms, 6000 h for ``none``)."""
+    prior_weight: float = Field(1.0, gt=0, le=1000)
+    """How many interruptions the prior counts as: more trusts it longer against what is observed."""
+    min_mtbf_seconds: float = Field(300.0, gt=0)
+    """The learned MTBF never goes below this (a job restarting in a crash loop is not preempted
+    that often, and saving every few seconds would not help it)."""
+
+
 class Settings(BaseSettings):
     """Everything the daemon can be told. See docs/reference/settings.md."""
 
@@ -297,6 +309,7 @@ class Settings(BaseSettings):
     delivery: DeliverySettings = DeliverySettings()
     metrics: MetricsSettings = MetricsSettings()
     storage: StorageSettings = StorageSettings()
+    cadence: CadenceSettings = CadenceSettings()
 
     @classmethod
     def settings_customise_sources(

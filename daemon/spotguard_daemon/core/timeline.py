@@ -25,9 +25,10 @@ without a deadline cannot miss it.
 A timeline stays open (``status`` shows it) until it has an outcome and, where a client committed,
 its ``durable`` stage, at most ``LINGER_SECONDS`` after its outcome; then it joins the history.
 Open timelines and the last :data:`~spotguard.protocol.MAX_HISTORY` closed ones are kept in
-``<state_dir>/timelines.json`` (0600, written atomically at every change, and every
-``ALIVE_SECONDS`` while one is open, so a daemon killed with a notice open leaves its last sign of
-life: the next run closes that timeline with ``daemon_stopped`` at that time).
+``<state_dir>/timelines.json`` (0600, written atomically by the housekeeping tick after a change,
+never between a notice and its publication or in a client's request, and every ``ALIVE_SECONDS``
+while one is open, so a daemon killed with a notice open leaves its last sign of life: the next run
+closes that timeline with ``daemon_stopped`` at that time).
 
 Exceptions: none; a state file that cannot be read is logged and ignored, one that cannot be
 written is logged.
@@ -102,6 +103,7 @@ class Timelines:
         self._open: dict[str, dict[str, Any]] = {}
         self._history: deque[dict[str, Any]] = deque(maxlen=MAX_HISTORY)
         self._alive_at = 0.0
+        self._dirty = False
 
     # ------------------------------------------------------------------ notices
 
@@ -114,7 +116,6 @@ class Timelines:
             if _iso(notice.deadline) != line["deadline"]:
                 line["deadline"] = _iso(notice.deadline)
                 self._add(line, "rescheduled", self._clock(), detail=notice.detail[-200:])
-                self._persist()
             return
         line = {"id": notice.id, "kind": notice.kind.value, "platform": notice.platform,
                 "source": notice.source, "deadline": _iso(notice.deadline),
@@ -123,20 +124,17 @@ class Timelines:
                 "jobs": {}}
         self._open[notice.id] = line
         self._add(line, "seen", notice.received_at)
-        self._persist()
 
     def stage(self, notice_id: str, stage: str, **extra: Any) -> None:
         """Record a daemon-side stage (``published``, ``signalled``) of an open timeline now."""
         line = self._open.get(notice_id)
         if line is not None:
             self._add(line, stage, self._clock(), **extra)
-            self._persist()
 
     def ack(self, notice_ids: Iterable[str], pid: int, at: datetime) -> None:
         """A client set its stop flag at ``at`` (its ``ack`` request)."""
         for line in self._lines(notice_ids):
             self._flagged(line, pid, at)
-        self._persist()
 
     def safe(self, notice_ids: Iterable[str], pid: int, report: SafeRequest, job: str) -> None:
         """A client reported safe: its side of the stop, then ``safe`` now."""
@@ -153,7 +151,6 @@ class Timelines:
                 if report.save in ("committed", "already") and report.step is not None:
                     line["jobs"][job] = max(report.step, line["jobs"].get(job, -1))
             self._add(line, "safe", now, pid=pid)
-        self._persist()
 
     def all_safe(self, notice_id: str) -> None:
         """Every registered client (at least one) reported safe: the notice's outcome."""
@@ -200,7 +197,7 @@ class Timelines:
             if decided is not None and (not line["jobs"] or (now - decided).total_seconds() > LINGER_SECONDS):
                 self._close(line)
                 changed = True
-        if changed or (self._open and now.timestamp() - self._alive_at >= ALIVE_SECONDS):
+        if changed or self._dirty or (self._open and now.timestamp() - self._alive_at >= ALIVE_SECONDS):
             self._persist()
 
     def stopping(self, node_going: bool) -> None:
@@ -252,6 +249,7 @@ class Timelines:
     def _add(self, line: dict[str, Any], stage: str, at: datetime, **extra: Any) -> None:
         if len(line["stages"]) >= MAX_STAGES:
             return
+        self._dirty = True
         after = max(0.0, (at - _when(line["seen"])).total_seconds())
         line["stages"].append({"stage": stage, "at": _iso(at), "after_s": round(after, 6),
                                **{k: v for k, v in extra.items() if v is not None}})
@@ -259,7 +257,7 @@ class Timelines:
             self._observer.notice_stage(stage, after)
 
     def _decide(self, line: dict[str, Any], outcome: str) -> None:
-        line["outcome"], line["outcome_at"] = outcome, _iso(self._clock())
+        line["outcome"], line["outcome_at"], self._dirty = outcome, _iso(self._clock()), True
         log.info("notice %s: %s", line["id"], outcome.replace("_", " "))
         self._observer.notice_outcome(outcome, self.no_client_streak())
 
@@ -290,7 +288,7 @@ class Timelines:
     # ------------------------------------------------------------------ persistence
 
     def _persist(self) -> None:
-        self._alive_at = self._clock().timestamp()
+        self._alive_at, self._dirty = self._clock().timestamp(), False
         if self._path is None:
             return
         doc = {"version": 1, "alive_at": _iso(self._clock()), "open": list(self._open.values()),

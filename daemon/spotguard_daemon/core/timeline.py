@@ -4,8 +4,8 @@ Operators cannot otherwise tell a preemption that was handled from one that was 
 each terminating notice the daemon records its stages, each with its time and its seconds after
 the notice was seen:
 
-* ``seen`` (the daemon learnt of it; ``platform_at`` beside it when the endpoint says when the
-  platform flipped it: AWS's ``noticeTime``), ``published`` (on the PUB socket), ``signalled``
+* ``seen`` (the daemon learnt of it; ``platform_at`` beside it when the payload says when the
+  platform flipped it, a ``noticeTime``: no terminating endpoint watched today does), ``published`` (on the PUB socket), ``signalled``
   (the delivery signal, with the pids it reached);
 * per registered client (``pid``): ``flagged`` (its stop flag was set: the ``ack`` request, or the
   time a safe report carries), ``stopped`` (the step it stopped at), then ``committed`` (its
@@ -86,7 +86,8 @@ def _when(text: str | None) -> datetime | None:
 
 
 def platform_time(notice: Notice) -> datetime | None:
-    """When the platform flipped the notice, where its endpoint says so (AWS's ``noticeTime``)."""
+    """When the platform flipped the notice, where its payload says so (a ``noticeTime``, as AWS's
+    rebalance recommendations carry); None otherwise."""
     raw = notice.raw if isinstance(notice.raw, dict) else {}
     try:
         return datetime.fromisoformat(str(raw["noticeTime"]).replace("Z", "+00:00"))

@@ -150,3 +150,17 @@ def test_bad_cadence_settings_are_refused_in_one_line(monkeypatch, name, value):
     monkeypatch.setenv(f"SPOTGUARD_CADENCE__{name}", value)
     with pytest.raises(SettingsError, match=f"cadence.{name.lower()}"):
         load_settings(None)
+
+
+def test_cadence_command_with_job_refuses_other_mtbf_sources_and_says_when_no_daemon_answers(tmp_path,
+                                                                                             monkeypatch):
+    from click.testing import CliRunner
+    from spotguard_daemon.commands.cadence import cadence as command
+
+    for key in [k for k in os.environ if k.startswith("SPOTGUARD_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SPOTGUARD_RUNTIME_DIR", str(tmp_path / "run"))
+    both = CliRunner().invoke(command, ["--checkpoint-seconds", "30", "--job", "j", "--nodes", "2"])
+    assert both.exit_code == 2 and "not both" in both.output
+    none = CliRunner().invoke(command, ["--checkpoint-seconds", "30", "--job", "j"])
+    assert none.exit_code == 1 and "no daemon answered" in none.output

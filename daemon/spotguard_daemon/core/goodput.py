@@ -197,12 +197,14 @@ class GoodputLedger:
             out.append((job, self._jobs[job]))
         return out
 
-    def due(self, interval: float) -> list[tuple[str, JobRecord]]:
+    def due(self, interval: float, held: set[str] | frozenset[str] = frozenset()
+            ) -> list[tuple[str, JobRecord]]:
         """Copies of rank 0's records changed since last handed out at least ``interval`` seconds
-        ago (each job's first change at once), for :mod:`.goodput_store`; they count as handed out."""
+        ago (each job's first change at once), for :mod:`.goodput_store`; they count as handed out.
+        Jobs in ``held`` stay changed, for later."""
         now, out = time.monotonic(), []
         for job in list(self._changed):
-            if now - self._handed.get(job, float("-inf")) >= interval:
+            if job not in held and now - self._handed.get(job, float("-inf")) >= interval:
                 del self._changed[job]
                 self._handed[job] = now
                 record = self._jobs[job]

@@ -10,6 +10,7 @@ of the job (or only an older part of it: see :meth:`.GoodputLedger.restarted`), 
 and the restart's loss counted from it, as the node that ran the job would have; its interruptions
 and running time go on in this node's record (:meth:`.GoodputLedger.adopt`, on the daemon's loop at
 the next :meth:`DurableProgress.tick`), so the job's learned MTBF (:mod:`.job_rates`) follows it.
+Until then (at most ``RECALL_HOLD``) the new run's record is not written over the old one.
 
 * **Bounded rate.** A job's object is written at its first change, then at most every
   ``storage.progress_seconds`` (30 s by default) and only when it changed; while a terminating notice
@@ -61,6 +62,7 @@ __all__ = ["DurableProgress", "NoProgress", "ProgressObject"]
 log = logging.getLogger(__name__)
 
 URGENT_SECONDS = 1.0
+RECALL_HOLD = 30.0
 MAX_BYTES = 16 * 1024
 MAX_AGE = 30 * 24 * 3600.0
 """An object older than this at a restart is ignored (its age would count as downtime)."""
@@ -109,8 +111,13 @@ class DurableProgress:
         self._writes: dict[str, bytes] = {}
         self._failed: dict[str, tuple[bytes, float]] = {}
         self._recalls: deque[tuple[str, int, float]] = deque(maxlen=MAX_RECALLS)
-        self._recalled: deque[tuple[str, JobRecord]] = deque(maxlen=MAX_RECALLS)
-        """Records read for restarts, for :meth:`tick` to hand to the ledger on the daemon's loop."""
+        self._recalled: deque[tuple[str, JobRecord | None]] = deque(maxlen=MAX_RECALLS)
+        """Records read for restarts (None: none read), for :meth:`tick` to hand to the ledger on the
+        daemon's loop."""
+        self._recalling: dict[str, float] = {}
+        """Job -> when (monotonic) its recall was queued: its new record is not written before the
+        old one's counts are adopted (else a node lost meanwhile would leave a count of 0 behind),
+        for at most ``RECALL_HOLD`` seconds."""
         self._stored: dict[str, float] = {}
         """Job -> when (monotonic) its object was last queued; at most MAX_STORE_JOBS in a window."""
         self._capped_at = float("-inf")
@@ -124,11 +131,16 @@ class DurableProgress:
 
     def tick(self, *, force: bool = False) -> None:
         """Queue the records due (every change when ``force``) and the failed writes to try again."""
-        while self._recalled:
-            self.ledger.adopt(*self._recalled.popleft())
-        interval = 0.0 if force else URGENT_SECONDS if self.urgent() else self.interval
-        due = self.ledger.due(interval)
         now = time.monotonic()
+        while self._recalled:
+            job, record = self._recalled.popleft()
+            self._recalling.pop(job, None)
+            if record is not None:
+                self.ledger.adopt(job, record)
+        for job in [j for j, at in self._recalling.items() if force or at < now - RECALL_HOLD]:
+            del self._recalling[job]
+        interval = 0.0 if force else URGENT_SECONDS if self.urgent() else self.interval
+        due = self.ledger.due(interval, held=set(self._recalling))
         with self._cond:
             for job, record in due:
                 if not self._admit(job, now):
@@ -164,6 +176,8 @@ class DurableProgress:
     def recall(self, job: str, resumed_from: int) -> None:
         """Rank 0 of ``job``, unknown here, registered now as resumed from ``resumed_from``: read the
         job's object and count the loss (asynchronously)."""
+        if len(self._recalling) < MAX_RECALLS:
+            self._recalling[job] = time.monotonic()
         with self._cond:
             self._recalls.append((job, resumed_from, time.time()))
             self._cond.notify()
@@ -219,11 +233,11 @@ class DurableProgress:
     def _recall_task(self, job: str, resumed_from: int, at: float) -> Callable[[], None]:
         def recall() -> None:
             record = self._read(job, at)
+            self._recalled.append((job, record))
             if record is None:
                 return
             self.metrics.lost(restart_loss(job, record, resumed_from, at))
             self.metrics.steps_redone.inc(max(0, max(record.reached, default=-1) - resumed_from))
-            self._recalled.append((job, record))
         return recall
 
     def _read(self, job: str, before: float) -> JobRecord | None:

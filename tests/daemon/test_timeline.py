@@ -8,7 +8,7 @@ import json
 from datetime import datetime, timedelta, timezone
 
 from spotguard.protocol import MAX_HISTORY, Kind, Notice, SafeRequest
-from spotguard_daemon.core.timeline import LINGER_SECONDS, Timelines
+from spotguard_daemon.core.timeline import LINGER_SECONDS, MAX_STAGES, REPLY_STAGES, Timelines
 
 T0 = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
 
@@ -131,6 +131,13 @@ def test_the_history_is_bounded_and_a_damaged_file_is_ignored(tmp_path):
         clock.advance(LINGER_SECONDS)
         lines.tick()
     assert len(lines.history(MAX_HISTORY)) == MAX_HISTORY
+    huge, _, _ = make()
+    for number in range(20):  # notices with many clients keep their first MAX_STAGES stages
+        huge.seen(notice(f"h{number}", 600, seen_s=number), clients=MAX_STAGES)
+        for pid in range(1, MAX_STAGES + 10):
+            huge.ack([f"h{number}"], pid, clock.now)
+    assert all(len(t["stages"]) == MAX_STAGES for t in huge.history(20))
+    assert len(huge.history(20)) == REPLY_STAGES // MAX_STAGES  # the reply stays bounded
     assert len(json.loads((tmp_path / "timelines.json").read_text())["history"]) == MAX_HISTORY
     (tmp_path / "timelines.json").write_text('{"version": 1, "open": [{"id": 3}], "history": []}')
     again, _, _ = make(tmp_path)

@@ -59,6 +59,9 @@ LINGER_SECONDS = 600.0
 ALIVE_SECONDS = 5.0
 MAX_STAGES = 512
 """Stages kept per timeline (a notice with thousands of clients keeps its first ones)."""
+REPLY_STAGES = 4096
+"""Stages a history reply holds at most (older timelines are left out): it stays far below the
+clients' 1 MiB reply limit."""
 _SAVE_STAGE = {"committed": "committed", "already": "already", "no_room": "no_room", "failed": "save_failed"}
 
 
@@ -219,10 +222,17 @@ class Timelines:
         return self._public(self._history[-1]) if self._history else None
 
     def history(self, count: int) -> list[dict[str, Any]]:
-        """The last ``count`` timelines, open ones included, newest first."""
+        """The last ``count`` timelines, open ones included, newest first; fewer when they would hold
+        more than ``REPLY_STAGES`` stages."""
         lines = sorted([*self._history, *self._open.values()], key=lambda line: _when(line["seen"]),
                        reverse=True)
-        return [self._public(line) for line in lines[:count]]
+        chosen, stages = [], 0
+        for line in lines[:count]:
+            stages += len(line["stages"])
+            if chosen and stages > REPLY_STAGES:
+                break
+            chosen.append(self._public(line))
+        return chosen
 
     # ------------------------------------------------------------------ internals
 

@@ -229,8 +229,9 @@ class Daemon:
 
     def _announce(self, notice: Notice) -> None:
         self.timeline.seen(notice, len(self.handler.clients))
+        published = utcnow()  # before the send: a client may flag it before publish() returns
         self.server.publish(NoticeEvent(notice=notice))
-        self.timeline.stage(notice.id, "published")
+        self.timeline.stage(notice.id, "published", at=published)
         self.metrics.notice_published(notice, latency=not self._restoring)
         log.warning("notice %s: %s on %s, deadline %s (%s)", notice.id, notice.kind.value,
                     notice.platform, notice.deadline.isoformat() if notice.deadline else "unknown",

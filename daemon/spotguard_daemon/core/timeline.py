@@ -129,11 +129,12 @@ class Timelines:
         self._open[notice.id] = line
         self._add(line, "seen", notice.received_at)
 
-    def stage(self, notice_id: str, stage: str, **extra: Any) -> None:
-        """Record a daemon-side stage (``published``, ``signalled``) of an open timeline now."""
+    def stage(self, notice_id: str, stage: str, at: datetime | None = None, **extra: Any) -> None:
+        """Record a daemon-side stage (``published``, ``signalled``) of an open timeline, at ``at``
+        (default now)."""
         line = self._open.get(notice_id)
         if line is not None:
-            self._add(line, stage, self._clock(), **extra)
+            self._add(line, stage, at or self._clock(), **extra)
 
     def ack(self, notice_ids: Iterable[str], pid: int, at: datetime) -> None:
         """A client set its stop flag at ``at`` (its ``ack`` request)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from datetime import datetime, timezone
 
@@ -15,7 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import ValidationError
 from spotguard import cadence as cad
-from spotguard.protocol import CadenceRequest, JobRate, ProgressRequest, RegisterRequest, StatusRequest
+from spotguard.protocol import (CadenceRequest, JobRate, Kind, NotifyRequest, ProgressRequest, RegisterRequest,
+                                SafeRequest, StatusRequest)
 from spotguard_daemon.core.goodput import GoodputLedger, JobRecord
 from spotguard_daemon.core.goodput_store import ProgressObject, _encode, _validated
 from spotguard_daemon.core.job_rates import MAX_GAUGED, JobRates
@@ -164,3 +166,29 @@ def test_cadence_command_with_job_refuses_other_mtbf_sources_and_says_when_no_da
     assert both.exit_code == 2 and "not both" in both.output
     none = CliRunner().invoke(command, ["--checkpoint-seconds", "30", "--job", "j"])
     assert none.exit_code == 1 and "no daemon answered" in none.output
+
+
+@pytest.mark.slow
+def test_a_restart_after_a_drill_is_no_interruption_one_after_a_preemption_is(daemon_factory):
+    daemon = daemon_factory()
+    pid = os.getpid()  # registered: the daemon's delivery signals this process (SIGUSR1), ignored here
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        _drill_then_preempt(daemon, pid)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def _drill_then_preempt(daemon, pid: int) -> None:
+
+    def stop_and_resume(kind: Kind, step: int) -> int:
+        notice = daemon.request(NotifyRequest(kind=kind, deadline_seconds=30)).data["notice"]["id"]
+        assert daemon.request(SafeRequest(pid=pid, notice_ids=[notice])).ok
+        assert daemon.request(RegisterRequest(pid=pid, job_id="d", resumed_from_step=step)).ok
+        return daemon.request(CadenceRequest(job_id="d")).data["rate"]["interruptions"]
+
+    assert daemon.request(RegisterRequest(pid=pid, job_id="d")).ok
+    assert daemon.request(ProgressRequest(pid=pid, job_id="d", step=1, at=datetime.now(timezone.utc))).ok
+    assert stop_and_resume(Kind.DRILL, 1) == 0
+    assert stop_and_resume(Kind.PREEMPT, 1) == 1
+    assert stop_and_resume(Kind.DRILL, 1) == 1

@@ -29,7 +29,8 @@ past every step and commit this node saw: the job ran elsewhere since), and the 
 Interruptions and running time (for :mod:`.job_rates`, the MTBF a job's cadence plans with): each
 record counts the job's restarts (``interruptions``) and the training seconds between consecutive
 reports of one process (``running``), and :meth:`restarted` carries both into the new run's record,
-one interruption more. A job this node knows nothing of takes them from the store's copy
+one interruption more (none when rank 0 last stopped for drill notices only: :meth:`stopped`). A
+job this node knows nothing of takes them from the store's copy
 (:meth:`GoodputLedger.adopt`, one more for the restart that brought it here).
 
 Bounds: at most ``MAX_JOBS`` jobs (the least recently updated are forgotten) and ``MAX_COMMITS``
@@ -99,6 +100,9 @@ class JobRecord:
     """Seconds the job ran, over all its runs known here (between reports of one process)."""
     nodes: int = 1
     """Nodes the job spans, as its rank 0 reports."""
+    drilled: bool = False
+    """The run stopped for a drill (rank 0 reported safe for drill notices only): its restart is
+    not an interruption."""
 
     def newest(self) -> int:
         """The newest step this record saw reached or committed."""
@@ -168,7 +172,7 @@ class GoodputLedger:
                      "elsewhere since", job, resumed_from, record.newest())
             record = None
         loss = None if record is None else restart_loss(job, record, resumed_from, now)
-        history = {} if record is None else {"interruptions": record.interruptions + 1,
+        history = {} if record is None else {"interruptions": record.interruptions + (not record.drilled),
                                              "running": record.running, "nodes": record.nodes}
         self._touch(job, JobRecord(resumed_from, now, {resumed_from: now}, pid, **history))
         return loss
@@ -183,6 +187,13 @@ class GoodputLedger:
         record.running += earlier.running
         record.nodes = max(record.nodes, earlier.nodes)
         self._touch(job, record)
+
+    def stopped(self, job: str, *, drill: bool) -> None:
+        """Rank 0 of ``job`` stopped for notices, all of them drills when ``drill``."""
+        record = self._jobs.get(job)
+        if record is not None and record.drilled != drill:
+            record.drilled = drill
+            self._dirty = True
 
     def record(self, job: str) -> JobRecord | None:
         """The job's record (the ledger's own: do not change it), or None."""
@@ -232,7 +243,7 @@ class GoodputLedger:
         self._dirty, self._written_at = False, now
         doc = {"version": STATE_VERSION, "jobs": [
             {"job": job, "step": r.step, "at": r.at, "reached": sorted(r.reached.items()), "pid": r.pid,
-             "interruptions": r.interruptions, "running": r.running, "nodes": r.nodes}
+             "interruptions": r.interruptions, "running": r.running, "nodes": r.nodes, "drilled": r.drilled}
             for job, r in self._jobs.items()]}
         try:
             write_private_atomic(self._path, json.dumps(doc).encode())
@@ -251,7 +262,7 @@ class GoodputLedger:
                 self._jobs[str(item["job"])[:256]] = JobRecord(
                     int(item["step"]), float(item["at"]), reached, int(item.get("pid", 0)),
                     max(0, int(item.get("interruptions", 0))), _seconds(item.get("running", 0.0)),
-                    max(1, int(item.get("nodes", 1))))
+                    max(1, int(item.get("nodes", 1))), item.get("drilled") is True)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("ignoring unreadable goodput state %s: %s", self._path, exc)
             self._jobs.clear()

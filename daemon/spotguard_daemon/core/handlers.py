@@ -54,8 +54,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spotguard.protocol import (
-    AckRequest, CadenceRequest, CommitRequest, NotifyRequest, ProgressRequest, RegisterRequest, Reply,
-    Request, SafeRequest,
+    AckRequest, CadenceRequest, CommitRequest, Kind, NotifyRequest, ProgressRequest, RegisterRequest,
+    Reply, Request, SafeRequest,
     UnregisterRequest,
 )
 from spotguard.storage.fresh_node import DEFAULT_JOB
@@ -298,8 +298,12 @@ class RequestHandler:
         if key not in self.clients and any(self.store.safe_count(i) >= MAX_CLIENTS for i in ids):
             return Reply(ok=False, error=f"safe refused: pid {request.pid} is not registered and "
                                          f"{MAX_CLIENTS} pids already reported safe")
-        unknown = self.store.mark_safe_all(ids, key)
         client = self.clients.get(key)
+        if client is not None and client.proven and client.rank == 0:  # before a cancel ends them
+            kinds = {n.kind for n in self.store.pending() if n.id in ids}
+            if kinds:  # a restart after a drill is no interruption (the learned MTBF, .job_rates)
+                self.ledger.stopped(client.job_id or DEFAULT_JOB, drill=kinds == {Kind.DRILL})
+        unknown = self.store.mark_safe_all(ids, key)
         self.timeline.safe([i for i in ids if i not in unknown], key, request,
                            (client.job_id if client is not None else "") or DEFAULT_JOB)
         self._on_change()

@@ -17,7 +17,8 @@ most recently active jobs: a snapshot taken on the daemon's loop (:meth:`JobRate
 by the scrape thread.
 
 What counts: every registered restart from a checkpoint is one interruption, whatever ended the run
-before it (a preemption, a kill, a crash, a drill). A job relaunched by hand after a deliberate stop
+before it (a preemption, a kill, a crash), except a stop for drill notices only (rank 0 reported safe
+for them: ``spotguard drill``, ``spotguard notify``). A job relaunched by hand after a deliberate stop
 counts one too; a daemon without a durable store starts a job that moved to this node afresh.
 
 Exceptions: none; a figure outside the protocol's bounds is clamped into them.

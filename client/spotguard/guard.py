@@ -44,7 +44,9 @@ Contract:
   notes the step and the time) and the background thread sends the newest one to the daemon at
   most every ``progress_interval`` seconds (``$SPOTGUARD_PROGRESS_SECONDS``, default 5), and once
   more at :meth:`close`. A step never waits for the daemon; a report that got no answer is
-  tried again an interval later, or replaced by a newer one.
+  tried again an interval later, or replaced by a newer one. The reply carries the MTBF the daemon
+  learned for the job (:attr:`job_rate`, a :class:`~spotguard.protocol.JobRate`), which
+  ``spotguard.Run``'s cadence plans with.
 
 Exceptions: none of its own; it raises only for invalid arguments (``ValueError``).
 """

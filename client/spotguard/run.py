@@ -64,7 +64,8 @@ durable store; a checkpoint that does not fit the state is refused with a messag
 
 Every commit is reported to the daemon (``CommitRequest``), and rank 0's progress every few seconds
 (``ProgressRequest``, sent by the guard's thread; see :class:`~spotguard.guard.Guard`), so the daemon
-can count the steps a restart loses after the last commit. Nothing needs a daemon. With
+can count the steps a restart loses after the last commit and learn how often the job is interrupted:
+the reply carries that MTBF back, and rank 0's cadence plans with it. Nothing needs a daemon. With
 ``$SPOTGUARD_RECORD`` set, the run's start, progress, commits, stop and final state digest are
 appended to that file (:mod:`spotguard._record`) for ``spotguard drill`` and ``spotguard run``.
 """

@@ -56,7 +56,7 @@ def test_a_nondeterministic_job_passes_on_what_stays_exact(tmp_path):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("broken, named, also", [
     ("no-optimizer", "not in its checkpoint: optimizer (AdamW) training model: 0.weight", "lr"),
-    ("no-scheduler", "not in its checkpoint: LR scheduler", "lr"),
+    ("no-scheduler", "not in its checkpoint: LR scheduler", None),  # LR equal again after warm-up
     ("global-rng-loader", "the data position and its seeds are not recorded", "rng streams"),
     ("no-loader", "the data position and its seeds are not recorded", None)])
 @pytest.mark.parametrize("noise", [True, False], ids=["nondeterministic", "deterministic"])

@@ -53,7 +53,7 @@ from spotguard.checkpoint.errors import CheckpointError
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.protocol import utcnow
 
-__all__ = ["Between", "act_after", "exit_now"]
+__all__ = ["Between", "Frozen", "act_after", "exit_now"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def exit_now(code: int, reason: str) -> NoReturn:
     os._exit(code)
 
 
-class _Frozen:
+class Frozen:
     """A state entry saved as it was captured (the RNG states, a loader's position)."""
 
     def __init__(self, state: Any) -> None:
@@ -258,9 +258,9 @@ class Between:
             log.warning("stopping between steps: emergency save of step %d beside the work (about %.2f s, "
                         "%s)", done, decision.save_seconds or 0.0,
                         "no deadline" if left is None else f"{left:.1f} s left")
-            state = dict(run.state, rng=_Frozen(rng_state))
+            state = dict(run.state, rng=Frozen(rng_state))
             if position is not None:
-                state["loader"] = _Frozen(position)
+                state["loader"] = Frozen(position)
             try:
                 run._save(done, "emergency", state=state)
                 saved = True

@@ -63,7 +63,8 @@ class Stopping:
             log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
                         "it", notice.id, left, self._stop_needed(save))
 
-    def _stop(self, done: int, decision: Decision) -> bool:
+    def _stop(self, done: int, decision: Decision, state: Any = None) -> bool:
+        """Stop at ``done`` (``state``: what to save instead of the live state, see :meth:`_save`)."""
         if self._progress is not None:
             self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
         self.guard.begin_stop()
@@ -75,7 +76,7 @@ class Stopping:
         elif fits:
             log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", done,
                         decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
-            saved = self._save_emergency(done)
+            saved = self._save_emergency(done, state)
         else:
             log.warning("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
                         "committed checkpoint stands", done, decision.save_seconds, left)
@@ -113,10 +114,10 @@ class Stopping:
             raise _exit.stop_exit(EXIT_PREEMPTED)
         return True
 
-    def _save_emergency(self, done: int) -> bool:
+    def _save_emergency(self, done: int, state: Any = None) -> bool:
         """Commit the state now, the loop stopped; False (logged) when the save failed."""
         try:
-            self._save(done, "emergency")
+            self._save(done, "emergency", state=state)
         except CheckpointError as exc:  # the previous commit is still valid: stop anyway
             log.error("the emergency save failed (%s); the previous checkpoint stands", exc)
             return False

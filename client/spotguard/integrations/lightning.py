@@ -64,7 +64,10 @@ rank its RNG, and the gradient bucket layout of ``trainer.strategy.model`` is ch
 restored, :mod:`spotguard._ddp`, so 3+ ranks resume bit-identically). A collective that fails
 because a peer rank is gone (``on_exception``), the ranks' exchange failing, or no step boundary
 for ``peer_timeout`` end the process with 77 as in ``Run``; ``stop_lead`` is ``Run``'s far-deadline
-rule. Sharded strategies (FSDP, DeepSpeed) are not
+rule. A notice during a validation inside ``fit`` (one process) is acted on at the next validation batch
+end: the state kept when the validation began (Lightning's dict, data position, RNG) is saved and ``fit``
+ends with ``SystemExit(75)``; the validation's RNG draws are put back at its end, so it never changes
+training and such a stop resumes bit-identically. Sharded strategies (FSDP, DeepSpeed) are not
 supported: their optimizer state is gathered with collectives that only rank 0 would call here.
 
 Exceptions: those of :class:`spotguard.Run` (``CheckpointError`` from a failed save or load).
@@ -81,7 +84,8 @@ from typing import Any, Callable, Mapping
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from spotguard import _ddp, _exit
+from spotguard import _ddp, _exit, rng
+from spotguard._between import Frozen as _Frozen
 from spotguard._peer import exit_peer_lost, is_peer_failure
 from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import encode
@@ -136,6 +140,8 @@ class SpotguardCallback(pl.Callback):
         self.stopped = False
         self._steps: Any = None
         self._last_step: int | None = None
+        self._paused: tuple[int, Any, Any, Any] | None = None
+        """At a validation inside fit: (step, Lightning's checkpoint dict, data position, RNG states)."""
 
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
@@ -179,10 +185,42 @@ class SpotguardCallback(pl.Callback):
         if 0 < trainer.max_steps <= trainer.global_step and not self.stopped:
             self.run.finish(at_boundary=True)  # the last step's state, where any run saves it
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A validation inside ``fit``: keep what a stop during it saves, the last step's state
+        (Lightning's checkpoint dict, the data position and the RNG states, taken now)."""
+        run = self.run
+        if run is None or trainer.sanity_checking or trainer.state.fn != "fit" or run.agreement.enabled:
+            return
+        self._paused = (trainer.global_step, run.state["lightning"].state_dict(), self.data.state_dict(),
+                        rng.capture())
+
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._defer_sigterm(trainer)
         if self.run is not None:
             self.run.heartbeat()  # a long validation between two steps is not a lost peer
+            if self._paused is not None and self.run.guard.stop_requested:
+                self._stop_in_validation()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put back the RNG states of the validation's start: it draws nothing training sees (so a
+        stop during it, which saves those states, resumes as if it never ran)."""
+        if self._paused is not None:
+            rng.restore(self._paused[3])
+            self._paused = None
+
+    def _stop_in_validation(self) -> None:
+        """A stop decided during a validation (the far-deadline rule as at a step end): save the
+        state kept at its start and end ``fit`` with ``SystemExit(75)`` now, not after it."""
+        assert self.run is not None and self._paused is not None
+        step, lightning, data, rng_state = self._paused
+        decision = self.run._local_decision(step)
+        if not decision.stop:
+            return
+        log.warning("spotguard stops during the validation after step %d", step)
+        state = dict(self.run.state, lightning=_Frozen(lightning), data=_Frozen(data), rng=_Frozen(rng_state))
+        self.run._stop(step, decision, state=state)
+        self.stopped, self._steps, self._paused = True, None, None
+        raise _exit.stop_exit(EXIT_PREEMPTED)  # through Lightning's on_exception: fit ends here
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Training ended without a notice: save the final state and close."""

@@ -1,0 +1,58 @@
+"""The Lightning callback and a notice during a validation inside ``fit`` (real Trainer processes).
+
+SIGTERM lands in the middle of a ~3 s validation after step 20 (between the periodic saves of 18
+and 24): the callback saves step 20's state as it was when the validation began, ends ``fit`` with
+75 without finishing the validation, and the relaunch ends with the digest of an uninterrupted run
+(the validation's RNG draws are put back at its end, so they never change training). A notice whose
+deadline is far away lets the validation and training go on (``stop_lead``, as in ``Run``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard.checkpoint import Checkpointer
+
+from _example import isolated_env
+
+pytest.importorskip("lightning")
+pytestmark = pytest.mark.slow
+
+JOB = Path(__file__).with_name("_lightning_eval_job.py")
+
+
+def job(out: Path, *args: str, **env: str) -> tuple[int, str, str]:
+    proc = subprocess.run([sys.executable, str(JOB), str(out), *args], capture_output=True, text=True,
+                          env=isolated_env(out / "rt", **env), timeout=240)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def digest(out: str) -> str:
+    return next(line.split()[1] for line in out.splitlines() if line.startswith("DIGEST "))
+
+
+def test_a_notice_during_validation_saves_the_step_and_resumes_bit_identically(tmp_path):
+    code, out, err = job(tmp_path / "reference")
+    assert code == 0, err[-3000:]
+    reference = digest(out)
+
+    code, out, err = job(tmp_path / "stopped", "20")
+    assert code == 75, err[-3000:]
+    assert "spotguard stops during the validation after step 20" in err
+    assert "emergency save" in err and "validating 20" in out and "DIGEST" not in out
+    assert Checkpointer(tmp_path / "stopped" / "ckpt").latest().step == 20
+
+    code, out, err = job(tmp_path / "stopped")
+    assert code == 0, err[-3000:]
+    assert "validating 8" not in out  # resumed after step 20
+    assert digest(out) == reference
+
+
+def test_a_far_notice_during_validation_lets_training_go_on(tmp_path):
+    code, out, err = job(tmp_path, "8", SPOTGUARD_SIGNAL__GRACE="100000")
+    assert code == 0, err[-3000:]
+    assert "training goes on" in err and "stops during the validation" not in err
+    assert "validating 20" in out and Checkpointer(tmp_path / "ckpt").latest().step == 28

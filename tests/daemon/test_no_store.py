@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -142,11 +141,11 @@ def test_the_client_reads_none_as_no_store(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_the_hf_callback_commits_no_copies_without_a_store(daemon_factory, monkeypatch):
+def test_the_hf_callback_commits_no_copies_without_a_store(daemon_factory, monkeypatch, tmp_path):
     pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
     from spotguard import Guard
     from spotguard.integrations.huggingface import SpotguardTrainerCallback
-    from transformers import TrainerControl, TrainerState
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
     daemon = daemon_factory(env=NONE)
     guard = Guard(job_id="job", pub_endpoint=daemon.pub_endpoint,
@@ -156,7 +155,7 @@ def test_the_hf_callback_commits_no_copies_without_a_store(daemon_factory, monke
         while guard.daemon_status() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert guard.daemon_status()["uploads"]["store"] is None
-        args = SimpleNamespace(process_index=0)
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
         for url in ("none", None):  # the variable says none, or only the daemon's status does
             if url is None:
                 monkeypatch.delenv("SPOTGUARD_STORAGE__URL", raising=False)

@@ -81,8 +81,9 @@ def agree(job_id: str, *, given: bool, process_group: Any = None) -> str:
     encoded = job_id.encode()
     if len(encoded) > MAX_LENGTH:
         raise ValueError(f"job_id is {len(encoded)} bytes long; the most is {MAX_LENGTH}")
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
+    from spotguard.distributed import collective_device
+
+    device = collective_device(process_group)
     header = (int(given), len(encoded) >> 8, len(encoded) & 0xFF)  # whether given, the length
     mine = torch.zeros(len(header) + MAX_LENGTH, dtype=torch.uint8)
     mine[:len(header) + len(encoded)] = torch.tensor([*header, *encoded], dtype=torch.uint8)

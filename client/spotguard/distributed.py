@@ -138,7 +138,7 @@ class Agreement:
         import torch
         import torch.distributed as dist
 
-        device = torch.device("cpu") if self._private is not None else self._device()
+        device = torch.device("cpu") if self._private is not None else collective_device(self._group)
         tensor = torch.tensor(values, dtype=torch.float64, device=device)
         started = time.monotonic()
         group = self._private if self._private is not None else self._group
@@ -152,13 +152,14 @@ class Agreement:
         return tensor.tolist()
 
 
-    def _device(self) -> Any:
-        import torch
-        import torch.distributed as dist
+def collective_device(process_group: Any = None) -> Any:
+    """Where a collective's tensors must live on ``process_group``: this rank's GPU under NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
 
-        if dist.get_backend(self._group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    if dist.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _lost(step: int, started: float, cause: object) -> str:

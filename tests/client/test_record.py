@@ -42,9 +42,13 @@ def test_uninterrupted_and_resumed_runs_record_the_same_final_digest(tmp_path):
     first.popen.send_signal(signal.SIGTERM)
     assert first.finish(30) == 75, first.output
     (stop,) = events(record, "stop")
-    assert stop["saved"] is True and stop["notice"]["kind"] == "signal"
-    emergency = [c for c in events(record, "commit") if c["kind"] == "emergency"]
-    assert [c["step"] for c in emergency] == [stop["step"]]
+    assert stop["notice"]["kind"] == "signal"
+    emergency = [c["step"] for c in events(record, "commit") if c["kind"] == "emergency"]
+    periodic = [c["step"] for c in events(record, "commit") if c["kind"] != "emergency"]
+    if stop["step"] in periodic:  # on a loaded machine the signal can land at the step just saved
+        assert stop["saved"] is False and emergency == [], stop
+    else:
+        assert stop["saved"] is True and emergency == [stop["step"]], stop
 
     run_to_end(tmp_path / "ckpt", STEPS, "--save-every", "10", env=env)
     starts = events(record, "start")

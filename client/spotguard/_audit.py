@@ -85,11 +85,12 @@ def _hash(*parts: Any) -> str:
     return digest.hexdigest()
 
 
-def rng_digests() -> dict[str, str]:
-    """A digest of each global RNG stream :mod:`spotguard.rng` saves (those of loaded libraries)."""
+def rng_digests(state: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """A digest of each global RNG stream :mod:`spotguard.rng` saves (those of loaded libraries):
+    of ``state`` (a :func:`spotguard.rng.capture`) when given, else of the live generators."""
     from spotguard import rng
 
-    state = rng.capture()
+    state = rng.capture() if state is None else state
     return {name: _hash(*value) if isinstance(value, list) else _hash(value)
             for name, value in ((k, state[k]) for k in ("python", "numpy", "torch", "cuda"))
             if value is not None}
@@ -167,16 +168,17 @@ class Audit:
             if ids is not None:
                 self.record.emit("data", step=done, ids=ids if i == 0 else f"{i}:{ids}")
 
-    def saving(self, done: int) -> None:
-        """The run saves step ``done`` now: record its progress state."""
+    def saving(self, done: int, rng_state: Mapping[str, Any] | None = None) -> None:
+        """The run saves step ``done`` now: record its progress state (``rng_state``: the RNG
+        states saved, when they are not the live ones, as in a save beside an evaluation)."""
         if self.on:
-            self._marks(done, "save", loss=_LossTap.value())
+            self._marks(done, "save", rng_state, loss=_LossTap.value())
 
-    def _marks(self, step: int, at: str, **extra: Any) -> None:
+    def _marks(self, step: int, at: str, rng_state: Mapping[str, Any] | None = None, **extra: Any) -> None:
         lrs = [float(group["lr"]) for optimizer in _optimizers(self.state)
                for group in optimizer.param_groups if "lr" in group]
         epoch = self.samplers[0].epoch if self.samplers else None
-        self.record.emit("marks", step=step, at=at, rng=rng_digests(), lr=lrs, epoch=epoch, **extra)
+        self.record.emit("marks", step=step, at=at, rng=rng_digests(rng_state), lr=lrs, epoch=epoch, **extra)
 
     def _find_ddp(self) -> None:
         """Record a model of the state trained through a DDP the state does not hold (found among

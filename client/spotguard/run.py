@@ -81,7 +81,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn
 from spotguard import _ddp, _jobid
 from spotguard._peer import exit_peer_lost, is_peer_failure
 from spotguard._audit import Audit
-from spotguard._between import Between
+from spotguard._between import Between, Frozen
 from spotguard._record import Recorder
 from spotguard._run_parts import RngState as _RngState  # noqa: F401 (tests import it here)
 from spotguard._run_parts import (build_state, count_steps, default_group, is_spotguard_loader, loader_entry,
@@ -362,7 +362,8 @@ class Run(Stopping):
         self._save_kinds[done] = kind
         self._save_reached[done] = utcnow()
         _ddp.settle(self.state)  # every rank: DDP's due bucket rebuild happens before the snapshot
-        self._audit.saving(done)  # the record's progress marks (RNG, LR, epoch, loss) of this save
+        frozen = state.get("rng") if state is not None else None  # a save beside an evaluation: its RNG
+        self._audit.saving(done, frozen.state_dict() if isinstance(frozen, Frozen) else None)  # the marks
         self.checkpointer.save(done, self.state if state is None else state, blocking=kind == "emergency")
         self._saved_step = done
         self.cadence.mark_saved(done)

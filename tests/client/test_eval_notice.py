@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard._record import read
 from spotguard.checkpoint import Checkpointer
 
 from _example import isolated_env
@@ -27,9 +28,9 @@ STEPS = ["--steps", "12", "--eval-every", "4", "--eval-batches", "300"]
 pytestmark = pytest.mark.slow
 
 
-def launch(tmp_path: Path, *args: str) -> subprocess.Popen:
+def launch(tmp_path: Path, *args: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(JOB), "--ckpt-dir", str(tmp_path / "ckpt"), *args],
-                            env=isolated_env(tmp_path / "rt"), stdout=subprocess.PIPE,
+                            env=isolated_env(tmp_path / "rt", **env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -70,7 +71,8 @@ def reference(tmp_path_factory) -> str:
 @pytest.mark.parametrize("mode", ["heartbeat", "abandon", "boundary"])
 def test_a_notice_during_an_evaluation_saves_that_step_and_resumes_bit_identically(tmp_path, reference, mode):
     flags = {"heartbeat": ["--heartbeat"], "abandon": ["--abandon"], "boundary": []}[mode]
-    proc = launch(tmp_path, *STEPS, *flags)
+    record = {"SPOTGUARD_RECORD": str(tmp_path / "record.jsonl")} if mode == "heartbeat" else {}
+    proc = launch(tmp_path, *STEPS, *flags, **record)
     _, sent = signal_at(proc, "eval 7")  # step 7's optimizer step ran; its evaluation takes > 3 s
     out, err = finish(proc)
     assert proc.returncode == 75, err
@@ -82,11 +84,14 @@ def test_a_notice_during_an_evaluation_saves_that_step_and_resumes_bit_identical
         assert "evaluated 7" not in out
     if mode == "abandon":
         assert "abandoned" in err
-    resumed = launch(tmp_path, *STEPS)
+    resumed = launch(tmp_path, *STEPS, **record)
     out, err = finish(resumed)
     assert resumed.returncode == 0, err
     assert "start 8" in out and "eval 3" not in out
     assert digest_of(out) == reference
+    if record:  # the drill's marks: the RNG saved beside the evaluation is the one the relaunch loaded
+        marks = {e["at"]: e["rng"] for e in read(record["SPOTGUARD_RECORD"]) if e["event"] == "marks" and e["step"] == 8}
+        assert marks["save"] == marks["load"], marks
 
 
 def test_a_notice_during_the_restore_or_the_first_step_exits_75_at_once(tmp_path, reference):

@@ -13,7 +13,7 @@ from spotguard.distributed import Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.protocol import utcnow
 
-__all__ = ["Stopping", "save_fits"]
+__all__ = ["Stopping", "report_stop", "save_fits", "save_outcome"]
 
 log = logging.getLogger("spotguard.run")
 
@@ -29,6 +29,22 @@ def save_fits(save_seconds: float | None, seconds_left: float | None, margin: fl
     if save_seconds is None:
         return False
     return save_seconds + margin < seconds_left
+
+
+def save_outcome(already: bool, saved: bool, fits: bool) -> str:
+    """The stop's ``save`` for the notice timeline: ``already``, ``committed``, ``failed``, ``no_room``."""
+    return "already" if already else "committed" if saved else "failed" if fits else "no_room"
+
+
+def report_stop(guard: Any, record: Any, stop: dict[str, Any], saved: bool) -> bool:
+    """Tell the daemon the process is safe and record the ``stop`` event (``stop``:
+    :class:`~spotguard.protocol.SafeRequest`'s fields); whether the daemon took the report."""
+    safe = guard.report_safe(**stop)
+    notice = guard.notice
+    record.emit("stop", step=stop["step"], saved=saved, seconds_left=stop["seconds_left"],
+                notice=None if notice is None else {"id": notice.id, "kind": notice.kind.value},
+                **stop_times(stop, guard.flagged_at(notice.id) if notice else None, safe))
+    return safe
 
 
 class Stopping:
@@ -86,19 +102,15 @@ class Stopping:
             log.error("the last save failed (%s); the previous checkpoint stands", exc)
         stop = {"step": done, "stopped_at": stopped_at, "estimate_s": decision.save_seconds,
                 "seconds_left": left, "committed_at": utcnow() if saved else None,
-                "save": "already" if already else "committed" if saved else "failed" if fits else "no_room"}
+                "save": save_outcome(already, saved, fits)}
         self._report_stop(done, stop, saved)
         return self._exit_stopped()
 
     def _report_stop(self, done: int, stop: dict[str, Any], saved: bool) -> None:
         """Tell the daemon the process is safe and record the stop (``stop``: :class:`SafeRequest`'s
         fields); any thread, once."""
-        safe = self.guard.report_safe(**stop)
+        report_stop(self.guard, self.record, dict(stop, step=done), saved)
         self.stopped = True
-        notice = self.guard.notice
-        self.record.emit("stop", step=done, saved=saved, seconds_left=stop["seconds_left"],
-                         notice=None if notice is None else {"id": notice.id, "kind": notice.kind.value},
-                         **stop_times(stop, self.guard.flagged_at(notice.id) if notice else None, safe))
 
     def _stop_between(self, outcome: dict[str, Any]) -> bool:
         """The loop came back after a stop whose save ran beside the work: end it as :meth:`_stop`."""

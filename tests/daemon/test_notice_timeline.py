@@ -61,6 +61,18 @@ def timeline(daemon, outcome: str | None = None, stage: str | None = None) -> di
     return line
 
 
+def stopped_by(job: subprocess.Popen, notify) -> None:
+    """Call ``notify()`` (it waits for its moment and sends the notice); the job must exit 75. The job
+    is killed on any failure."""
+    try:
+        notify()
+        assert job.wait(60) == 75, job.stdout.read()
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(10)
+
+
 def at(stage: dict) -> datetime:
     return datetime.fromisoformat(stage["at"])
 
@@ -74,16 +86,14 @@ def test_a_drill_through_the_real_daemon_shows_every_stage_in_order(daemon_facto
     job = subprocess.Popen([sys.executable, str(HERE / "timeline_job.py"), str(daemon.checkpoint_root / "job")],
                            env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
+
+    def notify():
         wait_for(lambda: any(c["pid"] == job.pid for c in daemon.request(StatusRequest()).data["clients"])
                  and any(e["event"] == "progress" and e["step"] >= 5 for e in _record.read(record)))
         notified = cli(daemon, "notify", "--kind", "drill", "--deadline", "60")
         assert notified.returncode == 0, notified.stderr
-        assert job.wait(60) == 75, job.stdout.read().decode()
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait(10)
+
+    stopped_by(job, notify)
     line = wait_for(lambda: timeline(daemon, "saved", "durable"))
     stages = {s["stage"]: s for s in line["stages"]}
     order = ["seen", "published", "flagged", "stopped", "committed", "safe", "durable"]
@@ -181,3 +191,33 @@ def test_a_node_stop_marks_the_open_notice_gone_and_the_history_survives_a_resta
     assert signal_notices[0]["outcome"] == "no_client"
     mode = (again.state_dir / "timelines.json").stat().st_mode & 0o777
     assert mode == 0o600
+
+
+@pytest.mark.slow
+def test_a_hugging_face_job_stopped_during_an_evaluation_reports_its_step_and_save(daemon_factory, tmp_path):
+    """The Trainer callback's side of the timeline: the step it stopped at and the save committed
+    (a drill notice during the evaluation after step 8: that step is saved at once), in status, the
+    history and the run record."""
+    daemon = daemon_factory()
+    record = tmp_path / "record.jsonl"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}, "OMP_NUM_THREADS": "1",
+           "SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir), "SPOTGUARD_RECORD": str(record)}
+    job = subprocess.Popen([sys.executable, str(HERE.parent / "client" / "_hf_eval_job.py"),
+                            str(daemon.checkpoint_root / "hf")], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+
+    def notify():
+        next(out for out in job.stdout if out.strip() == "evaluating 8")
+        daemon.request(NotifyRequest(kind=Kind.DRILL, deadline_seconds=60))
+
+    stopped_by(job, notify)
+    line = wait_for(lambda: timeline(daemon, "saved", "safe"))
+    stages = {s["stage"]: s for s in line["stages"]}
+    assert stages["stopped"]["step"] == stages["committed"]["step"] == 8, line["stages"]
+    assert stages["committed"]["pid"] == stages["safe"]["pid"] == job.pid
+    assert stages["committed"]["estimate_s"] > 0 and 0 < stages["committed"]["seconds_left"] <= 60
+    listed = json.loads(cli(daemon, "notices", "--json").stdout)
+    assert listed[0]["id"] == line["id"] and listed[0]["outcome"] == "saved"
+    stop = [e for e in _record.read(record) if e["event"] == "stop"][-1]
+    assert stop["step"] == 8 and stop["save"] == "committed" and stop["notice"]["kind"] == "drill"
+    assert stop["flagged_t"] <= stop["stopped_t"] <= stop["committed_t"] <= stop["safe_t"]

@@ -4,9 +4,10 @@
 The :class:`~spotguard.integrations.huggingface.SpotguardTrainerCallback` calls :class:`TrainerRecord`
 at its events: ``start`` at ``on_train_begin`` (``root`` is ``output_dir``, ``resumed_from`` the
 global step the Trainer loaded), ``progress`` at every step end, ``commit`` at each ``on_save``
-(``path`` the ``checkpoint-<N>`` directory, ``blocking_s`` the save's measured time), ``stop`` when
-a notice stops training, and ``finish`` at a normal end; rank 0 alone records progress, commits and
-the finish. Each save's ``marks`` (RNG stream digests, LRs, epoch) let the drill check that they go
+(``path`` the ``checkpoint-<N>`` directory, ``blocking_s`` the save's measured time; ``kind``
+``emergency`` for a stop's save), and ``finish`` at a normal end (a stop's ``stop`` event, with the
+notice timeline's fields, is :func:`spotguard._run_stop.report_stop`'s, as ``Run``'s); rank 0 alone
+records progress, commits and the finish. Each save's ``marks`` (RNG stream digests, LRs, epoch) let the drill check that they go
 on as in an uninterrupted run; none is recorded at a load (the Trainer restores its RNG streams
 later, inside its epoch loop). A commit's and the finish's ``digest`` (:func:`state_digest`) covers what a resume
 restores: the weights, the optimizer's and the LR scheduler's states, the global step and epoch
@@ -74,17 +75,15 @@ class TrainerRecord:
                           resumed_from=state.global_step or None, skipped=[], total=state.max_steps,
                           entries=ENTRIES)
 
-    def saved(self, state: Any, path: Any, seconds: float | None, kwargs: Mapping[str, Any]) -> None:
+    def saved(self, state: Any, path: Any, seconds: float | None, kwargs: Mapping[str, Any],
+              kind: str = "periodic") -> None:
         if self.zero:
             optimizer = kwargs.get("optimizer")
             self.record.emit("marks", step=state.global_step, at="save", rng=rng_digests(),
                              lr=[float(g["lr"]) for g in getattr(optimizer, "param_groups", None) or []],
                              epoch=None if state.epoch is None else int(state.epoch))
-            self.record.emit("commit", step=state.global_step, kind="periodic", path=os.path.abspath(path),
+            self.record.emit("commit", step=state.global_step, kind=kind, path=os.path.abspath(path),
                              digest=state_digest(state, kwargs), blocking_s=seconds, persist_s=0.0)
-
-    def stopped(self, step: int, saved: bool, seconds_left: float | None) -> None:
-        self.record.emit("stop", step=step, saved=saved, seconds_left=seconds_left)
 
     def end(self, state: Any, kwargs: Mapping[str, Any]) -> None:
         if self.zero:

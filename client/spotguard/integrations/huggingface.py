@@ -36,7 +36,16 @@ train that starts past step 0 (resumed from a checkpoint) is reported as a resta
 (``report_progress``: no I/O, the guard's thread sends it every few seconds). After a stop the process is expected to exit: a
 guard the callback made is closed as ``Run`` closes it (forced-exit watchdog armed, SIGTERM/SIGUSR1
 ignored), so call :meth:`~SpotguardTrainerCallback.exit_if_stopped` (75) right after ``train``.
-The measured save duration includes an evaluation the Trainer runs at the same step, if any.
+An evaluation the Trainer runs at the same step is not part of the measured save duration.
+
+A notice during an evaluation inside ``train()`` (one process) is acted on at its next prediction
+step (:mod:`._hf_eval`): the step it follows is saved at once with that step's RNG states (the
+Trainer's own ``_save_checkpoint``), and ``train()`` ends with ``SystemExit(75)``; the evaluation's
+RNG draws are put back at its end, so it never changes training and such a stop resumes
+bit-identically (tested). A far deadline lets the evaluation and training go on. A stop at a step
+end skips the evaluation due there (the save comes first). The stop's report to the daemon and
+its ``stop`` record carry the step and the save's outcome (``committed``, ``already``, ``no_room``,
+``failed``) and times, as ``Run``'s do.
 
 Exact resume: the Trainer itself saves every RNG state (``rng_state.pth``) and, on resume,
 reseeds its shuffled sampler per epoch (``accelerator_config.use_seedable_sampler``, the default)
@@ -81,13 +90,16 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from spotguard import _ddp, _exit
 from spotguard._peer import exit_peer_lost, exit_peer_lost_when_uncaught
 from spotguard._record import Recorder
+from spotguard._run_stop import report_stop, save_outcome
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.integrations._hf_commit import COMMITTED, NotCommitted, commit_copy, newest_committed
+from spotguard.integrations._hf_eval import EvalPause, calling_trainer
 from spotguard.integrations._hf_record import TrainerRecord
 from spotguard.distributed import Agreement, Decision, PeerLostError
 from spotguard.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
+from spotguard.protocol import utcnow
 from spotguard.run import ASSUMED_THROUGHPUT, PEER_LOST_GRACE, save_fits
 from spotguard.storage import StoreError, restore_newer, store_from_env
 from spotguard.storage._local import step_name
@@ -166,6 +178,10 @@ class SpotguardTrainerCallback(TrainerCallback):
         self._last_step = 0
         self._unhook: Any = None
         self._layouts: _ddp.Layouts | None = None
+        self._pause = EvalPause()  # an evaluation inside train(): what a stop during it saves
+        self._stop_report: dict[str, Any] | None = None
+        """The stop's side of the notice timeline (:class:`~spotguard.protocol.SafeRequest`'s fields)."""
+        self._saved_step: int | None = None
 
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
@@ -176,7 +192,7 @@ class SpotguardTrainerCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        self.stopped = False
+        self.stopped, self._stop_report, self._saved_step = False, None, None
         if self.guard is None:
             self.guard = Guard(rank=args.process_index, **self._guard_kwargs)
         self._record = Recorder(rank=args.process_index, job=self.guard.job_id)
@@ -217,16 +233,41 @@ class SpotguardTrainerCallback(TrainerCallback):
         assert self.agreement is not None
         if not self.agreement.enabled or self.agreement.due(step):
             self._decide(step, control, kwargs)
+        if self.stopped:
+            control.should_evaluate = False  # the save first: an evaluation now could outlast the deadline
+        elif control.should_evaluate and not self.agreement.enabled:
+            self._pause.begin(step)
         if control.should_save:  # ours or the Trainer's schedule: time it until on_save
             self._save_started = time.monotonic()
             if self._progress is not None:  # a long save is not a lost peer: on_save's barrier is bounded
                 self._progress.disarm()
 
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if control.should_evaluate and not self.stopped and self.agreement is not None \
+                and not self.agreement.enabled:  # an epoch strategy's evaluation
+            self._pause.begin(state.global_step)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        self._pause.clear()
+
     def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                            **kwargs: Any) -> None:
-        """An evaluation between two steps is not a lost peer."""
+        """An evaluation between two steps is not a lost peer; a notice during one inside
+        ``train()`` stops there (:mod:`._hf_eval`)."""
         if self._progress is not None and self._progress.armed_at is not None:
             self._arm_progress()
+        if self._pause.active and self.guard is not None and self.guard.stop_requested and not self.stopped:
+            self._stop_in_evaluation(args, state, control, kwargs)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        """Put back the RNG states of the evaluation's start: it draws nothing training sees. A
+        save due at this step is timed from here (the evaluation is not part of its duration)."""
+        self._pause.put_back()
+        if self._save_started is not None:
+            self._save_started = time.monotonic()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
@@ -247,13 +288,18 @@ class SpotguardTrainerCallback(TrainerCallback):
             self._collective(lambda: self.agreement.barrier(state.global_step), state.global_step)
         if self._progress is not None and not self.stopped:
             self._arm_progress()
-        self._trace.saved(state, path, self.save_seconds, kwargs)
+        self._saved_step = state.global_step
+        stop = self._stop_report
+        if stop is not None and stop["step"] == state.global_step:
+            stop["committed_at"] = utcnow()
+        self._trace.saved(state, path, self.save_seconds, kwargs, "periodic" if stop is None else "emergency")
         if self.guard is not None and self.durable and state.is_world_process_zero and path.is_dir():
             self._commit(state, path)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         """After a stop, tell the daemon the process is safe; close a guard of our own."""
+        self._pause.clear()
         if not self.stopped and self._drained is None:
             self._trace.end(state, kwargs)
         if self._progress is not None:
@@ -266,8 +312,11 @@ class SpotguardTrainerCallback(TrainerCallback):
             self._drained = None
         if self.guard is None:
             return
-        if self.stopped:
-            self.guard.report_safe()
+        if self.stopped and self._stop_report is not None:
+            stop, self._stop_report = self._stop_report, None
+            saved = stop["committed_at"] is not None
+            stop["save"] = save_outcome(stop.pop("already"), saved, stop.pop("fits"))
+            report_stop(self.guard, self._record, stop, saved)
         if self._own_guard:
             self.guard.close(exiting=self.stopped)
             self.guard = None
@@ -339,24 +388,59 @@ class SpotguardTrainerCallback(TrainerCallback):
         assert self._progress is not None and self.peer_timeout
         self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
 
-    def _stop(self, step: int, decision: Decision, control: TrainerControl) -> None:
+    def _begin_stop(self, step: int, decision: Decision, scheduled: bool = False) -> bool:
+        """Start a stop at ``step``: whether a save is to be asked for (it fits before the deadline,
+        and ``step`` is neither saved nor ``scheduled`` to be); ``on_save`` and ``on_train_end``
+        complete the stop's report."""
         assert self.guard is not None
         if self._progress is not None:
             self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
         self.guard.begin_stop()
-        left = decision.seconds_left
-        if control.should_save:
-            log.warning("stopping at step %d after the scheduled save", step)
-        elif save_fits(decision.save_seconds, left, self.save_margin):
-            log.warning("stopping at step %d: asking the Trainer for a save (about %.2f s; %s)",
-                        step, decision.save_seconds or 0.0, _describe(left))
-            control.should_save = True
-        else:
-            log.warning("stopping at step %d without a save (%s s needed; %s): the last checkpoint "
-                        "stands", step, decision.save_seconds, _describe(left))
-        control.should_training_stop = True
+        already = self._saved_step == step
+        fits = already or scheduled or save_fits(decision.save_seconds, decision.seconds_left, self.save_margin)
+        self._stop_report = {"step": step, "stopped_at": utcnow(), "estimate_s": decision.save_seconds,
+                             "seconds_left": decision.seconds_left, "committed_at": None,
+                             "already": already, "fits": fits}
         self.stopped = True
-        self._trace.stopped(step, bool(control.should_save), left)
+        if not fits:
+            log.warning("stopping at step %d without a save (%s s needed; %s): the last checkpoint "
+                        "stands", step, decision.save_seconds, _describe(decision.seconds_left))
+        return fits and not already and not scheduled
+
+    def _stop(self, step: int, decision: Decision, control: TrainerControl) -> None:
+        if self._begin_stop(step, decision, scheduled=bool(control.should_save)):
+            log.warning("stopping at step %d: asking the Trainer for a save (about %.2f s; %s)",
+                        step, decision.save_seconds or 0.0, _describe(decision.seconds_left))
+            control.should_save = True
+        elif control.should_save:
+            log.warning("stopping at step %d after the scheduled save", step)
+        control.should_training_stop = True
+
+    def _stop_in_evaluation(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                            kwargs: Mapping[str, Any]) -> None:
+        """A notice during an evaluation inside ``train()`` (the far-deadline rule as at a step end):
+        save the step it follows with that step's RNG states, at once, then end ``train()`` with
+        ``SystemExit(75)`` (:mod:`._hf_eval`)."""
+        decision = self._local_decision(kwargs)
+        trainer = calling_trainer() if decision.stop else None
+        if trainer is None:
+            return  # a far deadline (or no Trainer to save with): the next step end decides
+        step = self._pause.step
+        assert step is not None and step == state.global_step
+        log.warning("spotguard stops during the evaluation after step %d", step)
+        self._pause.put_back()  # what the save writes: the step's RNG, not the evaluation's draws
+        self._pause.clear()
+        if self._begin_stop(step, decision):
+            log.warning("stopping at step %d: emergency save during the evaluation (about %.2f s; %s)",
+                        step, decision.save_seconds or 0.0, _describe(decision.seconds_left))
+            self._save_started = time.monotonic()
+            try:
+                trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+                trainer.control = trainer.callback_handler.on_save(args, state, trainer.control)
+            except Exception as exc:  # noqa: BLE001  # the last checkpoint stands: stop anyway
+                log.error("the emergency save failed (%s); the last checkpoint stands", exc)
+        self.on_train_end(args, state, control, **kwargs)  # the safe report, the record, the guard
+        raise _exit.stop_exit(EXIT_PREEMPTED)  # out of train(): the script exits 75
 
     def _expected_save_seconds(self, kwargs: Mapping[str, Any]) -> float | None:
         """The last save's measured duration, else model + optimizer bytes at an assumed speed."""

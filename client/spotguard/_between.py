@@ -26,7 +26,9 @@ where the loop is):
   state is committed) just before the guard's forced exit would end it with 76.
 * **dirty** (inside an optimizer step's update): nothing is done here; the boundary acts as before.
 
-Not covered: runs of several ranks (the save and the stop are agreed at a boundary, as before),
+Not covered: runs of several ranks (the save and the stop are agreed at a boundary, as before:
+every rank must save the same step, and no exchange beside the boundary's can tell each rank in
+time that all are still between the same two steps; ARCHITECTURE.md says why),
 and state that changes between steps (BatchNorm statistics updated by a forward in train mode
 during an evaluation; an entry of ``state=`` that the evaluation writes) is saved as it is then.
 

@@ -2,14 +2,17 @@
 
 Every store call under a fault either succeeds with the right bytes or raises a ``StoreError``
 subclass, never a raw SDK/transport exception, and returns (the read timeout bounds a stall; the
-``timeout`` marker fails the test if anything hangs). After the faults stop, a checkpoint uploads
-through the same proxy and restores byte-identically, and no manifest in the bucket is torn."""
+``timeout`` marker fails the test if anything hangs). The modes run side by side, a proxy each.
+After the faults stop, a checkpoint uploads through a proxy and restores byte-identically, and no
+manifest in the bucket is torn."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,7 +41,8 @@ def through(direct, backend: str, endpoint: str):
 
 
 def every_call(store, tmp_path, payload: bytes) -> list[str]:
-    """Run each store operation once; return the outcomes. Anything not a StoreError propagates."""
+    """Run each store operation once, side by side (each mostly waits on a timeout or a backoff
+    under a fault); return the outcomes. Anything not a StoreError propagates."""
     src = tmp_path / "src.bin"
     src.write_bytes(payload)
     calls = {
@@ -52,14 +56,16 @@ def every_call(store, tmp_path, payload: bytes) -> list[str]:
         "list": lambda: list(store.list("")),
         "check": store.check,
     }
-    outcomes = []
-    for name, call in calls.items():
+
+    def outcome(name: str) -> str:
         try:
-            call()
-            outcomes.append(f"{name}: ok")
+            calls[name]()
+            return f"{name}: ok"
         except StoreError as exc:
-            outcomes.append(f"{name}: {type(exc).__name__}")
-    return outcomes
+            return f"{name}: {type(exc).__name__}"
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(outcome, calls))
 
 
 def assert_no_torn_manifest(store) -> None:
@@ -70,27 +76,41 @@ def assert_no_torn_manifest(store) -> None:
                 assert hashlib.sha256(body).hexdigest() == meta["sha256"], f"{key}: {rel} torn"
 
 
+def under_fault(mode: str, step: int, direct, backend: str, upstream: str, payload: bytes, tmp_path,
+                make_ckpt) -> int:
+    """Every call and an upload (step ``step`` of job ``job``) through a proxy of its own faulting
+    each connection with ``mode``, in ``tmp_path / mode``; returns how many connections were faulted."""
+    tmp_path = tmp_path / mode
+    tmp_path.mkdir()
+    with TcpFaultProxy(upstream) as proxy:
+        proxy.mode, began = mode, time.monotonic()
+        flaky = through(direct, backend, proxy.url)
+        durable = Durable(flaky, attempts=2)
+        outcomes = every_call(flaky, tmp_path, payload)
+        ckpt = make_ckpt(tmp_path / "local", step, {"w.bin": os.urandom(30_000)})
+        try:
+            durable.upload(ckpt, "job")
+        except StoreError as exc:
+            outcomes.append(f"upload: {type(exc).__name__}")
+        print(backend, mode, f"{time.monotonic() - began:.1f} s", outcomes)
+        assert_no_torn_manifest(direct)
+        return proxy.faulted
+
+
 @pytest.mark.parametrize("backend", ["s3", "gcs", "azure"])
 def test_every_call_is_a_store_error_or_right_then_heals(backend, request, new_bucket, make_ckpt, tmp_path):
+    """The modes run side by side, a proxy each: their time is mostly the clients' timeouts and
+    backoffs, which would otherwise add up."""
     direct = new_bucket(backend)
     payload = os.urandom(20_000)
     direct.put_bytes("seed", payload)
-    emulator = request.getfixturevalue(EMULATOR[backend])
-    with TcpFaultProxy(emulator.url) as proxy:
-        for step, mode in enumerate(MODES, start=1):
-            proxy.mode = mode
-            flaky = through(direct, backend, proxy.url)  # new connections: pooled ones keep their mode
-            durable = Durable(flaky, attempts=2)
-            outcomes = every_call(flaky, tmp_path, payload)
-            ckpt = make_ckpt(tmp_path / "local", step, {"w.bin": os.urandom(30_000)})
-            try:
-                durable.upload(ckpt, "job")
-            except StoreError as exc:
-                outcomes.append(f"upload: {type(exc).__name__}")
-            print(backend, mode, outcomes)
-            assert_no_torn_manifest(direct)
-        assert proxy.faulted, "no connection was faulted: the test proves nothing"
-        proxy.mode = None
+    upstream = request.getfixturevalue(EMULATOR[backend]).url
+    with ThreadPoolExecutor(len(MODES)) as pool:
+        faulted = list(pool.map(lambda args: under_fault(*args, direct, backend, upstream, payload, tmp_path,
+                                                         make_ckpt),
+                                [(mode, step) for step, mode in enumerate(MODES, start=1)]))
+    assert all(faulted), f"a mode faulted no connection: the test proves nothing ({faulted})"
+    with TcpFaultProxy(upstream) as proxy:  # healed: nothing faulted
         flaky = through(direct, backend, proxy.url)
         durable = Durable(flaky, attempts=2)
         final = {"w.bin": os.urandom(50_000), "sub/b.bin": os.urandom(5_000)}

@@ -28,12 +28,14 @@ Exceptions::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import sys
 import warnings
 from typing import Any
 
-__all__ = ["capture", "restore", "RngStateError", "RngRestoreWarning", "FORMAT"]
+__all__ = ["capture", "restore", "derive", "RngStateError", "RngRestoreWarning", "FORMAT"]
 
 FORMAT = 1
 """Version of the dict layout; :func:`restore` refuses any other."""
@@ -79,14 +81,44 @@ def restore(state: dict[str, Any]) -> None:
         _restore_torch(*torch_states)
 
 
+def derive(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """A new state, in :func:`capture`'s layout, for ``rank`` of a job resumed on ``world_size``
+    ranks from ``state`` (a rank's saved state): each generator ``state`` holds is seeded afresh
+    from a digest of ``state``, the rank and the world size. Deterministic (the same checkpoint
+    resumed on the same world derives the same streams), distinct per rank; an elastic resume
+    uses it, since the saved per-rank streams no longer match the ranks (see
+    :class:`~spotguard.checkpoint.Checkpointer`)."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise RngStateError(f"not an RNG state of format {FORMAT}: {_describe(state)}")
+    h = hashlib.blake2b(json.dumps([state.get("python"), state.get("numpy"), rank, world_size]).encode(),
+                        digest_size=8)
+    cpu = state.get("torch")
+    if cpu is not None and hasattr(cpu, "numpy"):
+        h.update(cpu.numpy().tobytes())
+    seed = int.from_bytes(h.digest(), "little") >> 1  # torch seeds are int64
+    out = dict(state, python=_capture_python(random.Random(seed)))
+    if state.get("numpy") is not None:
+        import numpy as np
+
+        out["numpy"] = _capture_numpy(np.random.RandomState(seed % 2**32))
+    if cpu is not None:
+        import torch
+
+        out["torch"] = torch.Generator().manual_seed(seed).get_state()
+        # a CUDA (Philox) state is its seed and offset, two 64-bit ints
+        out["cuda"] = [torch.tensor([seed + 1 + i, 0], dtype=torch.int64).view(torch.uint8)
+                       for i in range(len(state.get("cuda") or []))] or state.get("cuda")
+    return out
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, dict):
         return f"dict with keys {sorted(map(str, value))}"
     return type(value).__name__
 
 
-def _capture_python() -> dict[str, Any]:
-    version, internal, gauss_next = random.getstate()
+def _capture_python(generator: Any = random) -> dict[str, Any]:
+    version, internal, gauss_next = generator.getstate()
     return {"version": version, "state": list(internal), "gauss_next": gauss_next}
 
 
@@ -100,11 +132,11 @@ def _python_tuple(value: Any) -> tuple:
         raise RngStateError(f"bad Python random state: {exc}") from exc
 
 
-def _capture_numpy() -> dict[str, Any] | None:
+def _capture_numpy(generator: Any = None) -> dict[str, Any] | None:
     np = sys.modules.get("numpy")
     if np is None:
         return None
-    algorithm, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    algorithm, keys, pos, has_gauss, cached = (generator or np.random).get_state(legacy=True)
     return {
         "algorithm": str(algorithm),
         "keys": [int(k) for k in keys],

@@ -27,10 +27,17 @@ epoch just restored it keeps the restored position, so the usual loop resumes un
 
 The first ``__iter__`` after :meth:`load_state_dict` starts at the restored position; any other
 starts the epoch from its beginning (iterating an epoch twice repeats it, as DistributedSampler
-does). A state saved in a world of another size, dataset length, seed, shuffle or drop_last is
-refused: it would silently name other samples. The position is per rank, and equal on every rank
-when each rank consumes the same number of samples per step, so rank 0's state may be loaded
-everywhere.
+does). A state saved with another dataset length, seed, shuffle or drop_last is refused: it
+would silently name other samples. The position is per rank, and equal on every rank when each
+rank consumes the same number of samples per step, so rank 0's state may be loaded everywhere.
+
+**Another world size (elastic resume).** Rank ``r`` of ``W`` takes every ``W``-th index of the
+epoch's order, so after ``p`` samples per rank the job as a whole has consumed exactly the first
+``p * W`` indices of that order. A state saved by ``W`` ranks and loaded by ``W'`` therefore
+restarts its position at 0 over the rest of the epoch (:attr:`~ResumableSampler.base` = ``p * W``),
+split over the ``W'`` ranks the same way (padded or trimmed to a multiple of ``W'``): no sample of
+the epoch is skipped or seen twice (beyond DistributedSampler's padding). The next epoch is split
+over ``W'`` from its start, as a fresh run on ``W'`` ranks would.
 
 :class:`spotguard.DataLoader` builds on this sampler: it advances it by each batch it hands out (a
 user ``advance`` call is then refused) and seeds each sample from (seed, rank, epoch, passes,
@@ -58,7 +65,7 @@ from typing import Any
 __all__ = ["ResumableSampler", "LoaderState", "SamplerStateError", "NotExactWarning"]
 
 _FORMAT = 1
-_MUST_MATCH = ("num_items", "world_size", "seed", "shuffle", "drop_last")
+_MUST_MATCH = ("num_items", "seed", "shuffle", "drop_last")
 
 
 class SamplerStateError(ValueError):
@@ -109,6 +116,13 @@ def _topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
+def _sizes(rest: int, world: int, drop_last: bool) -> tuple[int, int]:
+    """``(num_samples, total_size)`` of ``rest`` indices split over ``world`` ranks, as
+    DistributedSampler sizes them (padded up, or trimmed down with ``drop_last``)."""
+    num_samples = math.ceil((rest - world) / world) if drop_last and rest % world else math.ceil(rest / world)
+    return num_samples, num_samples * world
+
+
 class ResumableSampler:
     """A ``DistributedSampler``-compatible sampler whose position survives a restart.
 
@@ -124,11 +138,10 @@ class ResumableSampler:
             raise ValueError(f"dataset length must be >= 0, got {n}")
         self.num_items, self.seed, self.shuffle, self.drop_last = n, int(seed), shuffle, drop_last
         self.rank, self.world_size = _topology(rank, world_size)
-        if drop_last and n % self.world_size:
-            self.num_samples = math.ceil((n - self.world_size) / self.world_size)
-        else:
-            self.num_samples = math.ceil(n / self.world_size)
-        self.total_size = self.num_samples * self.world_size
+        self.base = 0
+        """Samples of this epoch the whole job consumed before the current split began: nonzero only
+        in an epoch resumed on another world size (see the module's docstring)."""
+        self._split(0)
         self.epoch = 0
         self.position = 0
         """Samples of this epoch handed to the loop on this rank (see :meth:`advance`)."""
@@ -142,10 +155,15 @@ class ResumableSampler:
         self._iterated = self._advanced = False
         self._owner: Any = None
         self._plain_loader = self._warned_plain = False
-        self.consumed: list[tuple[int, int, int]] | None = None
-        """With a list here (a run that records itself), each advance appends (epoch, position, n):
+        self.consumed: list[tuple[int, int, int, int]] | None = None
+        """With a list here (a run that records itself), each advance appends (epoch, base, position, n):
         :meth:`take_ids_digest` names the sample ids the loop drew since the last call."""
-        self._order: tuple[tuple[int, int], list[int]] | None = None
+        self._order: tuple[tuple[int, int, int], list[int]] | None = None
+
+    def _split(self, base: int) -> None:
+        """Split the epoch's indices from ``base`` on over the ranks (DistributedSampler's sizes)."""
+        self.base = base
+        self.num_samples, self.total_size = _sizes(self.num_items - base, self.world_size, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next ``__iter__`` draws; a new epoch starts at position 0."""
@@ -156,6 +174,7 @@ class ResumableSampler:
                           f"position {self.position}); resume with range(sampler.epoch, ...)",
                           stacklevel=2)
         self.epoch, self.position, self._resume_pending = int(epoch), 0, False
+        self._split(0)
 
     def advance(self, n_samples: int) -> None:
         """Record that the loop consumed ``n_samples`` more samples on this rank (one batch)."""
@@ -170,7 +189,7 @@ class ResumableSampler:
                 f"advance({n_samples}) at position {self.position} passes the end of the epoch "
                 f"({self.num_samples} samples on this rank)")
         if self.consumed is not None:
-            self.consumed.append((self.epoch, self.position, int(n_samples)))
+            self.consumed.append((self.epoch, self.base, self.position, int(n_samples)))
         self.position += int(n_samples)
         self._advanced = True
 
@@ -183,14 +202,16 @@ class ResumableSampler:
         if not self.consumed:
             return None
         ids = array("q")
-        for epoch, start, n in self.consumed:
-            ids.extend(self._indices(epoch)[start:start + n])
+        for epoch, base, start, n in self.consumed:
+            ids.extend(self._indices(epoch, base)[start:start + n])
         self.consumed.clear()
         return hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
 
     def __iter__(self) -> Iterator[int]:
         start = self.position if self._resume_pending else 0
         self.passes += 0 if self._resume_pending else 1
+        if not self._resume_pending and self.base:
+            self._split(0)  # a second pass over the epoch repeats all of it
         self.position, self._resume_pending = start, False
         self._iterated = True
         if self._owner is None and not self._plain_loader:
@@ -201,15 +222,15 @@ class ResumableSampler:
         """Indices the next ``__iter__`` yields: the rest of a restored epoch, else a whole one."""
         return self.num_samples - (self.position if self._resume_pending else 0)
 
-    def _indices(self, epoch: int | None = None) -> list[int]:
-        """This rank's indices for ``epoch`` (default ``self.epoch``), exactly as DistributedSampler
-        computes them; the last epoch's are kept."""
-        epoch = self.epoch if epoch is None else epoch
-        if self._order is None or self._order[0] != (epoch, self.seed):
-            self._order = ((epoch, self.seed), self._compute_indices(epoch))
+    def _indices(self, epoch: int | None = None, base: int | None = None) -> list[int]:
+        """This rank's indices for ``epoch`` from ``base`` on (defaults: the current ones), exactly
+        as DistributedSampler computes them when ``base`` is 0; the last split's are kept."""
+        key = (self.epoch if epoch is None else epoch, self.seed, self.base if base is None else base)
+        if self._order is None or self._order[0] != key:
+            self._order = (key, self._compute_indices(key[0], key[2]))
         return self._order[1]
 
-    def _compute_indices(self, epoch: int) -> list[int]:
+    def _compute_indices(self, epoch: int, base: int = 0) -> list[int]:
         import torch
 
         if self.shuffle:
@@ -218,12 +239,15 @@ class ResumableSampler:
             indices = torch.randperm(self.num_items, generator=generator).tolist()
         else:
             indices = list(range(self.num_items))
+        indices = indices[base:]
+        world = self.world_size
+        total_size = _sizes(len(indices), world, self.drop_last)[1]
         if not self.drop_last and indices:
-            padding = self.total_size - len(indices)
+            padding = total_size - len(indices)
             indices += (indices * math.ceil(padding / len(indices)))[:padding]
         else:
-            indices = indices[: self.total_size]
-        return indices[self.rank : self.total_size : self.world_size]
+            indices = indices[:total_size]
+        return indices[self.rank : total_size : world]
 
     def state_dict(self) -> dict[str, Any]:
         """Plain ints and bools: the position, and what must match for it to name the same data."""
@@ -235,11 +259,12 @@ class ResumableSampler:
             self._warned_plain = True
             warnings.warn(PLAIN_LOADER_WARNING, NotExactWarning, stacklevel=2)
         return {"format": _FORMAT, "epoch": self.epoch, "position": self.position,
-                "passes": self.passes,
+                "passes": self.passes, "base": self.base, "world_size": self.world_size,
                 "rank": self.rank, **{key: getattr(self, key) for key in _MUST_MATCH}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore (epoch, position); the next ``__iter__`` yields the rest of that epoch."""
+        """Restore (epoch, position); the next ``__iter__`` yields the rest of that epoch, re-split
+        over this world when the state was saved by another number of ranks."""
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise SamplerStateError(f"not a ResumableSampler state of format {_FORMAT}")
         for key in _MUST_MATCH:
@@ -247,10 +272,17 @@ class ResumableSampler:
                 raise SamplerStateError(f"sampler state was saved with {key}={state.get(key)!r}, "
                                         f"this sampler has {key}={getattr(self, key)!r}")
         epoch, position, passes = state.get("epoch"), state.get("position"), state.get("passes", 0)
-        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int)
-                and 0 <= position <= self.num_samples and isinstance(passes, int) and passes >= 0):
-            raise SamplerStateError(f"bad epoch/position/passes in sampler state: {epoch!r}, "
-                                    f"{position!r}, {passes!r}")
+        base, world = state.get("base", 0), state.get("world_size")
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int) and position >= 0
+                and isinstance(passes, int) and passes >= 0 and isinstance(base, int)
+                and 0 <= base <= self.num_items and isinstance(world, int) and world >= 1):
+            raise SamplerStateError(f"bad epoch/position/passes/base/world_size in sampler state: {epoch!r}, "
+                                    f"{position!r}, {passes!r}, {base!r}, {world!r}")
+        if world != self.world_size:  # elastic resume: what the whole job consumed, re-split here
+            base, position = min(base + position * world, self.num_items), 0
+        if position > _sizes(self.num_items - base, self.world_size, self.drop_last)[0]:
+            raise SamplerStateError(f"sampler position {position} passes the end of its epoch")
+        self._split(base)
         self.epoch, self.position, self.passes, self._resume_pending = epoch, position, passes, True
         self.restored += 1
 

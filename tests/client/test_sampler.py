@@ -134,14 +134,41 @@ def test_state_is_plain_and_survives_torch_weights_only(tmp_path):
 
 @pytest.mark.parametrize(
     ("change", "key"),
-    [({"data_source_or_len": 11}, "num_items"), ({"world_size": 2}, "world_size"),
-     ({"seed": 1}, "seed"), ({"shuffle": False}, "shuffle"), ({"drop_last": True}, "drop_last")],
+    [({"data_source_or_len": 11}, "num_items"), ({"seed": 1}, "seed"), ({"shuffle": False}, "shuffle"), ({"drop_last": True}, "drop_last")],
 )
 def test_state_from_a_different_sampler_is_refused(change, key):
     saved = ResumableSampler(10).state_dict()
     other = ResumableSampler(**{"data_source_or_len": 10, **change})
     with pytest.raises(SamplerStateError, match=key):
         other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize(("old", "new", "drop_last"), [(2, 1, False), (2, 3, False), (4, 3, True)])
+def test_another_world_size_resplits_the_rest_of_the_epoch(old, new, drop_last):
+    """Elastic resume: 2 ranks saved after 3 samples each, 1 or 3 ranks take the rest of the epoch;
+    together with what was consumed, every sample of the epoch once (DistributedSampler's padding
+    aside), and the next epoch is a fresh run's on the new world."""
+    n, seen = 23, []
+    saved = [ResumableSampler(n, seed=4, rank=r, world_size=old, drop_last=drop_last) for r in range(old)]
+    for sampler in saved:
+        sampler.set_epoch(2)
+        seen += list(sampler)[:3]
+        sampler.advance(3)
+    resumed = [ResumableSampler(n, seed=4, rank=r, world_size=new, drop_last=drop_last) for r in range(new)]
+    for sampler in resumed:
+        sampler.load_state_dict(saved[0].state_dict())
+        sampler.set_epoch(2)
+        assert (sampler.base, sampler.position) == (3 * old, 0)
+        seen += list(sampler)
+    if drop_last:
+        assert len(seen) == len(set(seen)) and len(seen) > n - old - new
+    else:
+        assert set(seen) == set(range(n)) and len(seen) < n + old + new
+    for rank, sampler in enumerate(resumed):
+        sampler.set_epoch(3)
+        fresh = ResumableSampler(n, seed=4, rank=rank, world_size=new, drop_last=drop_last)
+        fresh.set_epoch(3)
+        assert list(sampler) == list(fresh)
 
 
 @pytest.mark.parametrize("bad", [{"position": 11}, {"position": -1}, {"epoch": -1},

@@ -8,8 +8,13 @@ re-wrapped as a DTensor with the same mesh and placements. The background save t
 with ``dcp.save(no_dist=True)`` into ``rank-<r>/dcp/`` of the engine's tmp dir, hashes each file
 into the rank's part, and the usual commit protocol (manifest with every rank's sizes and sha256,
 rank 0 renames) applies. ``no_dist`` because DCP's planning collectives (``gather_object``) unpickle
-what crosses the wire: each rank writes its own metadata and shards, so a load needs the same world
-size and mesh (no resharding).
+what crosses the wire: each rank writes its own metadata and shards.
+
+A load on the same world size reads its own part. A load on another world size (elastic resume)
+reshards: each rank reads every part's ``.metadata`` through the same restrictive reader, merges
+them into one (each chunk's file renamed ``rank-<r>/dcp/<file>``, relative to the checkpoint) and
+lets DCP's planner, still ``no_dist``, plan the reads of its own new shards from the overlapping
+saved chunks; no collective and no unpickling from another rank.
 
 Loading verifies the sha256 of every ``dcp/`` file against the manifest, then reads through
 :class:`SafeFileSystemReader`: the ``.metadata`` pickle is unpickled by :class:`_MetadataUnpickler`,
@@ -23,6 +28,7 @@ so a failing load never touches the model.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
@@ -224,24 +230,64 @@ class _TensorOnlyPlanner(DefaultLoadPlanner):
         raise CheckpointCorruptError("DCP checkpoint holds a non-tensor item; refused")
 
 
+class _MergedReader(SafeFileSystemReader):
+    """Reads the DCP shards of every part of a checkpoint as one: the parts' metadata, each read
+    by a :class:`SafeFileSystemReader` of its own part (restricted unpickling, verified names), merged
+    with every chunk's file named relative to the checkpoint directory."""
+
+    def __init__(self, path: Path, parts: list[str], allowed: set[str]) -> None:
+        super().__init__(path, allowed)
+        self.parts = parts
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        merged = None
+        for part in self.parts:
+            prefix = f"{part}/{DCP_DIR}/"
+            own = {rel.removeprefix(prefix) for rel in self.allowed if rel.startswith(prefix)}
+            if ".metadata" not in own:
+                raise CheckpointCorruptError(f"{self.path}: the manifest lists no {prefix}.metadata")
+            metadata = SafeFileSystemReader(Path(self.path, part, DCP_DIR), own).read_metadata()
+            storage = {index: dataclasses.replace(info, relative_path=prefix + info.relative_path)
+                       for index, info in metadata.storage_data.items()}
+            if merged is None:
+                merged, metadata.storage_data = metadata, storage
+                continue
+            for fqn, item in metadata.state_dict_metadata.items():
+                known = merged.state_dict_metadata.setdefault(fqn, item)
+                if known is not item and hasattr(known, "chunks"):
+                    offsets = {tuple(c.offsets) for c in known.chunks}
+                    known.chunks.extend(c for c in item.chunks if tuple(c.offsets) not in offsets)
+            for index, info in storage.items():
+                merged.storage_data.setdefault(index, info)  # a replicated chunk: any rank's copy
+        return merged
+
+
 def load_entries(path: Path, manifest: dict[str, Any], part: str,
-                 entries: dict[str, tuple[str, Any]], state: Mapping[str, Any], *, verify: bool) -> None:
+                 entries: dict[str, tuple[str, Any]], state: Mapping[str, Any], *, verify: bool,
+                 parts: int | None = None) -> None:
     """Replace each ``"sharded"`` entry's skeleton in ``entries`` by its full state_dict, read from
-    ``path/part/dcp`` after checking every file there against the manifest's sha256 (``verify``)."""
-    prefix = f"{part}/{DCP_DIR}/"
-    files = {rel: meta for rel, meta in manifest["files"].items() if rel.startswith(prefix)}
+    ``path/part/dcp`` after checking every file there against the manifest's sha256 (``verify``).
+    With ``parts`` (the saved world size, when it is not this job's), reshard from every part's
+    ``dcp/`` instead."""
+    names = [f"rank-{r}" for r in range(parts)] if parts else [part]
+    prefixes = tuple(f"{n}/{DCP_DIR}/" for n in names)
+    files = {rel: meta for rel, meta in manifest["files"].items() if rel.startswith(prefixes)}
     if verify:
         for rel, meta in files.items():
             if _hash_file(path / rel)[1] != meta.get("sha256"):
                 raise CheckpointCorruptError(f"{path}: sha256 mismatch in {rel}")
-    allowed = {rel.removeprefix(prefix) for rel in files}
+    if parts:
+        def reader() -> SafeFileSystemReader:
+            return _MergedReader(path, names, set(files))
+    else:
+        def reader() -> SafeFileSystemReader:
+            return SafeFileSystemReader(path / part / DCP_DIR, {rel.removeprefix(prefixes[0]) for rel in files})
     for name, (kind, value) in list(entries.items()):
         if kind == SHARDED and name in state:
-            tree = _load_entry(path / part / DCP_DIR, allowed, state[name], value, name)
-            entries[name] = (kind, tree)
+            entries[name] = (kind, _load_entry(path, reader, state[name], value, name))
 
 
-def _load_entry(directory: Path, allowed: set[str], target: Any, value: Any, name: str) -> Any:
+def _load_entry(path: Path, reader: Any, target: Any, value: Any, name: str) -> Any:
     """``value`` (``{"tree", "dcp"}``) with its DTensors read into fresh DTensors shaped like the
     live ``target``'s, so a failed read leaves the live state untouched."""
     live = target.state_dict() if hasattr(target, "state_dict") else target
@@ -249,11 +295,10 @@ def _load_entry(directory: Path, allowed: set[str], target: Any, value: Any, nam
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(fresh, storage_reader=SafeFileSystemReader(directory, allowed),
-                     planner=_TensorOnlyPlanner(), no_dist=True)
+            dcp.load(fresh, storage_reader=reader(), planner=_TensorOnlyPlanner(), no_dist=True)
     except (CheckpointException, Exception) as exc:  # DCP wraps failures in a BaseException
         cause = _unwrap(exc) if isinstance(exc, CheckpointException) else exc
-        raise CheckpointCorruptError(f"{directory}: cannot load sharded entry {name!r}: {cause}") from exc
+        raise CheckpointCorruptError(f"{path}: cannot load sharded entry {name!r}: {cause}") from exc
     tree = value["tree"]
     for i, p in enumerate(value["dcp"]):
         tree = _put(tree, p, fresh[f"{name}/{i}"])

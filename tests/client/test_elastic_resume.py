@@ -1,0 +1,203 @@
+"""Elastic resume under real ``torchrun`` (gloo, CPU): a job relaunched on another world size.
+
+* DDP through ``spotguard.Run`` and ``spotguard.DataLoader``: 2 ranks train 3 steps and finish
+  (committing step 3); relaunched on 1 and on 3 ranks, the loaded model and optimizer equal the
+  saved ones, and the samples the relaunch draws (each batch carries its sample ids) are exactly the
+  rest of the epoch: with the first launch's, every sample once.
+* FSDP2 (``fully_shard`` + AdamW through ``get_state_dict``/``set_state_dict``): saved by 4 ranks and
+  loaded by 2, saved by 2 and loaded by 3; every parameter and optimizer tensor loaded equals the
+  saved full tensor.
+
+This file is also the worker script: torchrun runs it with ``ddp|fsdp <root> <out> <steps>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+N = 24  # samples in the epoch; 2 ranks x batch 2 x 3 steps consume the first 12
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed")]
+
+
+def _tensors(model, opt) -> dict[str, list]:
+    """Full (gathered) parameters and optimizer state tensors, as lists, by name."""
+    import torch
+
+    def full(t):
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        return t.detach().float().reshape(-1).tolist()
+    out = {f"p.{n}": full(p) for n, p in model.named_parameters()}
+    for i, p in enumerate(model.parameters()):
+        for key, value in sorted(opt.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor):
+                out[f"o.{i}.{key}"] = full(value)
+    return out
+
+
+def ddp_worker(root: str, out: str, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import spotguard
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    class Ids(torch.utils.data.Dataset):
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            return i, torch.full((4,), float(i) / N)
+
+    loader = spotguard.DataLoader(Ids(), batch_size=2, shuffle=True, seed=0)
+    result: dict = {"ids": {}}
+    with spotguard.Run(root, model=model, optimizer=opt, loader=loader, save_every=100) as run:
+        for step in run.steps(steps):
+            if "loaded" not in result:
+                result["loaded"] = _tensors(model.module, opt)
+            ids, x = next(iter_once(loader))
+            result["ids"][step] = [loader.sampler.epoch, ids.tolist()]
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    result["final"] = _tensors(model.module, opt)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+_ITERS: dict = {}
+
+
+def iter_once(loader):
+    """One iterator over the loader for the whole run, a new epoch when it ends."""
+    it = _ITERS.get(id(loader))
+    if it is None:
+        def endless():
+            while True:
+                yield from loader
+                loader.sampler.set_epoch(loader.sampler.epoch + 1)
+        it = _ITERS[id(loader)] = endless()
+    return it
+
+
+def fsdp_worker(root: str, out: str, tag: str) -> None:
+    """Load the latest checkpoint if any (rank 0 writes the full tensors loaded to
+    ``<tag>-loaded.json``), train a step, save it (full tensors saved: ``<tag>-saved.json``)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from spotguard.checkpoint import Checkpointer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 12))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    class App:
+        def state_dict(self):
+            msd, osd = get_state_dict(model, opt)
+            return {"model": msd, "optim": osd}
+
+        def load_state_dict(self, sd):
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    state = {"app": App()}
+    ck = Checkpointer(root, process_group=dist.group.WORLD, timeout=60)
+    App().state_dict()  # optimizer state to load into, as get_state_dict creates it
+    info = ck.load_latest(state)
+    dumps = {"loaded": _tensors(model, opt)} if info else {}
+    torch.manual_seed(100 + rank)
+    opt.zero_grad()
+    model(torch.randn(4, 12)).square().mean().backward()
+    opt.step()
+    ck.save((info.step if info else 0) + 1, state)
+    ck.wait()
+    dumps["saved"] = _tensors(model, opt)
+    for what, tensors in dumps.items():
+        if rank == 0:
+            Path(out, f"{tag}-{what}.json").write_text(json.dumps(tensors))
+    ck.close()
+    dist.destroy_process_group()
+
+
+def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME="lo")
+    cmd = [TORCHRUN, "--standalone", "--max-restarts", "0", "--nproc-per-node", str(ranks), __file__, *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    return done
+
+
+def _ranks(out: Path, ranks: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def ddp_saved(tmp_path_factory):
+    base = tmp_path_factory.mktemp("elastic")
+    (base / "first").mkdir()
+    torchrun(2, "ddp", str(base / "ckpt"), str(base / "first"), "3")
+    return base, _ranks(base / "first", 2)
+
+
+@pytest.mark.parametrize(("ranks", "steps"), [(1, 9), (3, 5)])
+def test_ddp_resumes_on_another_world_size_with_the_rest_of_the_epoch(ddp_saved, tmp_path, ranks, steps):
+    base, first = ddp_saved
+    shutil.copytree(base / "ckpt", tmp_path / "ckpt")
+    (tmp_path / "out").mkdir()
+    done = torchrun(ranks, "ddp", str(tmp_path / "ckpt"), str(tmp_path / "out"), str(steps))
+    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "elastic resume" in ln]
+    assert len(lines) == 1 and "saved by 2 ranks, this job has %d" % ranks in lines[0], lines
+    second = _ranks(tmp_path / "out", ranks)
+    for rank in second:
+        assert rank["loaded"] == first[0]["final"]  # replicated model and optimizer, as saved
+    drawn = [i for run in (first, second) for rank in run for epoch, ids in rank["ids"].values()
+             if epoch == 0 for i in ids]
+    assert sorted(drawn) == list(range(N))  # every sample of the epoch, none twice, none skipped
+    assert all(epoch == 0 for rank in second for epoch, _ in rank["ids"].values())
+    assert sorted(int(s) for s in second[0]["ids"]) == list(range(3, steps))
+
+
+@pytest.mark.timeout(300)  # three torchrun launches (9 ranks in all), 20-45 s each on 2 loaded cores
+def test_fsdp2_reshards_4_to_2_and_2_to_3(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for ranks, tag, previous in ((4, "a", None), (2, "b", "a"), (3, "c", "b")):
+        done = torchrun(ranks, "fsdp", str(tmp_path / "ckpt"), str(out), tag)
+        if previous is None:
+            continue
+        assert f"saved by {dict(a=4, b=2)[previous]} ranks, this job has {ranks}" in done.stdout + done.stderr
+        saved = json.loads((out / f"{previous}-saved.json").read_text())
+        loaded = json.loads((out / f"{tag}-loaded.json").read_text())
+        assert sorted(saved) == sorted(loaded) and any(k.startswith("o.") for k in saved)
+        for name in saved:  # every parameter and optimizer tensor, gathered in full
+            assert loaded[name] == saved[name], (tag, name)
+
+
+if __name__ == "__main__":
+    kind, root, out, arg = sys.argv[1:5]
+    if kind == "ddp":
+        ddp_worker(root, out, int(arg))
+    else:
+        fsdp_worker(root, out, arg)

@@ -9,7 +9,10 @@ default grace, GCP's notice) arrives 2 s into the evaluation. Two modes, in the 
   evaluation, which stops at its next ``run.heartbeat()``;
 * ``boundary`` (the behaviour before): the same job without ``optimizer=`` (the optimizer handed in
   ``state=``), so ``Run`` cannot tell a step ended and acts at the next step boundary, after the
-  evaluation, or is ended by the forced exit (76) at the deadline minus 2 s.
+  evaluation, or is ended by the forced exit (76) at the deadline minus 2 s;
+* ``hf``: the same model in a Hugging Face ``Trainer`` (``save_steps=25``, an evaluation after step
+  40 whose prediction steps take as long), with :class:`SpotguardTrainerCallback`: the Trainer
+  writes ``checkpoint-40`` at the next prediction step after the notice, and ``train()`` ends with 75.
 
 Per mode: the exit status, the notice to the last commit (``on_commit``'s print, Unix times on one
 machine), the deadline, the step committed and the steps lost (trained but not committed: 40 minus
@@ -64,10 +67,58 @@ JOB = textwrap.dedent('''
                 print("evaluated", flush=True)
 ''' % STEPS_BEFORE_EVAL)
 
+HF_JOB = textwrap.dedent('''
+    import sys, time
+    import torch, transformers
+    from torch import nn
+    from spotguard.integrations.huggingface import SpotguardTrainerCallback
+
+    root, eval_s = sys.argv[1], float(sys.argv[3])
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Dropout(0.1), nn.Linear(4096, 2048))
+
+        def forward(self, x):
+            if not self.training:
+                time.sleep(0.05)
+            return {"loss": self.net(x).pow(2).mean()}
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            return {"x": torch.randn(1024)}
+
+    class Print(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if control.should_evaluate:
+                print(f"eval {state.global_step} {time.time():.3f}", flush=True)
+
+        def on_save(self, args, state, control, **kwargs):
+            print(f"commit {state.global_step} {time.time():.3f}", flush=True)
+
+    transformers.set_seed(0)
+    args = transformers.TrainingArguments(
+        root, max_steps=1000, per_device_train_batch_size=16, per_device_eval_batch_size=16, save_steps=25,
+        eval_strategy="steps", eval_steps=%d, prediction_loss_only=True, use_cpu=True, report_to=[],
+        logging_strategy="no", disable_tqdm=True, learning_rate=1e-4)
+    guard = SpotguardTrainerCallback(daemon=False)
+    trainer = transformers.Trainer(Model(), args, train_dataset=Data(16000),
+                                   eval_dataset=Data(int(eval_s / 0.05) * 16), callbacks=[guard, Print()])
+    trainer.train()
+    guard.exit_if_stopped()
+''' % STEPS_BEFORE_EVAL)
+
 
 def one(mode: str, eval_s: float, work: Path) -> dict:
-    script = work / "job.py"
-    script.write_text(JOB)
+    script = work / f"{mode}.py"
+    script.write_text(HF_JOB if mode == "hf" else JOB)
     root = work / mode
     env = {"SPOTGUARD_SIGNAL__GRACE": str(DEADLINE), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "SPOTGUARD_RUNTIME_DIR": str(work / "rt"), "PATH": "/usr/bin:/bin"}
@@ -109,7 +160,7 @@ def main() -> None:
     eval_s = a.eval_seconds or (20.0 if a.quick else 60.0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-eval-notice-") as tmp:
-        for mode in ("between", "boundary"):
+        for mode in ("between", "boundary", "hf"):
             rows.append(one(mode, eval_s, Path(tmp)))
     write_results("eval_notice", {"eval_seconds": eval_s, "steps_before_eval": STEPS_BEFORE_EVAL,
                                   "rows": rows}, a.out)

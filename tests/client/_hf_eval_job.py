@@ -1,4 +1,4 @@
-"""A tiny Hugging Face ``Trainer`` job that evaluates inside ``train()`` (every 8 steps, ~2.5 s), the usual way.
+"""A tiny Hugging Face ``Trainer`` job that evaluates inside ``train()`` (every 8 steps, ~2.5 s).
 
     python _hf_eval_job.py OUT [STOP_STEP]
 
@@ -27,7 +27,8 @@ SAMPLES, BATCH = 48, 4
 
 def dataset(seed: int) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g))
+    return torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g),
+                                          torch.randn(SAMPLES, 1, generator=g))
 
 
 def collate(rows):

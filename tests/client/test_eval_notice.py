@@ -90,7 +90,8 @@ def test_a_notice_during_an_evaluation_saves_that_step_and_resumes_bit_identical
     assert "start 8" in out and "eval 3" not in out
     assert digest_of(out) == reference
     if record:  # the drill's marks: the RNG saved beside the evaluation is the one the relaunch loaded
-        marks = {e["at"]: e["rng"] for e in read(record["SPOTGUARD_RECORD"]) if e["event"] == "marks" and e["step"] == 8}
+        marks = {e["at"]: e["rng"] for e in read(record["SPOTGUARD_RECORD"])
+                 if e["event"] == "marks" and e["step"] == 8}
         assert marks["save"] == marks["load"], marks
 
 

@@ -201,9 +201,10 @@ def linked(sock_dir):
     daemon.stop()
 
 
-def test_hf_daemon_notice_saves_reports_the_commit_and_safe(tmp_path, linked):
+@pytest.mark.parametrize("deadline, save", [(30.0, "committed"), (1.0, "no_room")])
+def test_hf_daemon_notice_saves_reports_the_commit_and_safe(tmp_path, linked, deadline, save):
     daemon, guard = linked
-    notice = make_notice(30.0)
+    notice = make_notice(deadline)
 
     class Notified(TinyModel):
         def forward(self, x, y):
@@ -216,10 +217,15 @@ def test_hf_daemon_notice_saves_reports_the_commit_and_safe(tmp_path, linked):
     trainer = train_hf(tmp_path / "out", Notified(), callback)
     assert callback.stopped and trainer.state.global_step == 3
     assert wait_for(lambda: daemon.requests_of("safe"))
+    safe = daemon.requests_of("safe")[0]  # the stop's side of the notice timeline
+    assert safe.notice_ids == [notice.id] and safe.step == 3 and safe.save == save
+    assert safe.stopped_at is not None and (safe.committed_at is not None) == (save == "committed")
+    if save == "no_room":  # 2 s of margin do not fit in 1 s: the last checkpoint stands
+        assert daemon.requests_of("commit") == [] and not (tmp_path / "out" / "checkpoint-3").exists()
+        return
     commits = daemon.requests_of("commit")  # the committed copy, in the layout the daemon uploads
     assert [c.step for c in commits] == [3] and commits[0].path.endswith("spotguard/step-0000000003")
     assert commits[0].size_bytes > 0 and commits[0].files >= 3
-    assert daemon.requests_of("safe")[0].notice_ids == [notice.id]
 
 
 def test_hf_advisory_notice_asks_for_one_early_save(tmp_path, linked):

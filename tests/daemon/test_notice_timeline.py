@@ -213,11 +213,12 @@ def test_a_hugging_face_job_stopped_during_an_evaluation_reports_its_step_and_sa
     stopped_by(job, notify)
     line = wait_for(lambda: timeline(daemon, "saved", "safe"))
     stages = {s["stage"]: s for s in line["stages"]}
-    assert stages["stopped"]["step"] == stages["committed"]["step"] == 8, line["stages"]
+    step = stages["stopped"]["step"]  # 8; 9 if flagged after the 2.4 s evaluation
+    assert step in (8, 9) and stages["committed"]["step"] == step, line["stages"]
     assert stages["committed"]["pid"] == stages["safe"]["pid"] == job.pid
     assert stages["committed"]["estimate_s"] > 0 and 0 < stages["committed"]["seconds_left"] <= 60
     listed = json.loads(cli(daemon, "notices", "--json").stdout)
     assert listed[0]["id"] == line["id"] and listed[0]["outcome"] == "saved"
     stop = [e for e in _record.read(record) if e["event"] == "stop"][-1]
-    assert stop["step"] == 8 and stop["save"] == "committed" and stop["notice"]["kind"] == "drill"
+    assert stop["step"] == step and stop["save"] == "committed" and stop["notice"]["kind"] == "drill"
     assert stop["flagged_t"] <= stop["stopped_t"] <= stop["committed_t"] <= stop["safe_t"]

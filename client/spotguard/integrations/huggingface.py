@@ -397,14 +397,14 @@ class SpotguardTrainerCallback(TrainerCallback):
             self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
         self.guard.begin_stop()
         already = self._saved_step == step
-        fits = already or scheduled or save_fits(decision.save_seconds, decision.seconds_left, self.save_margin)
+        left = decision.seconds_left
+        fits = already or scheduled or save_fits(decision.save_seconds, left, self.save_margin)
         self._stop_report = {"step": step, "stopped_at": utcnow(), "estimate_s": decision.save_seconds,
-                             "seconds_left": decision.seconds_left, "committed_at": None,
-                             "already": already, "fits": fits}
+                             "seconds_left": left, "committed_at": None, "already": already, "fits": fits}
         self.stopped = True
         if not fits:
             log.warning("stopping at step %d without a save (%s s needed; %s): the last checkpoint "
-                        "stands", step, decision.save_seconds, _describe(decision.seconds_left))
+                        "stands", step, decision.save_seconds, _describe(left))
         return fits and not already and not scheduled
 
     def _stop(self, step: int, decision: Decision, control: TrainerControl) -> None:

@@ -213,7 +213,7 @@ def test_a_hugging_face_job_stopped_during_an_evaluation_reports_its_step_and_sa
     stopped_by(job, notify)
     line = wait_for(lambda: timeline(daemon, "saved", "safe"))
     stages = {s["stage"]: s for s in line["stages"]}
-    step = stages["stopped"]["step"]  # 8; 9 if flagged after the 2.4 s evaluation
+    step = stages["stopped"]["step"]  # 8; 9 if flagged after the 1.2 s evaluation
     assert step in (8, 9) and stages["committed"]["step"] == step, line["stages"]
     assert stages["committed"]["pid"] == stages["safe"]["pid"] == job.pid
     assert stages["committed"]["estimate_s"] > 0 and 0 < stages["committed"]["seconds_left"] <= 60

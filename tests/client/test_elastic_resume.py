@@ -4,6 +4,9 @@
   (committing step 3); relaunched on 1 and on 3 ranks, the loaded model and optimizer equal the
   saved ones, and the samples the relaunch draws (each batch carries its sample ids) are exactly the
   rest of the epoch: with the first launch's, every sample once.
+* torchrun's elastic range (``--nnodes 1:2``, two agents as two nodes): one node SIGKILLed
+  mid-run, the survivor's rank leaves the failed agreement (77), its agent restarts it in a
+  rendezvous of one, and it resumes on 1 rank from the 2-rank checkpoint.
 * FSDP2 (``fully_shard`` + AdamW through ``get_state_dict``/``set_state_dict``): saved by 4 ranks and
   loaded by 2, saved by 2 and loaded by 3; every parameter and optimizer tensor loaded equals the
   saved full tensor.
@@ -16,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +48,10 @@ def _tensors(model, opt) -> dict[str, list]:
 
 
 def ddp_worker(root: str, out: str, steps: int) -> None:
+    """Trains through Run; after each step writes ``w<world>.rank<rank>.json``: the full model and
+    optimizer as loaded, the ids each step drew (with its epoch), and the state now."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -63,7 +72,11 @@ def ddp_worker(root: str, out: str, steps: int) -> None:
 
     loader = spotguard.DataLoader(Ids(), batch_size=2, shuffle=True, seed=0)
     result: dict = {"ids": {}}
-    with spotguard.Run(root, model=model, optimizer=opt, loader=loader, save_every=100) as run:
+    pause = float(os.environ.get("JOB_STEP_SLEEP", "0"))
+    save_every = int(os.environ.get("JOB_SAVE_EVERY", "100"))
+    record = Path(out, f"w{dist.get_world_size()}.rank{rank}.json")
+    with spotguard.Run(root, model=model, optimizer=opt, loader=loader, save_every=save_every,
+                       peer_timeout=30) as run:
         for step in run.steps(steps):
             if "loaded" not in result:
                 result["loaded"] = _tensors(model.module, opt)
@@ -72,8 +85,9 @@ def ddp_worker(root: str, out: str, steps: int) -> None:
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
-    result["final"] = _tensors(model.module, opt)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+            result["final"] = _tensors(model.module, opt)
+            record.write_text(json.dumps(result))
+            time.sleep(pause)
     dist.destroy_process_group()
 
 
@@ -140,17 +154,33 @@ def fsdp_worker(root: str, out: str, tag: str) -> None:
     dist.destroy_process_group()
 
 
-def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
+def _env(**knobs: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME="lo")
+    env.update(knobs, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME="lo")
+    return env
+
+
+def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
     cmd = [TORCHRUN, "--standalone", "--max-restarts", "0", "--nproc-per-node", str(ranks), __file__, *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     return done
 
 
 def _ranks(out: Path, ranks: int) -> list[dict]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return [json.loads((out / f"w{ranks}.rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def _steps_done(record: Path) -> int:
+    try:
+        return len(json.loads(record.read_text())["ids"])
+    except (OSError, ValueError):  # not there yet, or mid-write
+        return 0
+
+
+def _epoch0(records: list[dict], below: int = 10**9) -> list[int]:
+    return [i for rec in records for step, (epoch, ids) in rec["ids"].items()
+            if epoch == 0 and int(step) < below for i in ids]
 
 
 @pytest.fixture(scope="module")
@@ -172,11 +202,53 @@ def test_ddp_resumes_on_another_world_size_with_the_rest_of_the_epoch(ddp_saved,
     second = _ranks(tmp_path / "out", ranks)
     for rank in second:
         assert rank["loaded"] == first[0]["final"]  # replicated model and optimizer, as saved
-    drawn = [i for run in (first, second) for rank in run for epoch, ids in rank["ids"].values()
-             if epoch == 0 for i in ids]
+    drawn = _epoch0(first) + _epoch0(second)
     assert sorted(drawn) == list(range(N))  # every sample of the epoch, none twice, none skipped
     assert all(epoch == 0 for rank in second for epoch, _ in rank["ids"].values())
     assert sorted(int(s) for s in second[0]["ids"]) == list(range(3, steps))
+
+
+@pytest.mark.timeout(240)
+def test_an_elastic_rendezvous_restarts_the_survivor_on_fewer_ranks(tmp_path):
+    """``--nnodes 1:2`` with two agents; node b (agent and worker) SIGKILLed after a commit: node
+    a's rank exits 77 from the agreement, its agent re-rendezvouses alone and the job resumes on
+    1 rank from the 2-rank checkpoint, the rest of the epoch drawn once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--max-restarts", "2",
+           "--rdzv-conf", "last_call_timeout=3", __file__, "ddp", str(tmp_path / "ckpt"), str(out), "12"]
+    env = _env(JOB_STEP_SLEEP="0.5", JOB_SAVE_EVERY="2")
+    logs = [open(tmp_path / f"{node}.log", "w") for node in "ab"]
+    agents = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) for log in logs]
+    try:
+        deadline = time.monotonic() + 150
+        while _steps_done(out / "w2.rank1.json") < 4:
+            assert time.monotonic() < deadline and agents[0].poll() is None, "the 2-node job never ran 4 steps"
+            time.sleep(0.2)
+        b = agents[1].pid
+        children = Path(f"/proc/{b}/task/{b}/children").read_text().split()
+        for pid in [*map(int, children), b]:
+            os.kill(pid, signal.SIGKILL)
+        assert agents[0].wait(150) == 0
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+            agent.wait()
+        for log in logs:
+            log.close()
+    text = (tmp_path / "a.log").read_text()
+    assert "exiting 77" in text and text.count("saved by 2 ranks, this job has 1") == 1, text[-3000:]
+    (resumed,) = _ranks(out, 1)
+    start = min(map(int, resumed["ids"]))
+    drawn = _epoch0(_ranks(out, 2), start) + _epoch0([resumed])
+    assert sorted(drawn) == list(range(N))  # the 2-rank steps kept, then the rest on 1 rank
 
 
 @pytest.mark.timeout(300)  # three torchrun launches (9 ranks in all), 20-45 s each on 2 loaded cores

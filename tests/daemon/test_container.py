@@ -110,6 +110,8 @@ def image(tmp_path_factory) -> str:
                 subprocess.run([str(ROOT / "scripts" / "build-image.sh"), "--engine", "podman",
                                 "--base-from-debian", "--extras", "torch", "--tag", base],
                                cwd=ROOT, env=env, check=True, timeout=1200)
+                podman("tag", base, tag)  # built from these very sources: no layer to add
+                return tag
             context = tmp_path_factory.mktemp("image")
             subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check",
                             "--no-deps", "--no-build-isolation", "--wheel-dir", str(context / "wheels"),

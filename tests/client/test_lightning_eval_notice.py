@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard._record import read
 from spotguard.checkpoint import Checkpointer
 
 from _example import isolated_env
@@ -39,16 +40,19 @@ def test_a_notice_during_validation_saves_the_step_and_resumes_bit_identically(t
     assert code == 0, err[-3000:]
     reference = digest(out)
 
-    code, out, err = job(tmp_path / "stopped", "20")
+    record = str(tmp_path / "record.jsonl")
+    code, out, err = job(tmp_path / "stopped", "20", SPOTGUARD_RECORD=record)
     assert code == 75, err[-3000:]
     assert "spotguard stops during the validation after step 20" in err
     assert "emergency save" in err and "validating 20" in out and "DIGEST" not in out
     assert Checkpointer(tmp_path / "stopped" / "ckpt").latest().step == 20
 
-    code, out, err = job(tmp_path / "stopped")
+    code, out, err = job(tmp_path / "stopped", SPOTGUARD_RECORD=record)
     assert code == 0, err[-3000:]
     assert "validating 8" not in out  # resumed after step 20
     assert digest(out) == reference
+    marks = {e["at"]: e["rng"] for e in read(record) if e["event"] == "marks" and e["step"] == 20}
+    assert marks["save"] == marks["load"]  # the drill's marks digest the RNG saved, not the validation's
 
 
 def test_a_far_notice_during_validation_lets_training_go_on(tmp_path):

@@ -9,8 +9,11 @@ evaluation. At each ``on_prediction_step`` the callback asks :meth:`EvalPause.st
 stopping notice (the far-deadline rule as at a step end) it puts those RNG states back, has the
 Trainer write ``checkpoint-<step>`` at once (its own ``_save_checkpoint``, then ``on_save`` for every
 callback, as the Trainer does after a save) when the save fits before the deadline, and ends
-``train()`` with ``SystemExit(75)``. The Trainer is found in the calling frames (its evaluation
-loop's ``self``); none found (a custom loop) leaves the notice to the next step end.
+``train()`` with ``SystemExit(75)``: the script's code after ``train()`` does not run (its
+``finally`` blocks and ``atexit`` handlers do, :mod:`spotguard._exit`), nor do the other callbacks'
+``on_train_end``. The Trainer is found in the calling frames (its evaluation loop's ``self``); none
+found (a custom loop) leaves the notice to the next step end. A failed save (the Trainer's
+``_save_checkpoint`` raising) is logged and the stop reported ``failed``: the last checkpoint stands.
 
 At the evaluation's end (``on_evaluate``) the RNG states of its start are put back, so an
 evaluation never changes training and a stop during one resumes bit-identically (tested).

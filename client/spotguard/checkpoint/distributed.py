@@ -8,6 +8,13 @@ agree on its name and on progress with ``all_reduce`` of small int64 tensors onl
     each rank: rank-<r>/ data (+ dcp/) + part.json ─ all_reduce(fail)  (barrier 1: parts durable)
     rank 0: merge parts into manifest.json, rename, latest ─ all_reduce(ok) (barrier 2, timeout)
 
+With node-local roots (no directory every rank sees; found by :func:`.nodes.discover`) each node's
+leader (its lowest rank) makes the tmp directory on its own disk, the ranks exchange their parts'
+digests as int64 words with the barrier-1 ``all_reduce``, and each leader commits a *node-local*
+manifest of its own ranks' parts, with a ``node`` section (index, node count, leader, ranks, every
+rank's digest) from which the store assembles the global manifest once every node's part is durable
+(see :mod:`spotguard.storage.durable`). A leader's part carries the replicated state too.
+
 A rank's DTensor shards go to ``rank-<r>/dcp/`` through DCP with ``no_dist`` (see :mod:`.sharded`):
 DCP's own planning collectives would ``gather_object``, so every rank writes its own DCP metadata
 and the files are hashed into ``part.json`` like the rest.
@@ -33,6 +40,7 @@ from spotguard.checkpoint._workers import Throttle
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.layout import CommitInfo, combine_digests, step_name, tmp_name
 from spotguard.checkpoint.load import check
+from spotguard.checkpoint.nodes import Topology, digests_to_ints, discover, ints_to_digest
 from spotguard.checkpoint.staging import Snapshot
 
 __all__ = ["Coordinator"]
@@ -52,6 +60,22 @@ class Coordinator:
         self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=self.timeout)
         self.exchanging = False
         """True while this rank waits in an exchange with the others (read by other threads)."""
+        self.topology: Topology | None = None
+        """Who shares this rank's checkpoint root, once :meth:`discover` ran (None: rank 0 commits)."""
+
+    def discover(self, root: Path) -> Topology:
+        """Collective: find which ranks share ``root`` (see :mod:`.nodes`)."""
+        self.topology = discover(self, root)
+        return self.topology
+
+    @property
+    def leader(self) -> int:
+        """The rank that creates and commits this rank's checkpoint directory."""
+        return self.topology.leader if self.topology else 0
+
+    @property
+    def node_local(self) -> bool:
+        return self.topology is not None and not self.topology.shared
 
     def all_reduce(self, values: list[int], op: str = "sum") -> list[int]:
         """Reduce a few ints across ranks, waiting at most the timeout."""
@@ -87,27 +111,44 @@ class Coordinator:
                 nice: int | None, throttle: Throttle | None = None, writer: Any = None) -> CommitInfo:
         """Write this rank's part and (rank 0) commit; every rank returns the same CommitInfo."""
         tmp = self._make_tmp(root, meta["step"])
-        failure = self._guard(lambda: self._write_part(tmp, snap, large_bytes, nice, throttle, writer))
-        if self.agree(int(failure is not None), "sum"):
-            return self._abort(root, tmp, snap, failure, "writing its part")
-        committed = self._guard(lambda: self._commit(root, tmp, meta)) if self.rank == 0 else None
-        if not self.agree(int(self.rank == 0 and committed is None), "sum"):
-            return self._abort(root, tmp, snap, committed, "committing")
+        digest: list[str] = []
+        failure = self._guard(lambda: digest.append(self._write_part(tmp, snap, large_bytes, nice, throttle,
+                                                                     writer)))
+        if not self.node_local:
+            if self.agree(int(failure is not None), "sum"):
+                return self._abort(root, tmp, snap, failure, "writing its part")
+            commit_ = lambda: self._commit(root, tmp, meta)  # noqa: E731
+        else:  # the digests travel with barrier 1: each leader commits its own node's parts
+            words = digests_to_ints(self.rank, self.world_size, digest[0] if digest else "0" * 64)
+            summed = self.all_reduce([int(failure is not None)] + words)
+            if summed[0]:
+                return self._abort(root, tmp, snap, failure, "writing its part")
+            digests = [ints_to_digest(summed[1:], r) for r in range(self.world_size)]
+            commit_ = lambda: self._commit_node(root, tmp, meta, digests)  # noqa: E731
+        leads = self.rank == self.leader
+        committed = self._guard(commit_) if leads else None
+        if self.agree(int(leads and committed is not None), "sum"):
+            return self._abort(root, tmp, snap, committed if leads else None, "committing")
         return check(root / step_name(meta["step"]))
 
     def _make_tmp(self, root: Path, step: int) -> Path:
-        failed = 0
-        if self.rank == 0:
-            failed = int(self._guard(lambda: _fs.mkdir_private(root / tmp_name(step, os.getpid()))) is not None)
+        """The leader of each root creates its tmp directory; every rank learns its leader's pid."""
+        leads, mine = self.rank == self.leader, root / tmp_name(step, os.getpid())
+        failed = int(leads and self._guard(lambda: _fs.mkdir_private(mine)) is not None)
+        slots = [0] * self.world_size + [failed]
+        slots[self.rank] = os.getpid() if leads else 0
         try:
-            pid0, failures = self.all_reduce([os.getpid() if self.rank == 0 else 0, failed])
+            values = self.all_reduce(slots)
         except CheckpointError:
-            if self.rank == 0:
-                _fs.remove_tree(root / tmp_name(step, os.getpid()))
+            if leads:
+                _fs.remove_tree(mine)
             raise
-        if failures:
-            raise CheckpointError(f"rank 0 could not create a checkpoint directory under {root}")
-        return root / tmp_name(step, pid0)
+        if values[-1]:
+            if leads:
+                _fs.remove_tree(mine)
+            raise CheckpointError(f"{values[-1]} leader rank(s) could not create a checkpoint directory "
+                                  f"under {root}")
+        return root / tmp_name(step, values[self.leader])
 
     @staticmethod
     def _guard(fn: Any) -> BaseException | None:
@@ -118,27 +159,46 @@ class Coordinator:
         return None
 
     def _write_part(self, tmp: Path, snap: Snapshot, large_bytes: int, nice: int | None,
-                    throttle: Throttle | None, writer: Any) -> None:
+                    throttle: Throttle | None, writer: Any) -> str:
         part = tmp / f"rank-{self.rank}"
         files, digest = commit.write_part(part, snap, large_bytes=large_bytes, nice=nice, throttle=throttle,
                                           writer=writer)
         _fs.write_file(part / PART, json.dumps({"rank": self.rank, "files": files, "digest": digest}).encode())
         _fs.fsync_dir(part)
+        return digest
 
-    def _commit(self, root: Path, tmp: Path, meta: dict[str, Any]) -> None:
+    @staticmethod
+    def _merge(tmp: Path, ranks: list[int]) -> tuple[dict[str, dict], list[str]]:
+        """The manifest's files of the parts of ``ranks``, and their digests."""
         files: dict[str, dict] = {}
         digests = []
-        for r in range(self.world_size):
+        for r in ranks:
             raw = (tmp / f"rank-{r}" / PART).read_bytes()
             part = json.loads(raw)
             files.update({f"rank-{r}/{k}": v for k, v in part["files"].items()})
             files[f"rank-{r}/{PART}"] = {"size": len(raw), "sha256": _fs.sha256_of(raw)}
             digests.append(part["digest"])
+        return files, digests
+
+    def _commit(self, root: Path, tmp: Path, meta: dict[str, Any]) -> None:
+        files, digests = self._merge(tmp, list(range(self.world_size)))
         commit.write_manifest(tmp, {**meta, "digest": combine_digests(digests)}, files)
         commit.publish(root, tmp, meta["step"])
 
+    def _commit_node(self, root: Path, tmp: Path, meta: dict[str, Any], digests: list[str]) -> None:
+        """Commit this node's parts locally: a node-local manifest with its ``node`` section."""
+        topo = self.topology
+        assert topo is not None
+        files, own = self._merge(tmp, topo.ranks)
+        if own != [digests[r] for r in topo.ranks]:
+            raise CheckpointError("a part's digest on disk differs from the one its rank reported")
+        node = {"index": topo.node, "nodes": len(topo.nodes), "leader": topo.leader, "ranks": topo.ranks,
+                "digests": digests}
+        commit.write_manifest(tmp, {**meta, "digest": combine_digests(digests), "node": node}, files)
+        commit.publish(root, tmp, meta["step"])
+
     def _abort(self, root: Path, tmp: Path, snap: Snapshot, exc: BaseException | None, what: str) -> Any:
-        if self.rank == 0:
+        if self.rank == self.leader:
             _fs.remove_tree(tmp)
         if exc is None:
             raise CheckpointError(f"another rank failed {what} the checkpoint; nothing was committed")

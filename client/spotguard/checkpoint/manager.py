@@ -10,7 +10,12 @@ of a background save surface at the next named wait point (:meth:`wait`, :meth:`
 Sharded entries (a ``state_dict`` holding DTensors, e.g. FSDP2 ``fully_shard`` models and their
 optimizers) are saved by every rank: the loop waits for a copy of each local shard into a reusable
 CPU buffer; the background thread writes them with ``torch.distributed.checkpoint`` into the same
-tmp dir and commit (see :mod:`.sharded`). Loading them needs the same world size and mesh.
+tmp dir and commit (see :mod:`.sharded`).
+
+A checkpoint saved by another number of ranks (an elastic resume) loads too: every rank takes the
+replicated entries from rank 0's part, sharded entries are resharded from every rank's DCP shards,
+and a per-rank RNG state is re-derived for the new rank (:func:`spotguard.rng.derive`); rank 0 logs
+the change once. A :class:`~spotguard.ResumableSampler` re-splits the rest of its epoch itself.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 import torch
 
+from spotguard import rng
 from spotguard._optim import hookable
 from spotguard.checkpoint import commit, layout
 from spotguard.checkpoint._mounts import refuse_untrusted_rename
@@ -95,7 +101,13 @@ class Checkpointer:
         self._coord = _coordinator(process_group, timeout)
         self.rank = self._coord.rank if self._coord else 0
         self.world_size = self._coord.world_size if self._coord else 1
-        if self.rank == 0:
+        self.resized_from: int | None = None
+        """The world size of the checkpoint last read when it differs from this job's (elastic resume)."""
+        if self._coord:  # a shared directory, or a node-local root per node (see .nodes)
+            self._coord.discover(self.root)
+        self._leads = self.rank == (self._coord.leader if self._coord else 0)
+        """This rank creates and commits its root's checkpoints, and saves the replicated state."""
+        if self._leads:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             layout.remove_stale(self.root)
         self._stager = Stager(pin_memory)
@@ -185,7 +197,7 @@ class Checkpointer:
         if self._shard_stager() is not None:
             state, dtensors = self._shards.split(state)
         own = self._per_rank | {key.rsplit("/", 1)[0] for key in dtensors}
-        names = None if self.rank == 0 else [n for n in state if n in own]
+        names = None if self._leads else [n for n in state if n in own]
         snap = live_snapshot(state, names) if live else self._stager.snapshot(state, names)
         if not dtensors:
             return snap
@@ -240,7 +252,7 @@ class Checkpointer:
         the thread (:meth:`wait`). What is left goes, whole, at the start of the next background
         save, before it writes (so at most ``keep`` + 1 checkpoints are ever on disk), or at
         :meth:`close`."""
-        if self.rank != 0:
+        if not self._leads:
             return
         try:
             commit.apply_retention(self.root, self.keep, self._last.path if self._last else None, stop)
@@ -339,17 +351,30 @@ class Checkpointer:
         (no checkpoint at all). Corrupt or incomplete checkpoints are skipped with a warning and
         older ones tried next; when every one is corrupt, CheckpointCorruptError is raised."""
         self.wait()
-        candidates = self._candidates()
-        count = self._coord.agree(len(candidates), "max") if self._coord else len(candidates)
-        for i in range(count):
-            entries = self._try_read(candidates[i], state) if i < len(candidates) else None
+        found = {step: path for step, path in layout.committed_dirs(self.root)}
+        count = self._coord.agree(len(found), "max") if self._coord else len(found)
+        below = 10**10
+        for _ in range(count):  # the ranks agree on a step every rank has (node-local roots differ)
+            step = max((s for s in found if s < below), default=-1)
+            step = self._coord.agree(step, "min") if self._coord else step
+            if step < 0:
+                break
+            entries = self._try_read(found[step], state) if step in found else None
             ok = entries is not None
             if self._coord:
                 ok = bool(self._coord.agree(int(ok), "min"))
+            below = step
             if ok:
                 restore(state, entries)
                 self.prepare(state)
-                return check(candidates[i])
+                info = check(found[step])
+                if self.resized_from is not None and self.rank == 0:
+                    logger.warning("elastic resume: step %d was saved by %d ranks, this job has %d: replicated "
+                                   "state from rank 0's part, sharded state resharded, the data position "
+                                   "re-split over %d ranks, per-rank RNG streams re-derived (not bit-identical "
+                                   "to a run on %d ranks)", info.step, self.resized_from, self.world_size,
+                                   self.world_size, self.resized_from)
+                return info
         if count:  # silently starting over would let retention delete the evidence
             raise CheckpointCorruptError(f"none of the {count} checkpoints under {self.root} is valid "
                                          "(see the warnings); move them away to start fresh")
@@ -359,19 +384,39 @@ class Checkpointer:
     def _try_read(self, path: Path, state: Mapping[str, Any]) -> dict[str, Any] | None:
         try:
             manifest = read_manifest(path)
-            entries = read_entries(path, manifest, "rank-0", verify=self.verify)
-            if self.rank != 0:
+            base = _replicated_part(path, manifest)
+            if "node" in manifest and f"rank-{self.rank}/{commit.TREE}" not in manifest["files"]:
+                raise CheckpointCorruptError(f"{path}: this node's checkpoint holds no part of rank {self.rank}")
+            entries = read_entries(path, manifest, base, verify=self.verify)
+            saved_world = manifest.get("world_size", 1)
+            if not isinstance(saved_world, int) or saved_world < 1:
+                raise CheckpointCorruptError(f"{path}: bad world_size {saved_world!r} in the manifest")
+            self.resized_from = saved_world if saved_world != self.world_size else None
+            if self.resized_from is not None:
+                entries = self._rederive(entries)
+            elif f"rank-{self.rank}" != base:
                 entries = {k: v for k, v in entries.items() if k not in self._per_rank}
                 if f"rank-{self.rank}/{commit.TREE}" in manifest["files"]:
                     entries.update(read_entries(path, manifest, f"rank-{self.rank}", verify=self.verify))
             if any(kind == "sharded" for kind, _ in entries.values()):
                 from spotguard.checkpoint.sharded import load_entries
 
-                load_entries(path, manifest, f"rank-{self.rank}", entries, state, verify=self.verify)
+                load_entries(path, manifest, f"rank-{self.rank}", entries, state, verify=self.verify,
+                             parts=self.resized_from)
             return entries
         except CheckpointCorruptError as exc:
             self._skip(path, exc)
             return None
+
+    def _rederive(self, entries: dict[str, Any]) -> dict[str, Any]:
+        """Elastic resume: every rank takes rank 0's entries; a per-rank RNG state (an entry of
+        :mod:`spotguard.rng`'s format) is replaced by one derived for this rank and world."""
+        out = dict(entries)
+        for name in self._per_rank & entries.keys():
+            kind, value = entries[name]
+            if isinstance(value, dict) and value.get("format") == rng.FORMAT and "python" in value:
+                out[name] = (kind, rng.derive(value, self.rank, self.world_size))
+        return out
 
     def _skip(self, path: Path, exc: Exception) -> None:
         logger.warning("skipping checkpoint %s: %s", path, exc)
@@ -395,6 +440,18 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _replicated_part(path: Path, manifest: dict[str, Any]) -> str:
+    """The part that holds the replicated state: rank 0's, or in a node-local checkpoint (see
+    :mod:`.nodes`) its node leader's."""
+    node = manifest.get("node")
+    if node is None:
+        return "rank-0"
+    leader = node.get("leader") if isinstance(node, dict) else None
+    if not isinstance(leader, int) or isinstance(leader, bool) or leader < 0:
+        raise CheckpointCorruptError(f"{path}: bad node section in the manifest")
+    return f"rank-{leader}"
 
 
 def _coordinator(process_group: Any, timeout: float) -> Any:

@@ -6,6 +6,7 @@ Layout under the store's prefix (object stores have no rename, so order is the c
     jobs/<job>/pending/<unix>-<rand>.json        an upload in progress: {"hashes": [...]}
     jobs/<job>/manifests/step-0000000100.json    the local manifest + a "durable" section
     jobs/<job>/latest                            "step-0000000100\\n"
+    jobs/<job>/parts/step-0000000100/node-<k>.json  a node's part (node-local roots, see :mod:`._parts`)
     jobs/<job>/progress.json                     the daemon's goodput record of the job (not a checkpoint)
 
 :meth:`Durable.upload` writes the pending note, then every object the store lacks (bytes uploaded
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from spotguard.storage import _restore
+from spotguard.storage import _parts, _restore
 from spotguard.storage._keys import OBJECTS, object_key
 from spotguard.storage._local import ManifestError, read_manifest, step_name, validate_manifest
 from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError, TransientError
@@ -66,6 +67,13 @@ def _step_of(text: str) -> int:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} in JSON")
+
+
+def _loads(body: bytes) -> Any:
+    try:
+        return json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ManifestError(f"corrupt manifest: {exc}") from exc
 
 
 def _job(job_id: str) -> str:
@@ -152,9 +160,13 @@ class Durable:
         sent = self._send_objects(ckpt, by_hash, progress, interrupt)
         key = manifest_key(job_id, manifest["step"])
         durable = {"version": 1, "name": ckpt.name, "objects": OBJECTS, "uploaded": time.time()}
+        if "node" in manifest:  # one node's part: the global manifest waits for every node's
+            _parts.node_of(manifest, str(ckpt))
+            key = _parts.part_key(job_id, manifest["step"], manifest["node"]["index"])
         body = json.dumps({**manifest, "durable": durable}, indent=1).encode()
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
-        self._advance_pointer(job_id, manifest["step"])
+        if "node" not in manifest or self._complete(job_id, manifest["step"]):
+            self._advance_pointer(job_id, manifest["step"])
         total = sum(size for _, size in by_hash.values())
         info = DurableInfo(job_id, manifest["step"], key, len(manifest["files"]), len(sent),
                            len(by_hash) - len(sent), sum(sent), total, time.monotonic() - started, pending)
@@ -163,6 +175,20 @@ class Durable:
         if cleanup:
             self.cleanup(info)
         return info
+
+    def _complete(self, job_id: str, step: int) -> bool:
+        """Write the global manifest of ``step`` if every node's part is in the store (see
+        :mod:`._parts`); True once it is there."""
+        manifest = _retrying(lambda: _parts.assemble(self.store, _job(job_id), step, MAX_MANIFEST_BYTES,
+                                                     _loads), self.attempts, f"parts of step {step}")
+        if manifest is None:
+            log.info("durable %s step %d: this node's part is in the store; waiting for the other nodes'",
+                     job_id, step)
+            return False
+        key, body = manifest_key(job_id, step), _parts.dumps(manifest)
+        _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
+        log.info("durable %s step %d: every node's part is in the store; global manifest written", job_id, step)
+        return True
 
     def cleanup(self, info: DurableInfo) -> None:
         """Remove the pending note of an upload that is durable; a failure is logged (prune removes
@@ -276,6 +302,9 @@ class Durable:
         steps, pointer = self.list(job_id), self.latest(job_id)
         doomed = [s for s in steps[:-keep] if s != pointer]
         self.store.delete(manifest_key(job_id, s) for s in doomed)
+        oldest = min((s for s in steps if s not in doomed), default=0)  # older node parts are done with
+        self.store.delete(k for k in self.store.list(f"jobs/{_job(job_id)}/parts/")
+                          if (m := _parts.PART.match(k)) and int(m.group(2)) < oldest)
         objects, pending = self._collect_garbage(pending_ttl)
         clean = getattr(self.store, "clean_incomplete", None)
         return PruneReport(doomed, objects, pending, clean(pending_ttl) if clean else 0)
@@ -298,7 +327,7 @@ class Durable:
         stale: list[str] = []
         for key in self.store.list("jobs/"):
             try:
-                if _MANIFEST.match(key):
+                if _MANIFEST.match(key) or _parts.PART.match(key):
                     data = validate_manifest(json.loads(self.store.get_bytes(key)), key)
                     referenced.update(meta["sha256"] for meta in data["files"].values())
                 elif "/pending/" in key:

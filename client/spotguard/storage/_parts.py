@@ -1,0 +1,97 @@
+"""Node parts of a checkpoint taken with node-local roots, and the global manifest made of them.
+
+Each node commits its own ranks' parts under a node-local manifest with a ``node`` section (see
+:mod:`spotguard.checkpoint.nodes`); its daemon uploads the objects, then the part manifest at
+``jobs/<job>/parts/step-N/node-<k>.json``, then lists that step's parts. Whoever finds the set
+complete (every node ``0 .. nodes-1``, agreeing on step, digests and world size, their ranks
+covering the world once) writes the global manifest and the pointer. Two daemons finishing together
+write the same bytes (nothing in the global manifest depends on the writer or the time), so the race
+is harmless; a set that is not complete writes nothing, so ``manifests/`` never names a missing part.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable
+
+from spotguard.storage._local import ManifestError, step_name, validate_manifest
+from spotguard.storage.base import IntegrityError, Store
+
+__all__ = ["PART", "part_key", "parts_prefix", "assemble"]
+
+PART = re.compile(r"^jobs/([^/]+)/parts/step-(\d{10})/node-(\d{1,6})\.json$")
+_SAME = ("step", "world_size", "digest", "job_id")
+
+
+def parts_prefix(job: str, step: int) -> str:
+    return f"jobs/{job}/parts/{step_name(step)}/"
+
+
+def part_key(job: str, step: int, node: int) -> str:
+    return f"{parts_prefix(job, step)}node-{int(node)}.json"
+
+
+def node_of(manifest: dict[str, Any], where: str) -> dict[str, Any]:
+    """A node-local manifest's ``node`` section, checked: index < nodes, ranks inside the world."""
+    node, world = manifest.get("node"), manifest.get("world_size")
+    ok = isinstance(node, dict) and type(world) is int and world >= 1
+    ints = lambda *v: all(type(x) is int for x in v)  # noqa: E731 - bools are not node numbers
+    ok = ok and ints(node.get("index"), node.get("nodes"), node.get("leader"))
+    ok = ok and 0 <= node["index"] < node["nodes"] <= world and isinstance(node.get("ranks"), list)
+    ok = ok and bool(node["ranks"]) and ints(*node["ranks"]) and all(0 <= r < world for r in node["ranks"])
+    ok = ok and node["leader"] in node["ranks"] and isinstance(node.get("digests"), list)
+    if not ok or len(node["digests"]) != world:
+        raise ManifestError(f"{where}: bad node section")
+    prefixes = tuple(f"rank-{r}/" for r in node["ranks"])
+    if not all(rel.startswith(prefixes) for rel in manifest["files"]):
+        raise ManifestError(f"{where}: a node part lists files of ranks it does not hold")
+    return node
+
+
+def assemble(store: Store, job: str, step: int, max_bytes: int,
+             loads: Callable[[bytes], Any]) -> dict[str, Any] | None:
+    """The global manifest of ``step`` once every node's part is in the store, else None. Raises
+    :class:`ManifestError` when the parts disagree or one is malformed (nothing is written then)."""
+    found: dict[int, dict[str, Any]] = {}
+    for key in store.list(parts_prefix(job, step)):
+        m = PART.match(key)
+        if not m or m.group(1) != job:
+            continue
+        try:
+            part = validate_manifest(loads(store.get_bytes(key, max_size=max_bytes)), key)
+        except IntegrityError as exc:
+            raise ManifestError(f"{key}: implausible part manifest: {exc}") from exc
+        if node_of(part, key)["index"] != int(m.group(3)) or part["step"] != step:
+            raise ManifestError(f"{key}: its node or step differs from its key")
+        found[int(m.group(3))] = part
+    if not found:
+        return None
+    first = found[min(found)]
+    nodes = first["node"]["nodes"]
+    if set(found) != set(range(nodes)):
+        return None if set(found) < set(range(nodes)) else _disagree(job, step, "node count")
+    ranks: list[int] = []
+    files: dict[str, dict] = {}
+    for k in range(nodes):
+        part = found[k]
+        if any(part.get(f) != first.get(f) for f in _SAME) or part["node"]["nodes"] != nodes \
+                or part["node"]["digests"] != first["node"]["digests"]:
+            return _disagree(job, step, f"node {k}'s step, digests or world size")
+        ranks += part["node"]["ranks"]
+        files.update(part["files"])
+    if sorted(ranks) != list(range(first["world_size"])):
+        return _disagree(job, step, "ranks (not every rank exactly once)")
+    meta = {k: v for k, v in first.items() if k not in ("node", "durable", "files")}
+    uploaded = max(float(p.get("durable", {}).get("uploaded", 0)) for p in found.values())
+    durable = {"version": 1, "name": step_name(step), "objects": first.get("durable", {}).get("objects"),
+               "uploaded": uploaded, "nodes": nodes}
+    return {**meta, "files": dict(sorted(files.items())), "durable": durable}
+
+
+def _disagree(job: str, step: int, what: str) -> None:
+    raise ManifestError(f"jobs/{job}: the node parts of {step_name(step)} disagree on {what}")
+
+
+def dumps(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=1).encode()

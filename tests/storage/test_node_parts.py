@@ -1,0 +1,72 @@
+"""Node-local checkpoints in the store (issue 24, item 1): node parts, then one global manifest.
+
+Each node's daemon uploads its node's part (the objects, then ``parts/step-N/node-<k>.json``); the
+global manifest and ``latest`` appear only once every node's part is in the store, written the same
+by whichever node completes the set; a part that lies about what it holds is refused and nothing
+global is written. The store is the S3 emulator (moto).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from spotguard.storage import Durable, ManifestError
+from spotguard.storage.durable import manifest_key
+
+DIGESTS = ["a" * 64, "b" * 64, "c" * 64]
+
+
+def node_part(make_ckpt, root, step: int, index: int, ranks: list[int], nodes: int = 2, **over):
+    """A committed node-local checkpoint of ``ranks`` the way a node's leader commits one."""
+    files = {f"rank-{r}/{name}": os.urandom(2048) for r in ranks for name in ("tree.json", "small.bin")}
+    node = {"index": index, "nodes": nodes, "leader": ranks[0], "ranks": ranks,
+            "digests": DIGESTS[:nodes], **over}
+    world = len(node["digests"])
+    return make_ckpt(root, step, files, node=node, world_size=world, digest="d" * 64, job_id="job")
+
+
+@pytest.fixture
+def durable(new_bucket):
+    return Durable(new_bucket("s3"))
+
+
+def test_the_global_manifest_appears_once_every_nodes_part_is_durable(durable, make_ckpt, tmp_path):
+    a = node_part(make_ckpt, tmp_path / "a", 10, 0, [0])
+    b = node_part(make_ckpt, tmp_path / "b", 10, 1, [1])
+    durable.upload(a, "job")
+    assert durable.list("job") == [] and durable.latest("job") is None  # node a alone: not global
+    durable.upload(b, "job")
+    assert durable.list("job") == [10] and durable.latest("job") == 10
+    manifest = durable.manifest("job", 10)
+    assert "node" not in manifest and manifest["durable"]["nodes"] == 2
+    assert sorted({rel.split("/")[0] for rel in manifest["files"]}) == ["rank-0", "rank-1"]
+    body = durable.store.get_bytes(manifest_key("job", 10))
+    assert durable._complete("job", 10) and durable.store.get_bytes(manifest_key("job", 10)) == body  # same bytes
+
+    restored = durable.restore("job", tmp_path / "c")  # a fresh node gets a loadable whole
+    assert sorted(p.name for p in restored.iterdir()) == ["manifest.json", "rank-0", "rank-1"]
+
+
+def test_a_missing_node_part_leaves_the_previous_step_global(durable, make_ckpt, tmp_path):
+    for k in (0, 1):
+        durable.upload(node_part(make_ckpt, tmp_path / f"n{k}", 10, k, [k]), "job")
+    durable.upload(node_part(make_ckpt, tmp_path / "n0", 20, 0, [0]), "job")  # node b died mid-upload
+    assert durable.list("job") == [10] and durable.latest("job") == 10
+
+
+@pytest.mark.parametrize("lie", ["foreign files", "digests", "ranks twice"])
+def test_a_crafted_node_part_is_refused_and_nothing_global_is_written(durable, make_ckpt, tmp_path, lie):
+    durable.upload(node_part(make_ckpt, tmp_path / "a", 10, 0, [0]), "job")
+    over = {"digests": DIGESTS[1:3]} if lie == "digests" else {}
+    bad = node_part(make_ckpt, tmp_path / "b", 10, 1, [0] if lie == "ranks twice" else [1], **over)
+    if lie == "foreign files":  # the part says it holds rank 1 but lists rank 0's files
+        manifest = json.loads((bad / "manifest.json").read_text())
+        manifest["files"] = {k.replace("rank-1", "rank-0"): v for k, v in manifest["files"].items()}
+        os.rename(bad / "rank-1", bad / "rank-0")
+        (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError):
+        durable.upload(bad, "job")
+    assert durable.list("job") == [] and durable.latest("job") is None

@@ -17,7 +17,9 @@ from pathlib import Path
 
 _SERVER = r"""
 import json, os, runpy, sys, traceback
-import numpy, threading, time, torch  # the expensive imports, once
+import importlib, numpy, threading, time, torch  # the expensive imports, once
+for name in sys.argv[1:]:
+    importlib.import_module(name)
 def orphaned(parent=os.getppid()):  # the test process died without closing us: exit too
     while os.getppid() == parent:
         time.sleep(1)
@@ -46,27 +48,39 @@ for line in sys.stdin:
 
 
 class JobServer:
-    """``start(argv, env, out)`` forks one run and returns its pid; ``wait()`` returns its status."""
+    """``start(argv, env, out)`` forks one run and returns its pid; ``wait()`` returns its status.
+    ``preload`` names more modules for the template to import, e.g. ``torch._inductor``, which
+    ``torch.use_deterministic_algorithms`` imports (with sympy: seconds a run)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, *preload], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
+        self.running: int | None = None
 
     def start(self, argv: list[str], env: dict[str, str], out: Path) -> int:
         request = {"argv": argv, "env": env, "out": str(out)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())["pid"]
+        self.running = json.loads(self.proc.stdout.readline())["pid"]
+        return self.running
 
     def wait(self) -> int:
-        return json.loads(self.proc.stdout.readline())["rc"]
+        rc = json.loads(self.proc.stdout.readline())["rc"]
+        self.running = None
+        return rc
 
     def run(self, argv: list[str], env: dict[str, str], out: Path) -> int:
         self.start(argv, env, out)
         return self.wait()
 
     def close(self) -> None:
+        """Stop the server; a run still going (a test failed while it ran) is SIGKILLed first."""
+        if self.running is not None:
+            try:
+                os.kill(self.running, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.stdin.close()
         try:
             self.proc.wait(30)

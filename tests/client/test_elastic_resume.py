@@ -220,12 +220,15 @@ def test_an_elastic_rendezvous_restarts_the_survivor_on_fewer_ranks(tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--max-restarts", "2",
-           "--rdzv-conf", "last_call_timeout=3", __file__, "ddp", str(tmp_path / "ckpt"), str(out), "12"]
+    def cmd(host: bool) -> list[str]:  # node a hosts the rendezvous store (it outlives b)
+        return [TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--max-restarts", "2",
+                "--rdzv-conf", f"last_call_timeout=3,is_host={int(host)}", __file__, "ddp",
+                str(tmp_path / "ckpt"), str(out), "12"]
     env = _env(JOB_STEP_SLEEP="0.5", JOB_SAVE_EVERY="2")
     logs = [open(tmp_path / f"{node}.log", "w") for node in "ab"]
-    agents = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) for log in logs]
+    agents = [subprocess.Popen(cmd(host), env=env, stdout=log, stderr=subprocess.STDOUT)
+              for host, log in zip((True, False), logs)]
     try:
         deadline = time.monotonic() + 150
         while _steps_done(out / "w2.rank1.json") < 4:

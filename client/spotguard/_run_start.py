@@ -51,7 +51,8 @@ def restore_from_store(run: Any) -> None:
     url = run._durable or url or daemon_store(run)
     if url and local_rank() == 0:
         try:
-            restore_newer(run.checkpointer.root, run._job_id, url, options)
+            restore_newer(run.checkpointer.root, run._job_id, url, options,
+                          ranks=getattr(run.checkpointer, "node_ranks", None))
         except RestoreFailed as exc:
             log.error("%s; going on with local checkpoints (steps after them are trained again)", exc)
             run.record.emit("restore_failed", store=url.split("?", 1)[0], store_step=exc.store_step,

@@ -115,5 +115,6 @@ def test_the_relaunch_on_node_a_and_a_fresh_node_ends_bit_identical_to_one_share
     # A part's digest covers what it holds: in a shared directory only rank 0's part carries the
     # replicated state, so the two modes compare by rank 0's part (model, optimizer, data, its RNG).
     final = "step-0000000012"
-    assert (runs["nodes"] / "node-c" / "step-0000000006").is_dir()  # node c fetched the global step
+    fetched = json.loads((runs["nodes"] / "node-c" / "step-0000000006" / "manifest.json").read_text())
+    assert fetched["node"] == {"leader": 0, "ranks": [0, 1], "restored": True}  # node c fetched the global step
     assert part_digest(runs["nodes"] / "node-a" / final, 0) == part_digest(runs["shared"] / final, 0)

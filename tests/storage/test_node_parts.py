@@ -70,3 +70,15 @@ def test_a_crafted_node_part_is_refused_and_nothing_global_is_written(durable, m
     with pytest.raises(ManifestError):
         durable.upload(bad, "job")
     assert durable.list("job") == [] and durable.latest("job") is None
+
+
+def test_a_fresh_node_fetches_only_its_ranks_parts_and_rank_0s(durable, make_ckpt, tmp_path):
+    """Three ranks, node 0 = rank 0, node 1 = ranks 1-2; a fresh node for ranks 2 skips rank 1's part."""
+    durable.upload(node_part(make_ckpt, tmp_path / "a", 10, 0, [0], nodes=2, digests=DIGESTS), "job")
+    durable.upload(node_part(make_ckpt, tmp_path / "b", 10, 1, [1, 2], nodes=2, digests=DIGESTS), "job")
+    restored = durable.restore("job", tmp_path / "c", ranks=[2])
+    assert sorted(p.name for p in restored.iterdir()) == ["manifest.json", "rank-0", "rank-2"]
+    manifest = json.loads((restored / "manifest.json").read_text())
+    assert manifest["node"] == {"leader": 0, "ranks": [0, 2], "restored": True}
+    info = durable.upload(restored, "job")  # its daemon finds it durable already: nothing is sent
+    assert info.objects_uploaded == 0 and durable.list("job") == [10]

@@ -34,7 +34,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from spotguard.storage import _parts, _restore
 from spotguard.storage._keys import OBJECTS, object_key
@@ -160,6 +160,12 @@ class Durable:
         sent = self._send_objects(ckpt, by_hash, progress, interrupt)
         key = manifest_key(job_id, manifest["step"])
         durable = {"version": 1, "name": ckpt.name, "objects": OBJECTS, "uploaded": time.time()}
+        if "node" in manifest and manifest["node"].get("restored") is True:
+            key = manifest_key(job_id, manifest["step"])  # fetched from the store: nothing to send
+            if not self.store.exists(key):
+                raise ManifestError(f"{ckpt}: restored from the store, whose {key} is gone")
+            return DurableInfo(job_id, manifest["step"], key, len(manifest["files"]), 0, len(by_hash), 0,
+                               sum(size for _, size in by_hash.values()), time.monotonic() - started)
         if "node" in manifest:  # one node's part: the global manifest waits for every node's
             _parts.node_of(manifest, str(ckpt))
             key = _parts.part_key(job_id, manifest["step"], manifest["node"]["index"])
@@ -282,13 +288,14 @@ class Durable:
         return _restore.verify(self, job_id, step, deep=deep)
 
     def restore(self, job_id: str, dest_root: Path, step: int | None = None, *,
-                retry_until: float | None = None) -> Path:
+                retry_until: float | None = None, ranks: Sequence[int] | None = None) -> Path:
         """Download ``step`` (default: the newest sound checkpoint) into ``dest_root/step-...``, commit
         it like a local checkpoint (``latest`` updated) and return its path. Transient errors are
         retried until ``retry_until`` (monotonic; default ``retry_seconds`` from now). Raises
         :class:`NotFound` when the job has no checkpoint, :class:`IntegrityError` when none is sound,
-        :class:`TransientError` when the store kept failing."""
-        return _restore.restore(self, _job(job_id), Path(dest_root), step, retry_until)
+        :class:`TransientError` when the store kept failing. ``ranks`` (a node of node-local roots)
+        fetches only those ranks' parts and rank 0's (see :func:`._restore.select_ranks`)."""
+        return _restore.restore(self, _job(job_id), Path(dest_root), step, retry_until, ranks)
 
     # -- retention -------------------------------------------------------------------------------
 

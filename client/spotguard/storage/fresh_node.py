@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from spotguard.storage import _restore
 from spotguard.storage._local import ManifestError, read_manifest
@@ -86,10 +86,11 @@ def store_from_env(environ: Mapping[str, str] = os.environ) -> tuple[str | None,
 
 
 def restore_newer(root: str | os.PathLike[str], job_id: str, url: str | None,
-                  options: StoreOptions | None = None) -> Path | None:
+                  options: StoreOptions | None = None, ranks: Sequence[int] | None = None) -> Path | None:
     """Restore the store's newest checkpoint of ``job_id`` into ``root`` if it is newer than every
     local one; return the restored directory, or None when the local copy is as new (or the store
-    holds nothing for the job, or ``url`` names no store: ``none``)."""
+    holds nothing for the job, or ``url`` names no store: ``none``). ``ranks``: a node of node-local
+    roots fetches only its ranks' parts and rank 0's."""
     if no_store(url):
         return None
     root, options = Path(root), StoreOptions.of(options)
@@ -112,7 +113,7 @@ def restore_newer(root: str | os.PathLike[str], job_id: str, url: str | None,
                 local, url, remote)
     root.mkdir(parents=True, exist_ok=True)
     try:
-        path = durable.restore(job, root, retry_until=retry.until)
+        path = durable.restore(job, root, retry_until=retry.until, ranks=ranks)
     except StoreError as exc:
         raise RestoreFailed(f"{durable.store.url} holds step {remote} of {job!r}, newer than the local step "
                             f"{local}, and it was not restored: {exc}", remote, local) from exc

@@ -1,81 +1,94 @@
-"""Chaos: SIGKILL the example at 40 random instants; every relaunch of the identical command
+"""Chaos: SIGKILL the example at 20 random instants; every relaunch of the identical command
 resumes from a committed checkpoint at or after the previous one, and the final state is
 bit-identical to an uninterrupted run.
 
-Saves come every second step of a few milliseconds, so the background write, the fsyncs, the
-commit rename and the retention deletes are in progress most of the time and random kill instants
-land inside them (the test checks that some kills left a half-written ``.tmp-step-*`` behind).
-Two independent chains (own seed, own checkpoint root) run side by side to keep the wall time
-near two minutes on two cores: the cost is dominated by interpreter and torch start-up (several
-times that while the other pytest worker runs torchrun jobs, hence the generous timeout).
+Saves come every second step of 10 ms, so the background write, the fsyncs, the commit rename and
+the retention deletes are in progress most of the time and random kill instants land inside them
+(the test checks that some kills left a half-written ``.tmp-step-*`` behind). Each life is a fresh
+process forked by a JobServer (tests/client/_jobserver.py) that imported torch (and what the
+example's torch.use_deterministic_algorithms imports) once, so no life pays an interpreter and
+torch start-up; the uninterrupted reference runs beside the lives from a second server.
+tests/client/test_resume_chaos.py kills a loader with workers the same way.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from _example import Proc, final, isolated_env, run_to_end
+from _example import example_args, isolated_env
+from _jobserver import JobServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS = 2000
-"""Long enough that 20 kills, each at most KILL_WITHIN seconds into a life, never finish the job."""
-KILLS_PER_CHAIN = 20
-KILL_WITHIN = 0.3
-ARGS = ("--save-every", "2", "--step-sleep", "0.003")
+STEPS, KILLS, KILL_WITHIN = 700, 20, 0.3
+"""A life trains at most KILL_WITHIN s after its start, 30 steps of >= 10 ms: 20 lives (600 steps)
+can never finish the job, and the last life, saving every second step, has at most 700 to run."""
+ARGS = ("--save-every", "2", "--step-sleep", "0.01")
+PRELOAD = ("torch._inductor",)
+"""The example calls torch.use_deterministic_algorithms, which imports it (seconds a life)."""
+FINAL = r"final step=(\d+) digest=([0-9a-f]{64})"
 
 
-def chain(root: Path, seed: int, report: dict) -> None:
-    """Kill and relaunch KILLS_PER_CHAIN times, then run to the end; fills ``report``."""
+def wait_line(out: Path, pattern: str, timeout: float = 60.0) -> re.Match:
+    """The first match of ``pattern`` in the life's output file, once it is there."""
+    deadline = time.monotonic() + timeout
+    while not (found := re.search(pattern, out.read_text() if out.exists() else "")):
+        assert time.monotonic() < deadline, f"no line matching {pattern!r} within {timeout:.0f} s"
+        time.sleep(0.01)
+    return found
+
+
+def chain(server: JobServer, root: Path, seed: int) -> dict:
+    """Kill and relaunch KILLS times, then run to the end; return what happened."""
     rng, env, ckpt = random.Random(seed), isolated_env(root / "rt"), root / "ckpt"
+    argv = example_args(ckpt, STEPS, *ARGS)
+    root.mkdir()
     floor, starts, torn = 0, [], 0
-    for _ in range(KILLS_PER_CHAIN):
-        proc = Proc.example(ckpt, STEPS, *ARGS, env=env)
-        started = proc.wait_line(r"start step=(\d+)|final step=", 60)
-        assert started[1] is not None, f"the job finished before its {len(starts) + 1}th kill"
+    for life in range(1, KILLS + 1):
+        out = root / f"life{life}.out"  # a file each: the new life may not have truncated an old one yet
+        pid = server.start(argv, env, out)
+        started = wait_line(out, r"start step=(\d+)|final step=")
+        assert started[1] is not None, f"the job finished before its {life}th kill"
         start = int(started[1])
-        assert start >= floor, f"resumed at {start}, but step {floor} was committed:\n{proc.output}"
+        assert start >= floor, f"resumed at {start}, but step {floor} was committed:\n{out.read_text()}"
         threading.Event().wait(rng.uniform(0.0, KILL_WITHIN))
-        proc.popen.send_signal(signal.SIGKILL)
-        proc.finish(30)
-        assert "Traceback" not in proc.output and "skipping checkpoint" not in proc.output, proc.output
-        committed = [int(m[1]) for m in proc.grab(r"checkpoint step=(\d+)")]
+        os.kill(pid, signal.SIGKILL)
+        assert server.wait() == -signal.SIGKILL, out.read_text()
+        output = out.read_text()
+        assert "Traceback" not in output and "skipping checkpoint" not in output, output
+        committed = [int(m) for m in re.findall(r"checkpoint step=(\d+)", output)]
         floor = max([floor, start, *committed])
         torn += any(p.name.startswith(".tmp-step-") for p in ckpt.iterdir())
         starts.append(start)
-    last = run_to_end(ckpt, STEPS, *ARGS, env=env, timeout=120)
-    resumed = int(last.wait_line(r"start step=(\d+)", 1)[1]) if last.grab("start step=") else STEPS
-    assert resumed >= floor and "skipping checkpoint" not in last.output
-    report.update(starts=starts, torn=torn, final=final(last))
+    out = root / "last.out"
+    assert server.run(argv, env, out) == 0, out.read_text()
+    output = out.read_text()
+    resumed = re.search(r"start step=(\d+)", output)
+    assert (int(resumed[1]) if resumed else STEPS) >= floor and "skipping checkpoint" not in output
+    return {"starts": starts, "torn": torn, "final": re.search(FINAL, output).groups()}
 
 
 def test_sigkill_at_random_instants_then_resume_is_bit_identical(tmp_path):
-    reports: list[dict] = [{}, {}]
-    errors: list[BaseException] = []
-
-    def guarded(i: int) -> None:
-        try:
-            chain(tmp_path / f"chain{i}", seed=1000 + i, report=reports[i])
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    reference = run_to_end(tmp_path / "ref", STEPS, "--save-every", "1000",
-                           env=isolated_env(tmp_path / "rt-ref"), timeout=120)
-    for t in threads:
-        t.join()  # bounded by the chains' own waits and the test's timeout
-    if errors:
-        raise errors[0]
-    for report in reports:
-        assert report["final"] == final(reference)
-        assert report["starts"] == sorted(report["starts"]) and report["starts"][-1] > 0
-        assert report["torn"] >= 2, report  # some kills landed inside a save
-    assert sum(len(r["starts"]) for r in reports) == 2 * KILLS_PER_CHAIN
-    print("chaos:", [{k: r[k] for k in ("starts", "torn")} for r in reports])  # shown with -s
+    server, beside = JobServer(PRELOAD), JobServer(PRELOAD)
+    ref_out = tmp_path / "ref.out"
+    try:
+        beside.start(example_args(tmp_path / "ref", STEPS, "--save-every", "1000"),
+                     isolated_env(tmp_path / "rt-ref"), ref_out)
+        report = chain(server, tmp_path / "chain", seed=1000)
+        assert beside.wait() == 0, ref_out.read_text()
+    finally:
+        server.close()
+        beside.close()
+    assert report["final"] == re.search(FINAL, ref_out.read_text()).groups()
+    assert report["starts"] == sorted(report["starts"]) and report["starts"][-1] > 0
+    assert len(report["starts"]) == KILLS
+    assert report["torn"] >= 2, report  # some kills landed inside a save
+    print("chaos:", {k: report[k] for k in ("starts", "torn")})  # shown with -s

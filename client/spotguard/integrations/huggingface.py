@@ -28,7 +28,8 @@ At every step end (``on_step_end``, after the optimizer step) the callback asks 
 ``control.should_save`` when a save fits before the deadline (:func:`spotguard.run.save_fits`: the
 duration of the Trainer's last save, measured from ``on_step_end`` to ``on_save``, or before any
 save an estimate from the model and optimizer bytes), and ``control.should_training_stop``; the
-Trainer saves, then leaves its loop. An advisory notice (AWS rebalance) asks for one early save.
+Trainer saves, then leaves its loop (these decisions: :mod:`._hf_stop`; a far notice is logged
+once). An advisory notice (AWS rebalance) asks for one early save.
 Each save's committed copy is reported to the daemon (``report_commit``) from ``on_save``; at ``on_train_end`` after
 a stop the daemon is told the process is safe. For the daemon's goodput figures, as ``Run`` does: a
 train that starts past step 0 (resumed from a checkpoint) is reported as a restart from that step at
@@ -88,19 +89,20 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spotguard import _ddp, _exit
-from spotguard._peer import exit_peer_lost, exit_peer_lost_when_uncaught
+from spotguard._peer import exit_peer_lost_when_uncaught
 from spotguard._record import Recorder
 from spotguard._run_stop import report_stop, save_outcome
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.integrations._hf_commit import COMMITTED, NotCommitted, commit_copy, newest_committed
-from spotguard.integrations._hf_eval import EvalPause, calling_trainer
+from spotguard.integrations._hf_eval import EvalPause
 from spotguard.integrations._hf_record import TrainerRecord
-from spotguard.distributed import Agreement, Decision, PeerLostError
+from spotguard.integrations._hf_stop import StopDecisions
+from spotguard.distributed import Agreement
 from spotguard.exit_codes import EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import DEFAULT_SIGNAL_DEADLINES, Guard
 from spotguard.protocol import utcnow
-from spotguard.run import ASSUMED_THROUGHPUT, PEER_LOST_GRACE, save_fits
+from spotguard.run import PEER_LOST_GRACE
 from spotguard.storage import StoreError, restore_newer, store_from_env
 from spotguard.storage._local import step_name
 
@@ -137,7 +139,7 @@ def latest_checkpoint(output_dir: str | os.PathLike[str], *, job_id: str = "",
     return str(max(found)[2]) if found else None
 
 
-class SpotguardTrainerCallback(TrainerCallback):
+class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
     """Stops a ``Trainer`` cleanly on a notice; see the module docstring.
 
     ``guard``: a :class:`~spotguard.Guard` to use (the caller closes it), else one is made at
@@ -173,7 +175,7 @@ class SpotguardTrainerCallback(TrainerCallback):
         self._progress: Watchdog | None = None
         self._last_end: float | None = None
         self._step_seconds = 0.0
-        self._far_notice: str | None = None
+        self._far_notices: set[str] = set()  # the far notices already logged
         self._drained: tuple[Any, Any] | None = None
         self._last_step = 0
         self._unhook: Any = None
@@ -332,49 +334,6 @@ class SpotguardTrainerCallback(TrainerCallback):
             return
         self.guard.report_commit(_commit_info(state, copy))
 
-    # ------------------------------------------------------------------ decisions
-
-    def _decide(self, step: int, control: TrainerControl, kwargs: Mapping[str, Any]) -> None:
-        assert self.agreement is not None and self.guard is not None
-        local = self._local_decision(kwargs)
-        decision = self._collective(lambda: self.agreement.agree(step, local), step)
-        if decision.stop:
-            self._stop(step, decision, control)
-        elif decision.checkpoint:
-            control.should_save = True
-            self.guard.clear_checkpoint_request()
-
-    def _collective(self, exchange: Any, step: int) -> Any:
-        """Run one exchange of the ranks; a peer that is gone ends this process with 77."""
-        try:
-            return exchange()
-        except PeerLostError as exc:
-            exit_peer_lost(exc, self._record, step)
-
-    def _local_decision(self, kwargs: Mapping[str, Any]) -> Decision:
-        assert self.guard is not None
-        stop = self.guard.stop_requested
-        left = self.guard.seconds_left() if stop else None
-        save = self._expected_save_seconds(kwargs) if stop else None
-        if stop and left is not None and left > self._stop_needed(save):
-            self._note_far_notice(left, save)
-            stop = False
-        return Decision(stop=stop, checkpoint=self.guard.checkpoint_requested,
-                        seconds_left=left if stop else None, save_seconds=save if stop else None)
-
-    def _stop_needed(self, save_seconds: float | None) -> float:
-        """Seconds before a deadline at which training must stop (``Run``'s rule): the expected
-        save, the margin, one step and ``stop_lead``."""
-        return (save_seconds or 0.0) + self.save_margin + self._step_seconds + self.stop_lead
-
-    def _note_far_notice(self, left: float, save: float | None) -> None:
-        assert self.guard is not None
-        notice = self.guard.notice
-        if notice is not None and notice.id != self._far_notice:
-            self._far_notice = notice.id
-            log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
-                        "it", notice.id, left, self._stop_needed(save))
-
     def _observe_step(self) -> None:
         """Measure the step time (for the far-deadline rule) and push the peer-loss bound on."""
         now = time.monotonic()
@@ -387,67 +346,6 @@ class SpotguardTrainerCallback(TrainerCallback):
     def _arm_progress(self) -> None:
         assert self._progress is not None and self.peer_timeout
         self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
-
-    def _begin_stop(self, step: int, decision: Decision, scheduled: bool = False) -> bool:
-        """Start a stop at ``step``: whether a save is to be asked for (it fits before the deadline,
-        and ``step`` is neither saved nor ``scheduled`` to be); ``on_save`` and ``on_train_end``
-        complete the stop's report."""
-        assert self.guard is not None
-        if self._progress is not None:
-            self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
-        self.guard.begin_stop()
-        already = self._saved_step == step
-        left = decision.seconds_left
-        fits = already or scheduled or save_fits(decision.save_seconds, left, self.save_margin)
-        self._stop_report = {"step": step, "stopped_at": utcnow(), "estimate_s": decision.save_seconds,
-                             "seconds_left": left, "committed_at": None, "already": already, "fits": fits}
-        self.stopped = True
-        if not fits:
-            log.warning("stopping at step %d without a save (%s s needed; %s): the last checkpoint "
-                        "stands", step, decision.save_seconds, _describe(left))
-        return fits and not already and not scheduled
-
-    def _stop(self, step: int, decision: Decision, control: TrainerControl) -> None:
-        if self._begin_stop(step, decision, scheduled=bool(control.should_save)):
-            log.warning("stopping at step %d: asking the Trainer for a save (about %.2f s; %s)",
-                        step, decision.save_seconds or 0.0, _describe(decision.seconds_left))
-            control.should_save = True
-        elif control.should_save:
-            log.warning("stopping at step %d after the scheduled save", step)
-        control.should_training_stop = True
-
-    def _stop_in_evaluation(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                            kwargs: Mapping[str, Any]) -> None:
-        """A notice during an evaluation inside ``train()`` (the far-deadline rule as at a step end):
-        save the step it follows with that step's RNG states, at once, then end ``train()`` with
-        ``SystemExit(75)`` (:mod:`._hf_eval`)."""
-        decision = self._local_decision(kwargs)
-        trainer = calling_trainer() if decision.stop else None
-        if trainer is None:
-            return  # a far deadline (or no Trainer to save with): the next step end decides
-        step = self._pause.step
-        assert step is not None and step == state.global_step
-        log.warning("spotguard stops during the evaluation after step %d", step)
-        self._pause.put_back()  # what the save writes: the step's RNG, not the evaluation's draws
-        self._pause.clear()
-        if self._begin_stop(step, decision):
-            log.warning("stopping at step %d: emergency save during the evaluation (about %.2f s; %s)",
-                        step, decision.save_seconds or 0.0, _describe(decision.seconds_left))
-            self._save_started = time.monotonic()
-            try:
-                trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-                trainer.control = trainer.callback_handler.on_save(args, state, trainer.control)
-            except Exception as exc:  # noqa: BLE001  # the last checkpoint stands: stop anyway
-                log.error("the emergency save failed (%s); the last checkpoint stands", exc)
-        self.on_train_end(args, state, control, **kwargs)  # the safe report, the record, the guard
-        raise _exit.stop_exit(EXIT_PREEMPTED)  # out of train(): the script exits 75
-
-    def _expected_save_seconds(self, kwargs: Mapping[str, Any]) -> float | None:
-        """The last save's measured duration, else model + optimizer bytes at an assumed speed."""
-        if self.save_seconds is not None:
-            return self.save_seconds
-        size = _tensor_bytes(kwargs.get("model")) + _tensor_bytes(kwargs.get("optimizer"))
-        return size / ASSUMED_THROUGHPUT if size else None
 
 
 def _drain(loader: Any) -> tuple[Any, Any] | None:
@@ -485,24 +383,6 @@ def _warn_inexact(args: TrainingArguments) -> None:
         log.warning("resume will not be bit-identical: use_seedable_sampler=False draws the "
                     "shuffle from the global RNG; leave accelerator_config.use_seedable_sampler "
                     "True")
-
-
-def _describe(left: float | None) -> str:
-    return "no deadline" if left is None else f"{left:.1f} s left"
-
-
-def _tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensors in ``obj.state_dict()`` (one level of nesting: optimizer state)."""
-    if obj is None or not hasattr(obj, "state_dict"):
-        return 0
-    total, stack = 0, [obj.state_dict()]
-    while stack:
-        value = stack.pop()
-        if hasattr(value, "element_size"):
-            total += value.element_size() * value.nelement()
-        elif isinstance(value, Mapping):
-            stack.extend(value.values())
-    return total
 
 
 def _commit_info(state: TrainerState, path: Path) -> CommitInfo:

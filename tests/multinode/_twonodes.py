@@ -56,6 +56,8 @@ class Node:
         self.ifname = f"{name}v"
         self.runtime_dir, self.state_dir = sock_dir / name, workdir / f"state-{name}"
         self.log_dir = workdir
+        self.extra_env: dict[str, str] = {}
+        """Set in every process of this node, the daemon's included (e.g. the store's URL)."""
         self.daemon: subprocess.Popen | None = None
         self.procs: list[subprocess.Popen] = []
 
@@ -63,7 +65,7 @@ class Node:
         """The environment of a process on this node: its own daemon, gloo on its own link."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "TORCHELASTIC_"))}
         env.update(SPOTGUARD_RUNTIME_DIR=str(self.runtime_dir), GLOO_SOCKET_IFNAME=self.ifname,
-                   SPOTGUARD_ZMQ__HEARTBEAT_INTERVAL="0.2", PYTHONUNBUFFERED="1", **extra)
+                   SPOTGUARD_ZMQ__HEARTBEAT_INTERVAL="0.2", PYTHONUNBUFFERED="1", **self.extra_env, **extra)
         return env
 
     def popen(self, argv: list[str], log: Path, **env: str) -> subprocess.Popen:
@@ -148,7 +150,8 @@ class Cluster:
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True, timeout=10)
 
     def torchrun(self, node: Node, name: str, ckpt: str, record: Path, *job_args: str,
-                 nproc: int = 1, run_id: str = "job", restarts: int = 0, rdzv_conf: str = "") -> "Launch":
+                 nproc: int = 1, run_id: str = "job", restarts: int = 0, rdzv_conf: str = "",
+                 root: Path | None = None) -> "Launch":
         """One torchrun agent on ``node`` for a two-node job (rendezvous on node a's address).
 
         ``is_host`` says which agent serves the rendezvous store: torchrun decides it by matching
@@ -158,7 +161,7 @@ class Cluster:
                 "--rdzv-endpoint", f"{self.nodes[0].addr}:{self.port}", "--rdzv-id", run_id,
                 "--rdzv-conf", ",".join(filter(None, [f"is_host={int(node.index == 0)}", rdzv_conf])),
                 "--local-addr", node.addr, "--max-restarts", str(restarts), "--monitor-interval", "0.5",
-                str(JOB), "--ckpt-dir", str(self.checkpoint_root / ckpt), *job_args]
+                str(JOB), "--ckpt-dir", str((root or self.checkpoint_root) / ckpt), *job_args]
         log = self.workdir / f"{name}-{node.name}.log"
         # One job id per checkpoint directory: the daemons' durable stores are keyed by job id, and
         # a relaunch restores a newer durable checkpoint of its job, so a reference run sharing the
@@ -166,13 +169,16 @@ class Cluster:
         proc = node.popen(argv, log, SPOTGUARD_RECORD=str(record), SPOTGUARD_JOB_ID=f"multinode-{ckpt}")
         return Launch(proc, log)
 
-    def launch(self, name: str, ckpt: str, *job_args: str, nproc: int = 1, **agent: Any) -> "Job":
+    def launch(self, name: str, ckpt: str, *job_args: str, nproc: int = 1,
+               roots: list[Path] | None = None, **agent: Any) -> "Job":
         """The identical command on both nodes, checkpointing to the shared ``checkpoint_root /
-        ckpt``; the record is shared too (one file, whole ``O_APPEND`` lines)."""
+        ckpt`` (``roots``: each node's own root instead); the record is shared too (one file, whole
+        ``O_APPEND`` lines)."""
         record = self.workdir / f"{name}.jsonl"
         self.port += 2
-        return Job([self.torchrun(node, name, ckpt, record, *job_args, nproc=nproc, run_id=name, **agent)
-                    for node in self.nodes], record)
+        return Job([self.torchrun(node, name, ckpt, record, *job_args, nproc=nproc, run_id=name,
+                                  root=roots[i] if roots else None, **agent)
+                    for i, node in enumerate(self.nodes)], record)
 
 
 class Launch:
@@ -218,14 +224,20 @@ class Job:
 
 
 @contextmanager
-def two_nodes(workdir: Path) -> Iterator[Cluster]:
-    """Two namespaces with a daemon each, torn down (processes killed by pid) on the way out."""
+def two_nodes(workdir: Path, store: str | None = None, node_local: bool = False) -> Iterator[Cluster]:
+    """Two namespaces with a daemon each, torn down (processes killed by pid) on the way out.
+    ``store``: the durable store of both daemons and jobs; ``node_local``: each daemon's checkpoint
+    root is its node's own ``workdir/local-<a|b>`` (no directory shared for checkpoints)."""
     sock_dir = Path(tempfile.mkdtemp(prefix="sgmn-", dir="/tmp"))  # ipc:// paths must stay short
     cluster = Cluster(workdir, sock_dir)
     try:
         cluster.create()
-        for node in cluster.nodes:
-            node.start_daemon(cluster.checkpoint_root)
+        for node, letter in zip(cluster.nodes, "ab"):
+            if store:
+                node.extra_env["SPOTGUARD_STORAGE__URL"] = store
+            root = workdir / f"local-{letter}" if node_local else cluster.checkpoint_root
+            root.mkdir(exist_ok=True)
+            node.start_daemon(root)
         yield cluster
     finally:
         cluster.destroy()

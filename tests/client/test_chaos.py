@@ -5,9 +5,8 @@ bit-identical to an uninterrupted run.
 Saves come every second step of 10 ms, so the background write, the fsyncs, the commit rename and
 the retention deletes are in progress most of the time and random kill instants land inside them
 (the test checks that some kills left a half-written ``.tmp-step-*`` behind). Each life is a fresh
-process forked by a JobServer (tests/client/_jobserver.py) that imported torch (and what the
-example's torch.use_deterministic_algorithms imports) once, so no life pays an interpreter and
-torch start-up; the uninterrupted reference runs beside the lives from a second server.
+process forked by a JobServer (tests/client/_jobserver.py) that imported torch once, so no life
+pays an interpreter and torch start-up; the uninterrupted reference runs beside the lives from a second server.
 tests/client/test_resume_chaos.py kills a loader with workers the same way.
 """
 
@@ -32,8 +31,6 @@ STEPS, KILLS, KILL_WITHIN = 700, 20, 0.3
 """A life trains at most KILL_WITHIN s after its start, 30 steps of >= 10 ms: 20 lives (600 steps)
 can never finish the job, and the last life, saving every second step, has at most 700 to run."""
 ARGS = ("--save-every", "2", "--step-sleep", "0.01")
-PRELOAD = ("torch._inductor",)
-"""The example calls torch.use_deterministic_algorithms, which imports it (seconds a life)."""
 FINAL = r"final step=(\d+) digest=([0-9a-f]{64})"
 
 
@@ -77,7 +74,7 @@ def chain(server: JobServer, root: Path, seed: int) -> dict:
 
 
 def test_sigkill_at_random_instants_then_resume_is_bit_identical(tmp_path):
-    server, beside = JobServer(PRELOAD), JobServer(PRELOAD)
+    server, beside = JobServer(), JobServer()
     ref_out = tmp_path / "ref.out"
     try:
         beside.start(example_args(tmp_path / "ref", STEPS, "--save-every", "1000"),

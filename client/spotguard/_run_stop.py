@@ -74,8 +74,8 @@ class Stopping:
 
     def _note_far_notice(self, left: float, save: float | None) -> None:
         notice = self.guard.notice
-        if notice is not None and notice.id != self._far_notice:
-            self._far_notice = notice.id
+        if notice is not None and notice.id not in self._far_notices:  # once per notice, even
+            self._far_notices.add(notice.id)  # when a nearer one came and was cancelled meanwhile
             log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
                         "it", notice.id, left, self._stop_needed(save))
 

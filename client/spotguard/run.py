@@ -143,7 +143,7 @@ class Run(Stopping):
         if loader is not None:
             self.state.setdefault("loader", loader_entry(loader))
         self.save_margin, self.stop_lead, self.exit_on_stop = save_margin, stop_lead, exit_on_stop
-        self._far_notice: str | None = None
+        self._far_notices: set[str] = set()
         process_group = default_group(process_group)
         self.agreement = Agreement(process_group, timeout=peer_timeout)
         self.peer_timeout = peer_timeout

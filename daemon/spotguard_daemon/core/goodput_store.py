@@ -76,9 +76,7 @@ MAX_RUNNING = 100 * 365 * 24 * 3600.0
 class ProgressObject(BaseModel):
     """The object's schema (JSON); see the module docstring."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
-    """Fields a newer daemon adds are ignored, so a fleet part-way through an upgrade keeps each
-    job's counts; a new ``version`` is for changes an older daemon must not misread."""
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     version: Literal[1] = 1
     job: str = Field(max_length=256)

@@ -68,6 +68,13 @@ class Shared(nn.Module):
         return self.head(self.tied(h))
 
 
+def say(*words: str) -> None:
+    """Print one line in one write: the ranks share the output, and ``print`` writes the line and
+    its end apart (unbuffered), so two ranks' lines could run together."""
+    sys.stdout.write(" ".join(words) + "\n")
+    sys.stdout.flush()
+
+
 def batch(step: int, micro: int, rank: int, features: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     return torch.randn(BATCH, features, generator=g), torch.randn(BATCH, 1, generator=g)
@@ -117,7 +124,7 @@ def run_job(kind: str, out: str) -> None:
         print("LAYOUT", json.dumps(run.state[_ddp.ENTRY].state_dict()))
         print("GUESS", json.dumps(_ddp._guess(ddp)))
         print("START", run.start_step)
-        print("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]), flush=True)
+        say("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]))
     dist.destroy_process_group()
 
 
@@ -170,7 +177,7 @@ def hf_job(out: str) -> None:
     guard.exit_if_stopped()
     if trainer.args.process_index == 0:
         print("START", stopper.start)
-        print("DIGEST", digest(trainer.model.state_dict(), trainer.optimizer.state_dict()["state"]), flush=True)
+        say("DIGEST", digest(trainer.model.state_dict(), trainer.optimizer.state_dict()["state"]))
 
 
 def lightning_job(out: str) -> None:
@@ -208,7 +215,7 @@ def lightning_job(out: str) -> None:
     callback.exit_if_stopped()
     if trainer.global_rank == 0:
         print("START", module.start)
-        print("DIGEST", digest(module.state_dict(), trainer.optimizers[0].state_dict()["state"]), flush=True)
+        say("DIGEST", digest(module.state_dict(), trainer.optimizers[0].state_dict()["state"]))
 
 
 if __name__ == "__main__":

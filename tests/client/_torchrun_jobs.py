@@ -48,6 +48,13 @@ JOB_ID = "torchrun"
 _started: list[int] = []
 
 
+def say(*words: str) -> None:
+    """Print one line in one write: the ranks share the output, and ``print`` writes the line and
+    its end apart (unbuffered), so two ranks' lines could run together."""
+    sys.stdout.write(" ".join(words) + "\n")
+    sys.stdout.flush()
+
+
 def write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
@@ -111,7 +118,7 @@ def run_job(out: Path) -> None:
             accumulate(model, batches, model.no_sync)
             opt.step()
             step_done(out, step + 1)
-    print("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]), flush=True)
+    say("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]))
 
 
 def accelerate_job(out: Path) -> None:
@@ -136,7 +143,7 @@ def accelerate_job(out: Path) -> None:
             sched.step()
             opt.zero_grad()
             step_done(out, step + 1)
-    print("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]), flush=True)
+    say("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]))
 
 
 def lightning_job(out: Path) -> None:
@@ -170,7 +177,7 @@ def lightning_job(out: Path) -> None:
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=True)
     trainer.fit(module, loader)
     callback.exit_if_stopped()
-    print("DIGEST", digest(module.state_dict(), trainer.optimizers[0].state_dict()["state"]), flush=True)
+    say("DIGEST", digest(module.state_dict(), trainer.optimizers[0].state_dict()["state"]))
 
 
 def hf_job(out: Path) -> None:
@@ -192,7 +199,7 @@ def hf_job(out: Path) -> None:
                                    callbacks=[guard, Progress()])
     trainer.train(resume_from_checkpoint=latest_checkpoint(out, job_id=JOB_ID))
     guard.exit_if_stopped()
-    print("DIGEST", digest(trainer.model.state_dict(), trainer.optimizer.state_dict()["state"]), flush=True)
+    say("DIGEST", digest(trainer.model.state_dict(), trainer.optimizer.state_dict()["state"]))
 
 
 JOBS = {"run": run_job, "accelerate": accelerate_job, "lightning": lightning_job, "hf": hf_job}

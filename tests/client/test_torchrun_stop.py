@@ -230,7 +230,8 @@ def test_one_signalled_rank_stops_both_at_the_next_boundary_and_the_job_resumes_
     proc = torchrun(kind, 2, out, job_env(out, tmp_path / "rt-none", JOB_SIGNAL_AT="5", JOB_SIGNAL_RANK="1"))
     finish(proc)
     step = stopped(kind, 2, out)
-    assert step == 6 if kind == "hf" else step >= 6
+    # Run acts at the boundary after step 5 when the notice is flagged by then, else at 6
+    assert step == 6 if kind == "hf" else step >= 5
     assert launch_to_the_end(kind, 2, out, job_env(out, tmp_path / "rt-none")) == expected
 
 

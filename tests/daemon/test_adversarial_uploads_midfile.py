@@ -42,4 +42,5 @@ def test_a_newer_commit_abandons_a_large_file_mid_file(daemon_factory, tmp_path)
     assert "job step 1 superseded" in daemon.output()
     wait_until(lambda: not partial_copies(bucket) and not list(bucket.rglob(".tmp-*")),
                "the abandoned partial copy to be removed", daemon)
-    assert uploads(daemon)["pending"] == [] and uploads(daemon)["uploading"] is None
+    wait_until(lambda: uploads(daemon)["pending"] == [] and uploads(daemon)["uploading"] is None,
+               "the queue to be idle (the pointer is written before the upload is cleared)", daemon)

@@ -106,9 +106,9 @@ class Checkpointer:
         if self._coord:  # a shared directory, or a node-local root per node (see .nodes)
             self._coord.discover(self.root)
         self._leads = self.rank == (self._coord.leader if self._coord else 0)
+        """This rank creates and commits its root's checkpoints, and saves the replicated state."""
         self.node_ranks = self._coord.topology.ranks if self._coord and self._coord.node_local else None
         """The ranks sharing this node-local root (None: one root, shared or single-process)."""
-        """This rank creates and commits its root's checkpoints, and saves the replicated state."""
         if self._leads:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             layout.remove_stale(self.root)

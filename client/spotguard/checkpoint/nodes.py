@@ -43,10 +43,6 @@ class Topology:
         return self.leaders[self.rank]
 
     @property
-    def is_leader(self) -> bool:
-        return self.leader == self.rank
-
-    @property
     def nodes(self) -> list[int]:
         """The leaders, in rank order: node k is the root led by ``nodes[k]``."""
         return sorted(set(self.leaders))

@@ -13,7 +13,7 @@ from spotguard.distributed import Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.protocol import utcnow
 
-__all__ = ["Stopping", "report_stop", "save_fits", "save_outcome"]
+__all__ = ["Stopping", "note_far_notice", "report_stop", "save_fits", "save_outcome"]
 
 log = logging.getLogger("spotguard.run")
 
@@ -29,6 +29,16 @@ def save_fits(save_seconds: float | None, seconds_left: float | None, margin: fl
     if save_seconds is None:
         return False
     return save_seconds + margin < seconds_left
+
+
+def note_far_notice(logger: logging.Logger, notice: Any, seen: set[str], left: float,
+                    needed: float) -> None:
+    """Say once per notice (ids in ``seen``) that its deadline is far and training goes on, even
+    when a nearer notice came and was cancelled meanwhile (``Run`` and the HF callback)."""
+    if notice is not None and notice.id not in seen:
+        seen.add(notice.id)
+        logger.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
+                       "it", notice.id, left, needed)
 
 
 def save_outcome(already: bool, saved: bool, fits: bool) -> str:
@@ -73,11 +83,7 @@ class Stopping:
         return (save_seconds or 0.0) + self.save_margin + step_s + self.stop_lead
 
     def _note_far_notice(self, left: float, save: float | None) -> None:
-        notice = self.guard.notice
-        if notice is not None and notice.id not in self._far_notices:  # once per notice, even
-            self._far_notices.add(notice.id)  # when a nearer one came and was cancelled meanwhile
-            log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
-                        "it", notice.id, left, self._stop_needed(save))
+        note_far_notice(log, self.guard.notice, self._far_notices, left, self._stop_needed(save))
 
     def _stop(self, done: int, decision: Decision, state: Any = None) -> bool:
         """Stop at ``done`` (``state``: what to save instead of the live state, see :meth:`_save`)."""

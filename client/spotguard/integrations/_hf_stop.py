@@ -22,6 +22,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from spotguard import _exit
 from spotguard._peer import exit_peer_lost
+from spotguard._run_stop import note_far_notice
 from spotguard.distributed import Decision, PeerLostError
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.integrations._hf_eval import calling_trainer
@@ -74,11 +75,7 @@ class StopDecisions:
         """Say once per notice that its deadline is far and training goes on (the step-end and
         the evaluation paths both ask)."""
         assert self.guard is not None
-        notice = self.guard.notice
-        if notice is not None and notice.id not in self._far_notices:  # once per notice, whichever path
-            self._far_notices.add(notice.id)
-            log.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
-                        "it", notice.id, left, self._stop_needed(save))
+        note_far_notice(log, self.guard.notice, self._far_notices, left, self._stop_needed(save))
 
     def _begin_stop(self, step: int, decision: Decision, scheduled: bool = False) -> bool:
         """Start a stop at ``step``: whether a save is to be asked for (it fits before the deadline,

@@ -155,17 +155,16 @@ class Durable:
         started, ckpt = time.monotonic(), Path(local_ckpt_dir)
         manifest = read_manifest(ckpt)
         by_hash = {meta["sha256"]: (rel, meta["size"]) for rel, meta in manifest["files"].items()}
-        pending = f"jobs/{_job(job_id)}/pending/{int(time.time())}-{uuid.uuid4().hex[:8]}.json"
-        self.store.put_bytes(pending, json.dumps({"hashes": sorted(by_hash)}).encode())
-        sent = self._send_objects(ckpt, by_hash, progress, interrupt)
         key = manifest_key(job_id, manifest["step"])
-        durable = {"version": 1, "name": ckpt.name, "objects": OBJECTS, "uploaded": time.time()}
         if "node" in manifest and manifest["node"].get("restored") is True:
-            key = manifest_key(job_id, manifest["step"])  # fetched from the store: nothing to send
-            if not self.store.exists(key):
+            if not self.store.exists(key):  # fetched from the store: nothing to send, no note
                 raise ManifestError(f"{ckpt}: restored from the store, whose {key} is gone")
             return DurableInfo(job_id, manifest["step"], key, len(manifest["files"]), 0, len(by_hash), 0,
                                sum(size for _, size in by_hash.values()), time.monotonic() - started)
+        pending = f"jobs/{_job(job_id)}/pending/{int(time.time())}-{uuid.uuid4().hex[:8]}.json"
+        self.store.put_bytes(pending, json.dumps({"hashes": sorted(by_hash)}).encode())
+        sent = self._send_objects(ckpt, by_hash, progress, interrupt)
+        durable = {"version": 1, "name": ckpt.name, "objects": OBJECTS, "uploaded": time.time()}
         if "node" in manifest:  # one node's part: the global manifest waits for every node's
             _parts.node_of(manifest, str(ckpt))
             key = _parts.part_key(job_id, manifest["step"], manifest["node"]["index"])

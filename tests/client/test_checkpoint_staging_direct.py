@@ -58,3 +58,25 @@ def test_unaligned_or_small_data_is_written_buffered(tmp_path):
     small = memoryview(bytes(range(256)) * 16)
     assert not any(write(tmp_path / "b", small))
     assert (tmp_path / "b").read_bytes() == bytes(small)
+
+
+@pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this platform")
+def test_one_fd_takes_an_aligned_write_then_an_unaligned_one(tmp_path):
+    """The emergency path streams a file's tensors through one fd, pinned chunk after chunk: an
+    aligned whole-page chunk (written direct) must not leave O_DIRECT on for the next, unaligned
+    write, and a chunk at an unaligned file offset is written buffered. Found on an H100, where every
+    pinned chunk is page-aligned: the second write failed with EINVAL."""
+    aligned, odd = staged(2 << 20), memoryview(bytes(range(256)) * 4001)
+    fd = _fs.open_new(tmp_path / "f")
+    try:
+        _fs.write_all(fd, memoryview(aligned.numpy()))
+        flag_after_aligned = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT)
+        _fs.write_all(fd, odd)
+        _fs.write_all(fd, memoryview(aligned.numpy()))  # now at an unaligned offset
+        assert not fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert not flag_after_aligned
+    expected = aligned.numpy().tobytes()
+    assert (tmp_path / "f").read_bytes() == expected + bytes(odd) + expected

@@ -60,27 +60,34 @@ def write_all(fd: int, data: memoryview, pace: Callable[..., Any] | None = None)
     """Write every byte of ``data`` (``os.write`` may write less than asked); each chunk's write
     goes through ``pace(fn, *args)`` when given (see :class:`~._workers.Throttle`).
 
-    ``data`` of :data:`DIRECT_MIN_BYTES` or more that starts on a page boundary (a staging buffer) is
-    written with ``O_DIRECT`` up to its last whole page: the disk reads the buffer itself, with no
-    copy into the page cache and no write-back to wait for. Measured here: 1.2-2.5x the throughput of
-    buffered writes + fsync, and less CPU taken from training. The tail, and every write on a file
-    system that refuses ``O_DIRECT``, goes through the page cache as before; fsync is needed either way."""
+    ``data`` of :data:`DIRECT_MIN_BYTES` or more that starts on a page boundary (a staging buffer, a
+    pinned chunk), written at a page-aligned file offset, is written with ``O_DIRECT`` up to its last
+    whole page: the disk reads the buffer itself, with no copy into the page cache and no write-back
+    to wait for. Measured here: 1.2-2.5x the throughput of buffered writes + fsync, and less CPU taken
+    from training. The tail, and every write on a file system that refuses ``O_DIRECT``, goes through
+    the page cache as before; fsync is needed either way. The fd leaves as it came, without
+    ``O_DIRECT``: the next call may write unaligned data to the same file (the emergency path streams
+    a file's tensors through the same fd, chunk after chunk)."""
     view, offset = _flat(data), 0
-    direct_end = _direct_end(view)
+    direct_end = _direct_end(view) if os.lseek(fd, 0, os.SEEK_CUR) % _PAGE == 0 else 0
     if direct_end and not _set_direct(fd, True):
         direct_end = 0
-    while offset < len(view):
-        if direct_end and offset >= direct_end:
+    try:
+        while offset < len(view):
+            if direct_end and offset >= direct_end:
+                _set_direct(fd, False)
+                direct_end = 0
+            piece = view[offset : min(offset + CHUNK_BYTES, direct_end or len(view))]
+            try:
+                offset += pace(os.write, fd, piece) if pace else os.write(fd, piece)
+            except OSError as exc:  # O_DIRECT refused at write time (some FUSE/network file systems)
+                if not direct_end or exc.errno != errno.EINVAL:
+                    raise
+                _set_direct(fd, False)
+                direct_end = 0
+    finally:
+        if direct_end:
             _set_direct(fd, False)
-            direct_end = 0
-        piece = view[offset : min(offset + CHUNK_BYTES, direct_end or len(view))]
-        try:
-            offset += pace(os.write, fd, piece) if pace else os.write(fd, piece)
-        except OSError as exc:  # O_DIRECT refused at write time (some FUSE/network file systems)
-            if not direct_end or exc.errno != errno.EINVAL:
-                raise
-            _set_direct(fd, False)
-            direct_end = 0
 
 
 DIRECT_MIN_BYTES = 1 << 20

@@ -16,6 +16,11 @@ For each state size (synthetic: 16 MiB float32 tensors plus small ones, like a m
   short interleaved rounds), default throttling vs none.
 * notice-to-committed emergency save: idle, and while a periodic save is still in flight (1 GB).
 
+``--device cuda`` puts the state on the GPU. The baselines then move the same bytes off it: "clone"
+is ``Tensor.cpu()`` into fresh pageable memory, "copy_" a copy into reused pinned buffers (the
+pinned device-to-host bandwidth, the floor of a stall that must get every byte off the GPU);
+``torch.save`` and DCP take the CUDA tensors as they are. The inflation rows run only for ``cpu``.
+
 Medians over ``--repeats``; everything in one run, on one disk. Writes ``results/checkpoint.json``
 and prints the Markdown table that ``README.md`` carries.
 
@@ -50,9 +55,9 @@ INFLATION_SETTINGS = [(19, 0.25), (19, 0.5), (None, None)]
 CHUNK = 16 << 20
 
 
-def synthetic_state(size: int) -> dict:
-    big = {f"layer{i}.weight": torch.randn(CHUNK // 4) for i in range(size // CHUNK)}
-    small = {f"layer{i}.bias": torch.randn(1024) for i in range(256)}
+def synthetic_state(size: int, device: str = "cpu") -> dict:
+    big = {f"layer{i}.weight": torch.randn(CHUNK // 4, device=device) for i in range(size // CHUNK)}
+    small = {f"layer{i}.bias": torch.randn(1024, device=device) for i in range(256)}
     return {"model": {**big, **small}, "extras": {"step": 1, "lr": 0.1}}
 
 
@@ -62,6 +67,8 @@ def state_bytes(state: dict) -> int:
 
 def settle() -> None:
     """Flush other dirty data (and discards of deleted files) so each measurement starts level."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     os.sync()
     time.sleep(0.3)
 
@@ -71,6 +78,8 @@ def timed(fn, written: Path | None = None) -> float:
     settle()
     start = time.perf_counter()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     took = time.perf_counter() - start
     if written is not None:
         written.unlink()
@@ -78,13 +87,18 @@ def timed(fn, written: Path | None = None) -> float:
 
 
 def clone_all(state: dict) -> None:
-    copies = {k: t.clone() for k, t in state["model"].items()}
+    copies = {k: t.cpu() if t.is_cuda else t.clone() for k, t in state["model"].items()}
     del copies
+
+
+def host_buffers(state: dict) -> dict:
+    """Reused destination buffers of ``copy_into``: pinned host memory for CUDA tensors."""
+    return {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for k, t in state["model"].items()}
 
 
 def copy_into(state: dict, buffers: dict) -> None:
     for k, t in state["model"].items():
-        buffers[k].copy_(t)
+        buffers[k].copy_(t, non_blocking=t.is_cuda)
 
 
 def torch_save(state: dict, path: Path) -> None:
@@ -121,7 +135,7 @@ def spotguard_save(ck: Checkpointer, step: int, state: dict) -> tuple[float, flo
 def bench_interleaved(state: dict, workdir: Path, repeats: int) -> dict:
     """Every method once per round, rounds repeated: a noisy neighbour hits all of them alike."""
     nbytes = state_bytes(state)
-    buffers = {k: torch.empty_like(t) for k, t in state["model"].items()}
+    buffers = host_buffers(state)
     # Throughput is measured at normal priority, like the baselines; the default nice shows in inflation.
     ck = Checkpointer(workdir / "spotguard", keep=1, background_nice=None, background_cpu_share=None)
     samples: dict[str, list[float]] = first_saves(ck, state, workdir / "unprepared")
@@ -223,11 +237,12 @@ def bench_emergency(state: dict, workdir: Path) -> dict:
     return {"idle_first_s": idle_first, "idle_s": idle, "with_save_in_flight_s": in_flight}
 
 
-def bench_size(gib: float, workdir: Path, repeats: int, extended: bool) -> dict:
-    state = synthetic_state(int(gib * GiB))
+def bench_size(gib: float, workdir: Path, repeats: int, extended: bool, device: str) -> dict:
+    state = synthetic_state(int(gib * GiB), device)
     row = bench_interleaved(state, workdir, repeats)
     if extended:
-        row["inflation"] = [bench_inflation(workdir, n, c) for n, c in INFLATION_SETTINGS]
+        if device == "cpu":
+            row["inflation"] = [bench_inflation(workdir, n, c) for n, c in INFLATION_SETTINGS]
         row["emergency"] = bench_emergency(state, workdir)
     return row
 
@@ -270,13 +285,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a new one under /tmp)")
     parser.add_argument("--out", default=None, help="results file (default: results/checkpoint.json)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the state lives")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="spotguard-bench-", dir=args.dir))
     dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=0, world_size=1)
     try:
         sizes = [float(s) for s in args.sizes.split(",")]
         results = {"torch": torch.__version__, "disk_dir": str(workdir), "repeats": args.repeats,
-                   "sizes": [bench_size(g, workdir, args.repeats, extended=g == sizes[0]) for g in sizes]}
+                   "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                   "sizes": [bench_size(g, workdir, args.repeats, g == sizes[0], args.device) for g in sizes]}
     finally:
         dist.destroy_process_group()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -12,6 +12,10 @@ of them alike; medians are reported:
 * the periodic path run to completion, uncapped (snapshot + persist): what an emergency save cost
   before it wrote from live memory.
 
+With ``--device cuda`` the state lives on the GPU and one more yardstick runs: a copy of every tensor
+into reused pinned host buffers (the pinned device-to-host bandwidth); a save that must move every
+byte off the GPU and onto the disk can at best take max(dd, that copy) when the two overlap.
+
 Every measurement starts after ``os.sync()``. Writes ``results/emergency.json`` and prints the
 Markdown table that ``README.md`` carries.
 
@@ -30,17 +34,21 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from _common import markdown_table, write_results
-from bench_checkpoint import GiB, add, dd, state_bytes, synthetic_state, timed, torch_save
+from bench_checkpoint import GiB, add, copy_into, dd, host_buffers, state_bytes, synthetic_state, timed, torch_save
 from spotguard.checkpoint import Checkpointer, commit
 
 FIRST_SAVE = """
 import os, sys, time, torch
 from spotguard.checkpoint import Checkpointer
-size, root = int(sys.argv[1]), sys.argv[2]
-big = {f"layer{i}.weight": torch.full(((16 << 20) // 4,), float(i)) for i in range(size // (16 << 20))}
-state = {"model": {**big, **{f"layer{i}.bias": torch.randn(1024) for i in range(256)}}, "extras": {"step": 1}}
+size, root, device = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+big = {f"layer{i}.weight": torch.full(((16 << 20) // 4,), float(i), device=device) for i in range(size // (16 << 20))}
+small = {f"layer{i}.bias": torch.randn(1024, device=device) for i in range(256)}
+state = {"model": {**big, **small}, "extras": {"step": 1}}
 ck = Checkpointer(root, keep=1)
+if device == "cuda":
+    torch.cuda.synchronize()
 os.sync()
 time.sleep(0.3)
 start = time.perf_counter()
@@ -49,9 +57,9 @@ print(time.perf_counter() - start)
 """
 
 
-def first_save(nbytes: int, root: Path) -> float:
+def first_save(nbytes: int, root: Path, device: str) -> float:
     """Notice-to-committed seconds of the first emergency save of a fresh process."""
-    done = subprocess.run([sys.executable, "-c", FIRST_SAVE, str(nbytes), str(root)], check=True,
+    done = subprocess.run([sys.executable, "-c", FIRST_SAVE, str(nbytes), str(root), device], check=True,
                           capture_output=True, text=True)
     shutil.rmtree(root)
     return float(done.stdout.split()[-1])
@@ -72,9 +80,10 @@ def periodic_to_commit(ck: Checkpointer, step: int, state: dict) -> float:
     return timed(save)
 
 
-def bench_size(gib: float, workdir: Path, repeats: int) -> dict:
-    state = synthetic_state(int(gib * GiB))
+def bench_size(gib: float, workdir: Path, repeats: int, device: str) -> dict:
+    state = synthetic_state(int(gib * GiB), device)
     nbytes = state_bytes(state)
+    pinned = host_buffers(state) if device == "cuda" else None
     ck = Checkpointer(workdir / "emergency", keep=1)
     old = Checkpointer(workdir / "periodic", keep=1, background_nice=None, background_cpu_share=None)
     ck.save(0, state, blocking=True)  # the steady rows: not the first save of this process
@@ -83,9 +92,11 @@ def bench_size(gib: float, workdir: Path, repeats: int) -> dict:
     samples: dict[str, list[float]] = {}
     for r in range(1, repeats + 1):
         add(samples, "dd_s", timed(lambda: dd(nbytes, workdir / "dd.bin"), workdir / "dd.bin"))
+        if pinned is not None:
+            add(samples, "d2h_pinned_s", timed(lambda: copy_into(state, pinned)))
         add(samples, "emergency_s", emergency(ck, r, state))
         add(samples, "torch_save_s", timed(lambda: torch_save(state, workdir / "t.pt"), workdir / "t.pt"))
-        add(samples, "first_emergency_s", first_save(nbytes, workdir / f"first-{r}"))
+        add(samples, "first_emergency_s", first_save(nbytes, workdir / f"first-{r}", device))
         add(samples, "periodic_path_s", periodic_to_commit(old, r, state))
     bandwidth = ck.emergency.bandwidth
     for c in (ck, old):
@@ -98,14 +109,19 @@ def bench_size(gib: float, workdir: Path, repeats: int) -> dict:
 def table(results: dict) -> str:
     header = ["state", "dd conv=fsync", "torch.save+fsync", "spotguard emergency, first save of a process",
               "spotguard emergency, steady", "first / dd", "steady / dd", "periodic path to commit (before)"]
+    if results.get("device", "cpu") != "cpu":
+        header += ["pinned D2H copy", "steady / max(dd, D2H)"]
     return markdown_table(header, [_row(row) for row in results["sizes"]])
 
 
 def _row(row: dict) -> list[str]:
     dd_s, first, steady = row["dd_s"], row["first_emergency_s"], row["emergency_s"]
-    return [f"{row['size_bytes'] / GiB:.2f} GiB", f"{dd_s:.2f} s", f"{row['torch_save_s']:.2f} s",
-            f"{first:.2f} s", f"{steady:.2f} s", f"{first / dd_s:.2f}x", f"{steady / dd_s:.2f}x",
-            f"{row['periodic_path_s']:.2f} s"]
+    cells = [f"{row['size_bytes'] / GiB:.2f} GiB", f"{dd_s:.2f} s", f"{row['torch_save_s']:.2f} s",
+             f"{first:.2f} s", f"{steady:.2f} s", f"{first / dd_s:.2f}x", f"{steady / dd_s:.2f}x",
+             f"{row['periodic_path_s']:.2f} s"]
+    if "d2h_pinned_s" in row:
+        cells += [f"{row['d2h_pinned_s']:.2f} s", f"{steady / max(dd_s, row['d2h_pinned_s']):.2f}x"]
+    return cells
 
 
 def main() -> None:
@@ -114,13 +130,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a new one under /tmp)")
     parser.add_argument("--out", default=None, help="results file (default: results/emergency.json)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the state lives")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="spotguard-bench-", dir=args.dir))
     started = time.perf_counter()
     try:
         sizes = [float(s) for s in args.sizes.split(",")]
-        results = {"repeats": args.repeats, "disk_dir": str(workdir),
-                   "sizes": [bench_size(g, workdir, args.repeats) for g in sizes]}
+        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        results = {"repeats": args.repeats, "disk_dir": str(workdir), "device": device,
+                   "sizes": [bench_size(g, workdir, args.repeats, args.device) for g in sizes]}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - started

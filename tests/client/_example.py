@@ -34,7 +34,8 @@ class Proc:
                                       stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._queue: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     @classmethod
     def example(cls, ckpt: Path, steps: int, *extra: str, env: dict[str, str]) -> "Proc":
@@ -59,7 +60,9 @@ class Proc:
 
     def finish(self, timeout: float = 60.0) -> int:
         rc = self.popen.wait(timeout)
-        time.sleep(0.05)  # let the reader thread take the last lines
+        # The reader ends at the pipe's EOF; a child that left a grandchild holding the pipe open
+        # must not hang the test, so the wait is bounded (a fixed sleep lost lines under load).
+        self._reader.join(10)
         return rc
 
     @property

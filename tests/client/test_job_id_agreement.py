@@ -24,6 +24,9 @@ JOB = textwrap.dedent("""
     import torch, torch.distributed as dist
     import spotguard
 
+    def say(line):  # one write per line: the two ranks share the pipe, and print() writes twice
+        os.write(1, (line + "\\n").encode())
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     home = os.path.join(sys.argv[1], f"node-{rank}")
@@ -34,9 +37,9 @@ JOB = textwrap.dedent("""
             run = spotguard.Run(os.path.join(home, case), model=torch.nn.Linear(2, 2), daemon=False,
                                 job_id=given)
         except ValueError as exc:
-            print(f"{case}: rank {rank} refused: {exc}", flush=True)
+            say(f"{case}: rank {rank} refused: {exc}")
             continue
-        print(f"{case}: rank {rank} derived {spotguard._jobid.derive()} uses {run.job_id}", flush=True)
+        say(f"{case}: rank {rank} derived {spotguard._jobid.derive()} uses {run.job_id}")
         run.close()
     dist.destroy_process_group()
 """)

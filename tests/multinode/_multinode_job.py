@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import time
 
@@ -73,7 +74,8 @@ def main() -> None:
             scheduler.step()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-    print(f"rank={dist.get_rank()} final step={run.step}", flush=True)
+    # One write for the line: ranks share the agent's pipe, and an unbuffered print() writes twice.
+    os.write(1, f"rank={dist.get_rank()} final step={run.step}\n".encode())
     dist.destroy_process_group()
 
 

@@ -71,9 +71,10 @@ class SlowEntry:
         self.seconds = state["seconds"]
 
 
-def life(root: Path, cadence: Cadence, cost: float, mark: Path, log: Path) -> None:
+def life(root: Path, cadence: Cadence, cost: float, mark: Path, log: Path, held: Path) -> None:
     """The child: train until killed. ``mark`` holds (first step's time, step resumed from);
-    ``log`` gets one JSON line per commit."""
+    ``log`` gets one JSON line per commit, ``held`` one per change of the MTBF the cadence plans
+    with (a life killed before its first commit still shows what the daemon had taught it)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     reached: dict[int, float] = {}
@@ -89,8 +90,12 @@ def life(root: Path, cadence: Cadence, cost: float, mark: Path, log: Path) -> No
     run = Run(root, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
               state={"slow": SlowEntry(cost)}, cadence=cadence, job_id="cadence-bench", keep=2,
               on_commit=committed)
-    first = True
+    first, plan = True, None
+    plans = open(held, "a", buffering=1)
     for step in run.steps(10**9):
+        if (run.cadence.mtbf_s, run.cadence.mtbf_source) != plan:
+            plan = (run.cadence.mtbf_s, run.cadence.mtbf_source)
+            plans.write(json.dumps({"mtbf_s": plan[0], "source": plan[1], "step": step}) + "\n")
         now = time.monotonic()
         reached[step] = now
         if len(reached) > 100_000:
@@ -116,7 +121,7 @@ def run_policy(policy: str, mtbf: float, draws: list[float], args: argparse.Name
         _wait_for_socket(daemon)
         print(f"daemon up in {time.monotonic() - t0:.1f} s", file=sys.stderr)
         for i, draw in enumerate(draws):
-            mark, log = logs / f"mark-{i}", logs / f"log-{i}.jsonl"
+            mark, log, held = logs / f"mark-{i}", logs / f"log-{i}.jsonl", logs / f"held-{i}.jsonl"
             fixed = {"learned": None, "guess": args.guess, "oracle": mtbf}[policy]
             cadence = Cadence(mtbf_s=args.guess if fixed is None else fixed, learn=fixed is None,
                               cost_s=args.cost)  # every policy knows the save cost: the MTBF is studied
@@ -127,7 +132,7 @@ def run_policy(policy: str, mtbf: float, draws: list[float], args: argparse.Name
                 try:
                     os.environ.update(SPOTGUARD_RUNTIME_DIR=str(daemon.runtime_dir),
                                       SPOTGUARD_PROGRESS_SECONDS=str(PROGRESS_S))
-                    life(root, cadence, args.cost, mark, log)
+                    life(root, cadence, args.cost, mark, log, held)
                     code = 0
                 finally:
                     os._exit(code)
@@ -136,7 +141,8 @@ def run_policy(policy: str, mtbf: float, draws: list[float], args: argparse.Name
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
             os.waitpid(pid, 0)
-            lives.append({**_life_figures(mark, log, began, killed), "start_s": round(began - forked, 3)})
+            lives.append({**_life_figures(mark, log, began, killed), "start_s": round(began - forked, 3),
+                          "held": _last_line(held)})
     finally:
         daemon.stop()
     return _policy_figures(policy, mtbf, lives, args)
@@ -162,6 +168,11 @@ def _wait_for_mark(mark: Path, pid: int, daemon: DaemonProcess, timeout: float =
             raise BenchError(f"a life ended (status {status}) before its first step: {daemon.output()[-2000:]}")
         time.sleep(0.001)
     return struct.unpack("dq", mark.read_bytes())[0]
+
+
+def _last_line(path: Path) -> dict[str, Any] | None:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1]) if lines else None
 
 
 def _life_figures(mark: Path, log: Path, began: float, killed: float) -> dict[str, Any]:
@@ -195,7 +206,8 @@ def _policy_figures(policy: str, mtbf: float, lives: list[dict[str, Any]],
            "life_start_s": [x["start_s"] for x in lives],
            "expected_waste_optimum": round(expected_waste(best, mtbf, cost), 4),
            "trajectory": [None if p is None else {k: round(v, 4) if isinstance(v, float) else v
-                                                  for k, v in p.items()} for p in (x["plan"] for x in lives)]}
+                                                  for k, v in p.items()} for p in (x["plan"] for x in lives)],
+           "held": [x["held"] for x in lives]}
     if final:
         out.update(final_interval_s=round(final["interval_s"], 4), final_mtbf_s=round(final["mtbf_s"], 3),
                    cost_s=round(cost, 4),

@@ -165,10 +165,11 @@ print("loaded", Checkpointer(sys.argv[1]).load_latest({"model": model, "optimize
 def test_a_process_exits_zero_with_a_checkpointer_left_open_while_it_prepares(tmp_path):
     """The second Checkpointer is never closed: its staging preparation is still running in a
     daemon thread, inside torch, when the script ends. Before the atexit stop, 4 of 8 such exits
-    aborted ("terminate called without an active exception", status 134)."""
+    aborted ("terminate called without an active exception", status 134): 6 runs miss that rate
+    once in 64 (each run starts torch, 4-7 s on a loaded 2-core CI machine)."""
     script = tmp_path / "job.py"
     script.write_text(_EXIT_JOB)
-    for run in range(10):
+    for run in range(6):
         done = subprocess.run([sys.executable, str(script), str(tmp_path / f"ckpt{run}")],
                               capture_output=True, text=True, timeout=120)
         assert (done.returncode, done.stdout.strip()) == (0, "loaded 3"), \

@@ -165,3 +165,34 @@ def test_the_training_job_runs_unprivileged_without_a_service_account_token():
     mounts = {m["mountPath"] for m in sidecar["volumeMounts"]}
     for name in ("SPOTGUARD_RUNTIME_DIR", "SPOTGUARD_STATE_DIR"):
         assert Path(env[name]).parent.as_posix() in mounts, name
+
+
+def test_the_multinode_job_runs_one_pod_per_node_each_with_its_daemon_and_one_job_id():
+    """Node-local mode on Kubernetes: an indexed Job whose pod k is node rank k, rendezvous at pod 0
+    through the headless Service that is the pods' subdomain, one pod per node, the checkpoint root
+    on the pod's own disk, the bucket given to each pod's daemon, one job id everywhere, and exit
+    75, 76 and 77 not counted as failures (torchrun's 1 is read by `spotguard run`)."""
+    import yaml
+
+    resources = {r["kind"]: r for r in yaml.safe_load_all((KUBERNETES / "multinode-job.yaml").read_text())}
+    service, job = resources["Service"], resources["Job"]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
+    assert service["spec"]["clusterIP"] == "None" and pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    (rule,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert rule["topologyKey"] == "kubernetes.io/hostname"
+    (sidecar,), (trainer,) = pod["initContainers"], pod["containers"]
+    assert sidecar["restartPolicy"] == "Always" and env_of(sidecar)["SPOTGUARD_STORAGE__URL"].startswith("s3://")
+    command = trainer["command"]
+    assert command[:4] == ["spotguard", "run", "--", "torchrun"]
+    assert "--nnodes=2" in command and "--node-rank=$(JOB_COMPLETION_INDEX)" in command
+    assert f"--master-addr={job['metadata']['name']}-0.{pod['subdomain']}" in command
+    env = env_of(trainer)
+    names = [e["name"] for e in trainer["env"]]
+    assert names.index("JOB_COMPLETION_INDEX") == 0 and env["SPOTGUARD_JOB_ID"] == job["metadata"]["name"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (root,) = [m["name"] for m in trainer["volumeMounts"] if m["mountPath"] == "/checkpoints"]
+    assert "emptyDir" in volumes[root]  # the node's own disk, never a shared volume
+    ignored = [r["onExitCodes"]["values"] for r in spec["podFailurePolicy"]["rules"] if "onExitCodes" in r]
+    assert ignored == [[75, 76, 77]]

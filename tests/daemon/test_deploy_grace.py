@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-MANIFESTS = [ROOT / "deploy" / "kubernetes" / name for name in ("daemonset.yaml", "training-job.yaml")]
+MANIFESTS = [ROOT / "deploy" / "kubernetes" / name for name in ("daemonset.yaml", "training-job.yaml",
+                                                                    "multinode-job.yaml")]
 
 
 def pod_spec(path: Path) -> dict:

@@ -1,9 +1,11 @@
 """Elastic resume under real ``torchrun`` (gloo, CPU): a job relaunched on another world size.
 
-* DDP through ``spotguard.Run`` and ``spotguard.DataLoader``: 2 ranks train 3 steps and finish
-  (committing step 3); relaunched on 1 and on 3 ranks, the loaded model and optimizer equal the
-  saved ones, and the samples the relaunch draws (each batch carries its sample ids) are exactly the
-  rest of the epoch: with the first launch's, every sample once.
+* DDP through ``spotguard.Run`` and ``spotguard.DataLoader``: 2 ranks, each with a checkpoint
+  directory of its own (two nodes' local disks: node-local mode), train 3 steps and finish
+  (committing step 3); relaunched on 1 and on 3 ranks on the first node (its directory holds rank 0's
+  part only), the loaded model and optimizer equal the saved ones, and the samples the relaunch
+  draws (each batch carries its sample ids) are exactly the rest of the epoch: with the first
+  launch's, every sample once.
 * torchrun's elastic range (``--nnodes 1:2``, two agents as two nodes): one node SIGKILLed
   mid-run, the survivor's rank leaves the failed agreement (77), its agent restarts it in a
   rendezvous of one, and it resumes on 1 rank from the 2-rank checkpoint.
@@ -75,6 +77,7 @@ def ddp_worker(root: str, out: str, steps: int) -> None:
     pause = float(os.environ.get("JOB_STEP_SLEEP", "0"))
     save_every = int(os.environ.get("JOB_SAVE_EVERY", "100"))
     record = Path(out, f"w{dist.get_world_size()}.rank{rank}.json")
+    root = os.path.join(root, f"node-{rank // int(os.environ.get('JOB_RANKS_PER_NODE', '1000'))}")
     with spotguard.Run(root, model=model, optimizer=opt, loader=loader, save_every=save_every,
                        peer_timeout=30) as run:
         for step in run.steps(steps):
@@ -160,9 +163,9 @@ def _env(**knobs: str) -> dict[str, str]:
     return env
 
 
-def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
+def torchrun(ranks: int, *args: str, **knobs: str) -> subprocess.CompletedProcess:
     cmd = [TORCHRUN, "--standalone", "--max-restarts", "0", "--nproc-per-node", str(ranks), __file__, *args]
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=110)
+    done = subprocess.run(cmd, env=_env(**knobs), capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     return done
 
@@ -187,16 +190,19 @@ def _epoch0(records: list[dict], below: int = 10**9) -> list[int]:
 def ddp_saved(tmp_path_factory):
     base = tmp_path_factory.mktemp("elastic")
     (base / "first").mkdir()
-    torchrun(2, "ddp", str(base / "ckpt"), str(base / "first"), "3")
+    torchrun(2, "ddp", str(base / "ckpt"), str(base / "first"), "3", JOB_RANKS_PER_NODE="1")
+    (manifest,) = [json.loads(p.read_text()) for p in (base / "ckpt" / "node-0").glob("**/step-*/manifest.json")]
+    assert {f.split("/")[0] for f in manifest["files"]} == {"rank-0"}  # node-local: this node's part
     return base, _ranks(base / "first", 2)
 
 
 @pytest.mark.parametrize(("ranks", "steps"), [(1, 9), (3, 5)])
 def test_ddp_resumes_on_another_world_size_with_the_rest_of_the_epoch(ddp_saved, tmp_path, ranks, steps):
     base, first = ddp_saved
-    shutil.copytree(base / "ckpt", tmp_path / "ckpt")
+    shutil.copytree(base / "ckpt" / "node-0", tmp_path / "ckpt" / "node-0")  # the first node's disk
     (tmp_path / "out").mkdir()
-    done = torchrun(ranks, "ddp", str(tmp_path / "ckpt"), str(tmp_path / "out"), str(steps))
+    done = torchrun(ranks, "ddp", str(tmp_path / "ckpt"), str(tmp_path / "out"), str(steps),
+                    JOB_RANKS_PER_NODE=str(ranks))
     lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "elastic resume" in ln]
     assert len(lines) == 1 and "saved by 2 ranks, this job has %d" % ranks in lines[0], lines
     second = _ranks(tmp_path / "out", ranks)

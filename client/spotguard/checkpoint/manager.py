@@ -387,13 +387,14 @@ class Checkpointer:
         try:
             manifest = read_manifest(path)
             base = _replicated_part(path, manifest)
-            if "node" in manifest and f"rank-{self.rank}/{commit.TREE}" not in manifest["files"]:
-                raise CheckpointCorruptError(f"{path}: this node's checkpoint holds no part of rank {self.rank}")
-            entries = read_entries(path, manifest, base, verify=self.verify)
             saved_world = manifest.get("world_size", 1)
             if not isinstance(saved_world, int) or saved_world < 1:
                 raise CheckpointCorruptError(f"{path}: bad world_size {saved_world!r} in the manifest")
-            self.resized_from = saved_world if saved_world != self.world_size else None
+            resized = saved_world != self.world_size  # then every rank reads the replicated part only
+            if "node" in manifest and not resized and f"rank-{self.rank}/{commit.TREE}" not in manifest["files"]:
+                raise CheckpointCorruptError(f"{path}: this node's checkpoint holds no part of rank {self.rank}")
+            entries = read_entries(path, manifest, base, verify=self.verify)
+            self.resized_from = saved_world if resized else None
             if self.resized_from is not None:
                 entries = self._rederive(entries)
             elif f"rank-{self.rank}" != base:
@@ -402,6 +403,12 @@ class Checkpointer:
                     entries.update(read_entries(path, manifest, f"rank-{self.rank}", verify=self.verify))
             if any(kind == "sharded" for kind, _ in entries.values()):
                 from spotguard.checkpoint.sharded import load_entries
+
+                if "node" in manifest and self.resized_from is not None:
+                    raise CheckpointCorruptError(
+                        f"{path}: resharding from {saved_world} to {self.world_size} ranks needs every "
+                        "rank's shards, and a node-local checkpoint holds only its own node's: resume "
+                        f"on {saved_world} ranks, or with one checkpoint directory every node shares")
 
                 load_entries(path, manifest, f"rank-{self.rank}", entries, state, verify=self.verify,
                              parts=self.resized_from)

@@ -19,7 +19,7 @@ from spotguard import cadence as cad
 from spotguard.protocol import (CadenceRequest, JobRate, Kind, NotifyRequest, ProgressRequest, RegisterRequest,
                                 SafeRequest, StatusRequest)
 from spotguard_daemon.core.goodput import GoodputLedger, JobRecord
-from spotguard_daemon.core.goodput_store import ProgressObject, _encode, _validated
+from spotguard_daemon.core.goodput_store import VERSION, ProgressObject, _encode, _validated
 from spotguard_daemon.core.job_rates import MAX_GAUGED, JobRates
 from spotguard_daemon.core.settings import SettingsError, load_settings
 
@@ -82,6 +82,21 @@ def test_the_store_object_carries_the_counts_and_older_objects_still_parse():
     for bad in ({"interruptions": -1}, {"running": -5}, {"running": float("inf")}, {"nodes": 0}):
         with pytest.raises(ValidationError):
             ProgressObject.model_validate({**doc, **bad})
+
+
+def test_a_newer_daemons_object_is_read_for_the_known_fields_and_an_unknown_field_of_ours_refused():
+    """Mixed fleets: a newer daemon adds fields and raises the version; this one reads what it
+    knows. The same unknown field under this daemon's own version is not one of ours."""
+    now = time.time()
+    doc = json.loads(_encode("j", JobRecord(12, now - 10, {10: now - 20}, interruptions=3, running=60.0)))
+    newer = json.dumps({**doc, "version": VERSION + 1, "preempted_by": "spot", "extra": {"a": [1]}}).encode()
+    back = _validated(newer, "j", before=doc["written"] + 1)
+    assert (back.step, back.interruptions, back.running) == (12, 3, 60.0)
+    for bad in ({"preempted_by": "spot"}, {"version": VERSION + 1, "step": -1}):
+        with pytest.raises(ValueError):
+            _validated(json.dumps({**doc, **bad}).encode(), "j", before=doc["written"] + 1)
+    with pytest.raises(ValueError):  # not JSON at all: pydantic's error, not the version path's
+        _validated(b"[" * 10_000, "j", before=now)
 
 
 def test_the_estimate_uses_the_setting_or_the_platform_default_divided_by_the_nodes():

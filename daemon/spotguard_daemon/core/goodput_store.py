@@ -28,6 +28,11 @@ Until then (at most ``RECALL_HOLD``) the new run's record is not written over th
   is the new run's; node clocks are assumed to agree within the downtime, as NTP keeps them) and
   no older than ``MAX_AGE``; anything else is ignored with one warning, and the restart counts no
   loss.
+* **Versions.** A mixed fleet (nodes upgraded one by one) reads each other's objects. Fields are
+  only ever added, and a daemon that adds one raises ``version``: an object of a newer version is
+  read for the fields this daemon knows, the others dropped (said once per read); an object of
+  this version (or older) with a field it does not know is not one of ours and is ignored, as
+  above. Nothing is lost either way: anyone who can write the object can write a valid one.
 
 Residual limits: progress made after the object was last written is not counted, so a node killed
 without notice loses up to ``progress_seconds`` of the figures (plus the client's report interval,
@@ -48,6 +53,7 @@ from collections import deque
 from pathlib import Path
 from typing import Annotated, Callable, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from spotguard._priority import lower_priority
 from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError
@@ -71,6 +77,8 @@ MAX_STORE_JOBS = 32
 STORE_JOBS_WINDOW = 3600.0
 _Step = Annotated[int, Field(ge=0, lt=2**63)]
 MAX_RUNNING = 100 * 365 * 24 * 3600.0
+VERSION = 1
+"""This daemon's version of the object (:class:`ProgressObject`); raised with every field added."""
 
 
 class ProgressObject(BaseModel):
@@ -78,7 +86,7 @@ class ProgressObject(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    version: Literal[1] = 1
+    version: Literal[VERSION] = VERSION
     job: str = Field(max_length=256)
     step: _Step
     """The newest step rank 0 reported (or resumed from)."""
@@ -303,13 +311,35 @@ def _encode(job: str, record: JobRecord) -> bytes:
 
 def _validated(body: bytes, job: str, before: float) -> JobRecord:
     """The record ``body`` holds; ValueError unless it is the job's and its times are plausible."""
-    doc = ProgressObject.model_validate_json(body)
+    try:
+        doc = ProgressObject.model_validate_json(body)
+    except ValidationError:
+        known = _known_fields_of_newer(body)
+        if known is None:
+            raise
+        doc = ProgressObject.model_validate(known)
     if doc.job != job:
         raise ValueError(f"it names job {doc.job[:64]!r}")
     for when in [doc.written, doc.at, *(t for _, t in doc.reached)]:
         if not before - MAX_AGE <= when <= before:
             raise ValueError(f"time {when:.0f} is not within the {MAX_AGE:.0f} s before the restart")
     return doc.record()
+
+
+def _known_fields_of_newer(body: bytes) -> dict | None:
+    """The fields this daemon knows of an object of a newer version (a newer daemon's), or None
+    when ``body`` is not such an object."""
+    try:
+        raw = pydantic_core.from_json(body)
+    except ValueError:
+        return None
+    version = raw.get("version") if isinstance(raw, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or version <= VERSION:
+        return None
+    dropped = sorted(k for k in raw if k not in ProgressObject.model_fields)
+    log.info("progress object of version %d (this daemon reads %d): using the fields it knows%s", version,
+             VERSION, f", not {', '.join(k[:32] for k in dropped[:8])}" if dropped else "")
+    return {k: v for k, v in raw.items() if k in ProgressObject.model_fields and k != "version"}
 
 
 def _short(exc: ValueError) -> str:

@@ -26,10 +26,12 @@ where the loop is):
   state is committed) just before the guard's forced exit would end it with 76.
 * **dirty** (inside an optimizer step's update): nothing is done here; the boundary acts as before.
 
-Not covered: runs of several ranks (the save and the stop are agreed at a boundary, as before:
-every rank must save the same step, and no exchange beside the boundary's can tell each rank in
-time that all are still between the same two steps; ARCHITECTURE.md says why),
-and state that changes between steps (BatchNorm statistics updated by a forward in train mode
+Runs of several ranks get no thread (every rank must save the same step, and no exchange beside the
+boundary's can tell each rank in time that all are still between the same two steps;
+ARCHITECTURE.md says why): they act at the next boundary, or, with
+``Run(agree_at_heartbeat=True)``, at the next ``run.heartbeat()`` every rank makes
+(:mod:`spotguard._heartbeat`; the step hooks capture and the boundaries restore as here). Not
+covered: state that changes between steps (BatchNorm statistics updated by a forward in train mode
 during an evaluation; an entry of ``state=`` that the evaluation writes) is saved as it is then.
 
 The GIL: the save's writes, fsyncs and hashing release it; its thread holds it only to encode the
@@ -55,7 +57,7 @@ from spotguard.checkpoint.errors import CheckpointError
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.protocol import utcnow
 
-__all__ = ["Between", "Frozen", "act_after", "exit_now"]
+__all__ = ["Between", "Frozen", "act_after", "as_captured", "exit_now"]
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +104,24 @@ class Frozen:
         raise TypeError("a frozen entry is only saved")
 
 
+def as_captured(state: dict[str, Any], rng_state: dict[str, Any], position: Any) -> dict[str, Any]:
+    """``state`` to save as captured at a step's end: its RNG states and loader position frozen."""
+    saved = dict(state, rng=Frozen(rng_state))
+    if position is not None:
+        saved["loader"] = Frozen(position)
+    return saved
+
+
 class Between:
     """Acts on a notice between two steps of a :class:`~spotguard.run.Run`; see the module docstring."""
 
-    def __init__(self, run: Any, optimizer: Any, abandon: bool) -> None:
+    def __init__(self, run: Any, optimizer: Any, abandon: bool, ranks_agree: bool = False) -> None:
+        """``ranks_agree``: a run of several ranks that agrees at ``run.heartbeat()``
+        (:mod:`spotguard._heartbeat`): the step hooks capture and the boundaries restore as in one
+        process, but no thread acts; the heartbeats do."""
         self.run, self.abandon = run, abandon
         inner = hookable(optimizer) if optimizer is not None else None
-        self.enabled = inner is not None and not run.agreement.enabled
+        self.enabled = inner is not None and (ranks_agree or not run.agreement.enabled)
         self._lock = threading.Lock()
         self._phase = "start"  # start | clean | dirty | boundary | closed
         self._since = time.monotonic()  # when the loop last passed a step's end or a boundary
@@ -122,7 +135,8 @@ class Between:
             return
         self._hooks = [inner.register_step_pre_hook(self._step_begins),
                        inner.register_step_post_hook(self._step_ended)]
-        threading.Thread(target=self._watch, name="spotguard-between-steps", daemon=True).start()
+        if not run.agreement.enabled:
+            threading.Thread(target=self._watch, name="spotguard-between-steps", daemon=True).start()
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -146,6 +160,12 @@ class Between:
                 if self._phase == "boundary":
                     self._phase = "clean"
                 self._since = time.monotonic()
+
+    def clean(self) -> tuple[int, dict[str, Any], Any] | None:
+        """(step done, RNG states, loader position) captured at the end of the last optimizer step,
+        while the state is still that step's (between two steps), else None."""
+        with self._lock:
+            return self._captured if self.enabled and self._phase == "clean" else None
 
     def wait(self) -> dict[str, Any] | None:
         """The outcome of the stop that began beside the work (after its save), else None."""
@@ -260,11 +280,8 @@ class Between:
             log.warning("stopping between steps: emergency save of step %d beside the work (about %.2f s, "
                         "%s)", done, decision.save_seconds or 0.0,
                         "no deadline" if left is None else f"{left:.1f} s left")
-            state = dict(run.state, rng=Frozen(rng_state))
-            if position is not None:
-                state["loader"] = Frozen(position)
             try:
-                run._save(done, "emergency", state=state)
+                run._save(done, "emergency", state=as_captured(run.state, rng_state, position))
                 saved = True
             except CheckpointError as exc:
                 log.error("the emergency save failed (%s); the previous checkpoint stands", exc)

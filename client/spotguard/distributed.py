@@ -34,11 +34,12 @@ collectives. A rank that holds a notice also has its forced-exit watchdog armed
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = ["Agreement", "Decision", "PeerLostError"]
 
@@ -53,6 +54,8 @@ class Decision:
     checkpoint: bool = False
     seconds_left: float | None = None
     save_seconds: float | None = None
+    marks_equal: tuple[bool, ...] = ()
+    """Per mark given to :meth:`Agreement.agree`: whether every rank gave the same value."""
 
 
 class PeerLostError(RuntimeError):
@@ -70,10 +73,15 @@ class Agreement:
     """
 
     def __init__(self, process_group: Any = None, *, overhead: float = 0.01, max_lag: float = 2.0,
-                 max_interval: int = 1000, timeout: float | None = None) -> None:
+                 max_interval: int = 1000, timeout: float | None = None, share: "Agreement | None" = None) -> None:
+        """``share``: exchange on that agreement's group and timeout (a second count of its own, e.g.
+        ``run.heartbeat()`` calls; not collective then)."""
+        if share is not None:
+            process_group, timeout = share._group, share.timeout
         self._group = process_group
         self.timeout = timeout
-        self._private = _private_group(process_group, timeout) if self.enabled else None
+        self._private = share._private if share is not None else \
+            _private_group(process_group, timeout) if self.enabled else None
         self._overhead, self._max_lag, self._max_interval = overhead, max_lag, max_interval
         self.interval = 1
         self._next_check = 0
@@ -98,21 +106,25 @@ class Agreement:
         """True at the boundaries where every rank exchanges flags."""
         return step >= self._next_check
 
-    def agree(self, step: int, local: Decision) -> Decision:
-        """The agreed decision (call on every rank at the same step; see :meth:`due`)."""
+    def agree(self, step: int, local: Decision, marks: Sequence[float] = ()) -> Decision:
+        """The agreed decision (call on every rank at the same step; see :meth:`due`). ``marks``
+        travel in the same exchange as ``m, -m``: :attr:`Decision.marks_equal` says, per mark,
+        whether every rank gave the same value (MAX of both is then ``m, -m``)."""
         if not self.enabled:
-            return local
+            return dataclasses.replace(local, marks_equal=(True,) * len(marks)) if marks else local
         left = _NO_DEADLINE if local.seconds_left is None else local.seconds_left
         save = -1.0 if local.save_seconds is None else local.save_seconds
         values = [float(local.stop), float(local.checkpoint), -left, -self._propose(step), save]
+        values += [v for mark in marks for v in (float(mark), -float(mark))]
         started = time.monotonic()
-        stop, checkpoint, neg_left, neg_interval, save = self._all_reduce_max(values, step)
+        stop, checkpoint, neg_left, neg_interval, save, *pairs = self._all_reduce_max(values, step)
         self._collective_seconds = time.monotonic() - started
         self.interval = max(1, int(-neg_interval))
         self._next_check = step + self.interval
         return Decision(stop=stop > 0, checkpoint=checkpoint > 0,
                         seconds_left=None if -neg_left >= _NO_DEADLINE / 2 else -neg_left,
-                        save_seconds=None if save < 0 else save)
+                        save_seconds=None if save < 0 else save,
+                        marks_equal=tuple(pairs[i] == -pairs[i + 1] for i in range(0, len(pairs), 2)))
 
     def barrier(self, step: int) -> None:
         """Wait until every rank got here (bounded like :meth:`agree`; a no-op with one rank)."""

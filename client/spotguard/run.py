@@ -51,6 +51,12 @@ committed checkpoint stands. Work that really takes longer than ``peer_timeout``
 steps (an evaluation inside the loop) calls :meth:`Run.heartbeat` now and then, or needs a larger
 value.
 
+**A notice between steps** (an evaluation inside the loop body) is acted on beside the work in one
+process (:mod:`spotguard._between`). With several ranks it waits for the next boundary, unless every
+rank calls :meth:`Run.heartbeat` at the same points of that work and says so with
+``agree_at_heartbeat=True``: the ranks then agree at those calls, and save and stop there together
+(:mod:`spotguard._heartbeat`).
+
 Leaving the loop early with ``break`` (or ``return``) is safe: :meth:`finish` saves the state as
 it is, counting the step left mid-way as done when the optimizer given to ``Run`` stepped in it
 (an optimizer step hook tells), and as not done otherwise, in which case a ``spotguard.DataLoader``
@@ -82,6 +88,7 @@ from spotguard import _ddp, _jobid
 from spotguard._peer import exit_peer_lost, is_peer_failure
 from spotguard._audit import Audit
 from spotguard._between import Between, Frozen
+from spotguard._heartbeat import Heartbeats
 from spotguard._record import Recorder
 from spotguard._run_parts import RngState as _RngState  # noqa: F401 (tests import it here)
 from spotguard._run_parts import (build_state, count_steps, default_group, is_spotguard_loader, loader_entry,
@@ -135,6 +142,7 @@ class Run(Stopping):
         durable: str | None = None,
         peer_timeout: float | None = 600.0,
         abandon_between_steps: bool = False,
+        agree_at_heartbeat: bool = False,
     ) -> None:
         self.state = build_state(model, optimizer, scheduler, sampler, state)
         self.state.update(_ddp.entries(self.state))  # DDP's real bucket layout, for an exact resume
@@ -183,7 +191,8 @@ class Run(Stopping):
         self._open_step: tuple[int, Any] | None = None  # (optimizer steps, loader state) at a yield
         self._optimizer_steps = 0
         self._counts_steps = count_steps(optimizer, self._count_optimizer_step)
-        self._between = Between(self, optimizer, abandon_between_steps)  # a notice outside a step
+        self._between = Between(self, optimizer, abandon_between_steps, agree_at_heartbeat)  # outside a step
+        self._heartbeats = Heartbeats(self, agree_at_heartbeat)  # several ranks: agreed at run.heartbeat()
 
     # ------------------------------------------------------------------ the loop
 
@@ -209,6 +218,7 @@ class Run(Stopping):
         if self.step >= total:
             log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
             return  # a completed job relaunched under a pending notice must exit 0, not 75
+        self._heartbeats.active = True
         try:
             if self._at_boundary(self.step):
                 return
@@ -220,6 +230,7 @@ class Run(Stopping):
                 if self._at_boundary(self.step):
                     return
         finally:  # the loop ended, or was left (break closes this generator)
+            self._heartbeats.active = False
             if self._progress is not None:
                 self._progress.disarm()
 
@@ -250,13 +261,15 @@ class Run(Stopping):
         When a notice's save ran beside that work (:mod:`spotguard._between`), this is where the
         work stops: it waits for the save, then raises ``SystemExit(75)`` as a boundary would
         (``exit_on_stop=False``: returns True, and the loop ends at its next boundary). Otherwise
-        it returns False, after telling the peer-loss progress watchdog this rank is busy, not stuck."""
+        it returns False, after telling the peer-loss progress watchdog this rank is busy, not stuck.
+        With several ranks and ``agree_at_heartbeat=True`` the ranks agree here on a notice and stop
+        together, saving the last step done (:mod:`spotguard._heartbeat`)."""
         outcome = self._between.wait()
         if outcome is not None:
             return self._stop_between(outcome)
         if self._progress is not None and self._progress.armed_at is not None:
             self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
-        return False
+        return self._heartbeats.beat()
 
     def _record_forced_exit(self) -> None:
         """The progress watchdog's exit, in the run record (its thread, one write): a lost peer, or
@@ -319,6 +332,8 @@ class Run(Stopping):
 
     def _at_boundary(self, done: int) -> bool:
         """A boundary: stop when a save ran beside the work since the last one, else act on it."""
+        if self.stopped:  # stopped at a heartbeat, exit_on_stop=False
+            return True
         outcome = self._between.enter_boundary()
         if outcome is not None:
             return self._stop_between(outcome)
@@ -342,9 +357,10 @@ class Run(Stopping):
         if self.agreement.enabled and not self.agreement.due(done):
             return False  # flags wait for the next exchange: every rank acts at the same step
         try:
-            decision = self.agreement.agree(done, self._local_decision(done))
+            decision = self.agreement.agree(done, self._local_decision(done), self._heartbeats.boundary_marks())
         except PeerLostError as exc:
             self._peer_lost(done, exc)
+        self._heartbeats.check_boundary(decision, done)
         self._due_latched = False
         if decision.stop:
             return self._stop(done, decision)

@@ -11,7 +11,8 @@ between heartbeats in exchanges, and at most 2 s between two of them.
 
 Two marks travel in the exchange: the heartbeat's number (a rank at another heartbeat, or at a
 boundary, which sends 0, means the calls differ between ranks: a clear error on every rank, not a
-silent mix of the two exchanges) and the step whose end each rank's optimizer hooks captured, while
+silent mix of the two exchanges; a rank waiting elsewhere meanwhile, in DDP's all-reduce, ends at
+``peer_timeout`` with 77) and the step whose end each rank's optimizer hooks captured, while
 the state is still that step's (:meth:`Between.clean`; -1 otherwise). When any rank holds a
 stopping notice (the far-deadline rule and ``stop_lead`` as at a boundary) and every rank is
 between the same two steps, every rank saves that step, with the RNG states and loader position

@@ -6,7 +6,9 @@ a link, one spotguard daemon per node (its own runtime directory, sockets and st
 (``ip netns add``) with loopback up and one end of a veth pair, addressed ``10.213.0.1/30`` and
 ``10.213.0.2/30``: those addresses exist only inside the two namespaces, so nothing outside can
 reach them and parallel test runs (other namespaces) cannot collide. The file system is shared,
-like a cluster's shared checkpoint directory.
+like a cluster's shared checkpoint directory; with ``node_local`` each node's checkpoint root is a
+tmpfs of its own, mounted here and unmounted at teardown, and the store is the S3 emulator reached
+through relays in node a's namespace (``_bucket.py``).
 
 Needs root and ``ip`` (CI runs as root); skips loudly otherwise. Every process started in a
 namespace is killed by pid (``ip netns pids``) and the namespaces are deleted at teardown.
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -59,6 +61,8 @@ class Node:
         self.extra_env: dict[str, str] = {}
         """Set in every process of this node, the daemon's included (e.g. the store's URL)."""
         self.daemon: subprocess.Popen | None = None
+        self.relay: Any = None
+        """This node's relay to the bucket (``_bucket.py``), when the store is one."""
         self.procs: list[subprocess.Popen] = []
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -86,6 +90,12 @@ class Node:
             assert self.daemon.poll() is None, self.daemon_log()
             assert time.monotonic() < deadline, f"daemon on {self.name} did not start: {self.daemon_log()}"
             time.sleep(0.1)
+
+    def start_fresh_daemon(self, checkpoint_root: Path) -> None:
+        """Node c in this namespace: a new daemon with an empty state, runtime directory and root."""
+        self.runtime_dir = self.runtime_dir.with_name(self.runtime_dir.name + "c")
+        self.state_dir = self.state_dir.with_name(self.state_dir.name + "c")
+        self.start_daemon(checkpoint_root)
 
     def daemon_log(self) -> str:
         path = self.log_dir / f"daemon-{self.name}.log"
@@ -129,6 +139,15 @@ class Cluster:
         self.workdir, self.port = workdir, 29400 + next(_counter)
         self.checkpoint_root = workdir / "ckpt"
         self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        self.mounts = ExitStack()
+
+    def tmpfs(self, path: Path) -> Path:
+        """A tmpfs of its own mounted on ``path`` (a node's local disk), unmounted at teardown."""
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=0700", "tmpfs", str(path)],
+                       check=True, capture_output=True, timeout=10)
+        self.mounts.callback(subprocess.run, ["umount", str(path)], check=True, capture_output=True, timeout=10)
+        return path
 
     def create(self) -> None:
         a, b = self.nodes
@@ -148,6 +167,7 @@ class Cluster:
             for proc in node.procs:
                 proc.wait(30)  # reap them: every one was in the namespace, so it was killed
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True, timeout=10)
+        self.mounts.close()
 
     def torchrun(self, node: Node, name: str, ckpt: str, record: Path, *job_args: str,
                  nproc: int = 1, run_id: str = "job", restarts: int = 0, rdzv_conf: str = "",
@@ -224,20 +244,25 @@ class Job:
 
 
 @contextmanager
-def two_nodes(workdir: Path, store: str | None = None, node_local: bool = False) -> Iterator[Cluster]:
+def two_nodes(workdir: Path, store: str | None = None, node_local: bool = False,
+              bucket: Any = None, hold_b: bool = False) -> Iterator[Cluster]:
     """Two namespaces with a daemon each, torn down (processes killed by pid) on the way out.
-    ``store``: the durable store of both daemons and jobs; ``node_local``: each daemon's checkpoint
-    root is its node's own ``workdir/local-<a|b>`` (no directory shared for checkpoints)."""
+    ``store``: the durable store of both daemons and jobs; ``bucket`` (a ``_bucket.Bucket``): the
+    S3 emulator instead, through a relay per node (node b's a ``HoldingRelay`` with ``hold_b``);
+    ``node_local``: each daemon's checkpoint root is its node's own tmpfs on ``workdir/local-<a|b>``
+    (no directory shared for checkpoints)."""
     sock_dir = Path(tempfile.mkdtemp(prefix="sgmn-", dir="/tmp"))  # ipc:// paths must stay short
     cluster = Cluster(workdir, sock_dir)
     try:
         cluster.create()
         for node, letter in zip(cluster.nodes, "ab"):
-            if store:
+            if bucket:
+                node.relay = bucket.relay(cluster.nodes[0].name, cluster.nodes[0].addr,
+                                          holding=hold_b and node.index == 1)
+                node.extra_env.update(bucket.env(node.relay))
+            elif store:
                 node.extra_env["SPOTGUARD_STORAGE__URL"] = store
-            root = workdir / f"local-{letter}" if node_local else cluster.checkpoint_root
-            root.mkdir(exist_ok=True)
-            node.start_daemon(root)
+            node.start_daemon(cluster.tmpfs(workdir / f"local-{letter}") if node_local else cluster.checkpoint_root)
         yield cluster
     finally:
         cluster.destroy()

@@ -1,13 +1,19 @@
 """Node-local checkpoint roots on two nodes (issue 24 items 1-2): a notice, the store, a fresh node.
 
 Two network namespaces, a daemon and a torchrun agent (2 ranks) each; each node's checkpoint root
-is its own directory (``local-a``, ``local-b``: separate directories on this machine's disk, not
-tmpfs), and the durable store is a ``file://`` bucket both daemons reach (the S3 emulator listens
-on the host's loopback, which the namespaces cannot reach). A notice on node b stops every rank of
-both nodes at one step; each node commits its own ranks' parts, each daemon uploads its node's
-part, and the step becomes globally committed once both are in the store. The relaunch on node a
-and a fresh node c (node b's namespace with an empty root) resumes from that step and ends
-bit-identical to an uninterrupted run with the same roots layout.
+is a tmpfs of its own (``local-a``, ``local-b``), and the durable store is the S3 emulator, which
+both nodes reach through relays in node a's namespace (``_bucket.py``). A notice on node b stops
+every rank of both nodes at one step; each node commits its own ranks' parts, each daemon uploads
+its node's part, and the step becomes globally committed once both are in the store. The relaunch
+on node a and a fresh node c (node b's namespace with an empty root) resumes from that step and
+ends bit-identical to an uninterrupted run with the same roots layout.
+
+Last, node b is killed with no notice in the middle of its upload: its relay holds the first object
+of the upload after its part of step 10 (``HoldingRelay``: the pending note of step 20 is written,
+none of its objects lands). Once node a's part of step 20 is in the store, node b drops off the
+network and every process in its namespace, daemon included, is SIGKILLed. The store never shows
+step 20 as globally committed, node a's ranks exit 77, and the relaunch on node a and a fresh node c
+(a new daemon in b's namespace on a new, empty tmpfs) resumes from step 10, bit-identical.
 """
 
 from __future__ import annotations
@@ -18,13 +24,15 @@ import time
 
 import pytest
 
+from _bucket import Bucket
 from _twonodes import netns_available, two_nodes
-from spotguard.storage import Durable, open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS, NPROC = 30, 2
+STEPS, NPROC, SAVE = 40, 2, 10
 ARGS = ("--steps", str(STEPS), "--save-every", "20")
+LOST = ("--steps", str(STEPS), "--save-every", str(SAVE))
+"""The job killed mid-upload: a save every 10 steps (the cadence does not change the training)."""
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +41,28 @@ def cluster(tmp_path_factory):
     if why:
         pytest.skip(f"MULTI-NODE TESTS SKIPPED: {why}")
     work = tmp_path_factory.mktemp("multinode-local")
-    with two_nodes(work, store=f"file://{work}/bucket", node_local=True) as cluster:
-        yield cluster
+    bucket = Bucket(work)
+    try:
+        with two_nodes(work, bucket=bucket, node_local=True, hold_b=True) as cluster:
+            cluster.bucket = bucket
+            yield cluster
+    finally:
+        bucket.close()
 
 
 @pytest.fixture(scope="module")
 def runs(cluster):
     work = cluster.workdir
     roots = [work / "local-a", work / "local-b"]
+    # The reference runs first, alone: the notice goes to every job of node b's daemon, and a
+    # reference still running under load when it came stopped too (the test failed 1 of 5).
     reference = cluster.launch("reference", "ref", *ARGS, nproc=NPROC, roots=roots)
+    assert reference.wait(300) == [0, 0], reference.output()
     stopped = cluster.launch("stopped", "job", *ARGS, "--step-sleep", "0.25", nproc=NPROC, roots=roots)
     stopped.wait_for("progress", 1, lambda e: e["step"] >= 3)
     cluster.nodes[1].notify(deadline=60)
     stopped_codes = stopped.wait(180)
-    assert reference.wait(300) == [0, 0], reference.output()
-    durable = Durable(open_store(f"file://{work}/bucket"))
+    durable = cluster.bucket.durable()
     deadline = time.monotonic() + 120  # under load, each daemon may still be uploading the reference's
     while not durable.list("multinode-job") and time.monotonic() < deadline:
         time.sleep(0.2)  # both daemons upload their node's part; the second completes the set
@@ -94,3 +109,42 @@ def test_each_node_commits_only_its_own_ranks_parts(cluster, runs):
         assert {rel.split("/")[0] for rel in manifest["files"]} == {f"rank-{r}" for r in ranks}
         tree = json.loads((step / f"rank-{ranks[0]}" / "tree.json").read_text())
         assert {"model", "optimizer"} <= {name for name, *_ in tree["entries"]}  # the leader's replicated state
+
+
+def wait_until(what: str, check, job, timeout: float = 120.0) -> None:
+    """Wait for ``check()`` with every agent of ``job`` still running."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert all(launch.proc.poll() is None for launch in job.launches), f"an agent exited before {what}:\n{job.output()}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s:\n{job.output()}"
+        time.sleep(0.1)
+
+
+def test_node_b_killed_mid_upload_leaves_the_step_uncommitted_and_the_relaunch_resumes_bit_identical(cluster, runs):
+    """Runs last: it kills node b (node c takes its namespace)."""
+    a, b = cluster.nodes
+    bucket, job = cluster.bucket, "multinode-lost"
+    roots = [cluster.workdir / "local-a", cluster.workdir / "local-b"]
+    b.relay.hold_after(job, SAVE)
+    lost = cluster.launch("lost", "lost", *LOST, "--step-sleep", "0.25", "--peer-timeout", "5",
+                          nproc=NPROC, roots=roots)
+    a_part = f"jobs/{job}/parts/step-{2 * SAVE:010d}/node-0.json"
+    wait_until("held upload of node b's step 20", b.relay.held.is_set, lost)
+    wait_until("node a's part of step 20 in the store", lambda: bucket.store.exists(a_part), lost)
+    b.link_down()
+    assert b.daemon.pid in b.kill_all()
+    codes = lost.wait(120)
+    out = lost.launches[0].output()
+    assert codes[0] == 1 and re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", out, re.MULTILINE) == ["77"] * NPROC, out
+    durable = bucket.durable()
+    assert durable.list(job) == [SAVE] and durable.latest(job) == SAVE, b.daemon_log()[-3000:]
+
+    b.relay.release()
+    b.link_up()
+    fresh = cluster.tmpfs(cluster.workdir / "local-c")
+    b.start_fresh_daemon(fresh)
+    resumed = cluster.launch("lost-resumed", "lost", *LOST, nproc=NPROC, roots=[roots[0], fresh])
+    assert resumed.wait(300) == [0, 0], resumed.output()
+    assert {e["resumed_from"] for e in resumed.events("start")} == {SAVE}, resumed.output()
+    final = {e["digest"] for e in resumed.events("finish")}
+    assert len(final) == 1 and final == {e["digest"] for e in runs["reference"].events("finish")}, resumed.output()

@@ -26,16 +26,17 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "up
 
 class Proxy:
     def __init__(self, upstream: str, *, seed: int = 0, fault_rate: float = 0.0,
-                 faults: tuple[str, ...] = FAULTS, max_faults: int = 1000, slow_s: float = 0.3) -> None:
+                 faults: tuple[str, ...] = FAULTS, max_faults: int = 1000, slow_s: float = 0.3,
+                 host: str = "127.0.0.1") -> None:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname, parts.port)
         self.rng, self.lock = random.Random(seed), threading.Lock()
         self.fault_rate, self.faults, self.max_faults, self.slow_s = fault_rate, faults, max_faults, slow_s
         self.requests: list[tuple[str, str, int]] = []
         self.injected: list[tuple[str, str, str]] = []
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server = ThreadingHTTPServer((host, 0), _handler(self))
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.url = f"http://{host}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
                                        daemon=True)
 

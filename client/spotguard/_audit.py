@@ -23,6 +23,18 @@ by what stays exact even then:
   ``DistributedDataParallel`` the state does not hold (``entry``, ``world_size``): its gradient
   bucket layout is then neither recorded nor restored (:mod:`spotguard._ddp`).
 
+With ``SPOTGUARD_RECORD_ELASTIC=1`` (``spotguard drill --resize`` sets it), what a resume on
+another number of ranks is judged by, at some cost (a device sync per step, a hash of the model and
+optimizer at each save and load):
+
+* ``samples``: after each step, on every rank, the samples the step drew (``drawn``: ``[epoch,
+  pass, first, stride, ids]`` chunks, ``ids[j]`` at place ``first + j * stride`` of the epoch's order
+  over the whole job, :meth:`~spotguard.ResumableSampler.take_consumed`), the dataset's length
+  (``of``) and, on rank 0, the step's ``loss``;
+* ``marks`` carry ``state``: a digest per model and optimizer of the state (every tensor of its
+  ``state_dict``, DDP's replicated ones whole; a DTensor's shards are left out), and the ``load``
+  marks come from every rank.
+
 Exceptions: none; nothing here raises into the training loop.
 """
 
@@ -30,12 +42,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
 from typing import Any, Mapping
 
 from spotguard._record import Recorder
+from spotguard.sampler import ids_digest
 
-__all__ = ["Audit", "rng_digests"]
+__all__ = ["Audit", "ELASTIC_ENV", "rng_digests", "state_digests"]
+
+ELASTIC_ENV = "SPOTGUARD_RECORD_ELASTIC"
 
 _NAMED = 4
 """Parameter names listed for an unsaved optimizer (then a count of the rest)."""
@@ -96,6 +112,42 @@ def rng_digests(state: Mapping[str, Any] | None = None) -> dict[str, str]:
             if value is not None}
 
 
+def state_digests(state: Mapping[str, Any]) -> dict[str, str]:
+    """A digest per model and optimizer of ``state``: every tensor of its ``state_dict`` (dtype,
+    shape, bytes) and every other value, keys in order. An entry holding a DTensor (a shard) or
+    that cannot be read is left out."""
+    out = {}
+    for name, value in state.items():
+        if not (hasattr(value, "named_parameters") or isinstance(getattr(value, "param_groups", None), list)):
+            continue
+        digest = hashlib.blake2b(digest_size=8)
+        try:
+            _feed(digest, value.state_dict())
+        except Exception:  # noqa: BLE001 (a shard, an unreadable tensor: nothing raises into the loop)
+            continue
+        out[name] = digest.hexdigest()
+    return out
+
+
+def _feed(digest: Any, value: Any) -> None:
+    if hasattr(value, "full_tensor"):
+        raise TypeError("a DTensor shard")
+    if hasattr(value, "detach") and hasattr(value, "dtype"):
+        tensor = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"T{tensor.dtype}{tuple(value.shape)}".encode())
+        digest.update(tensor.view(sys.modules["torch"].uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            digest.update(f"K{key!r}".encode())
+            _feed(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"L{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(f"V{value!r}".encode())
+
+
 class _LossTap:
     """Keeps the last scalar ``Tensor.backward()`` was called on (detached; read only at a save).
     Installed while at least one Audit records, torch's own method put back after the last."""
@@ -140,7 +192,9 @@ class Audit:
     def __init__(self, record: Recorder, state: Mapping[str, Any]) -> None:
         self.record, self.state, self._hook, self._seen = record, state, None, set()
         self.on = record.enabled and record.rank == 0
-        self.samplers = _samplers(state) if self.on else []
+        self.elastic = record.enabled and os.environ.get(ELASTIC_ENV) == "1"
+        """Every rank records its samples, rank 0 its loss per step, the marks a state digest."""
+        self.samplers = _samplers(state) if self.on or self.elastic else []
         for sampler in self.samplers:
             sampler.consumed = []
         self._first = True
@@ -158,15 +212,22 @@ class Audit:
         """After step ``done``: record the samples it drew (and, the first time, what a resume
         loaded and a DDP the state does not hold: a run's first boundary past step 0 follows
         its load)."""
-        if self._first and self.on:
+        if self._first and (self.on or self.elastic):
             self._first = False
-            self._find_ddp()
+            if self.on:
+                self._find_ddp()
             if done > 0:
                 self._marks(done, "load")
         for i, sampler in enumerate(self.samplers):
-            ids = sampler.take_ids_digest()
+            taken = sampler.take_consumed()
+            ids = ids_digest(taken) if self.on else None
             if ids is not None:
                 self.record.emit("data", step=done, ids=ids if i == 0 else f"{i}:{ids}")
+            if self.elastic and i == 0 and done > 0:
+                self.record.emit("samples", step=done, drawn=[list(chunk) for chunk in taken],
+                                 of=sampler.num_items, loss=_LossTap.value() if self._tapped else None)
+        if self.elastic and not self.samplers and self._tapped and done > 0:
+            self.record.emit("samples", step=done, loss=_LossTap.value())
 
     def saving(self, done: int, rng_state: Mapping[str, Any] | None = None) -> None:
         """The run saves step ``done`` now: record its progress state (``rng_state``: the RNG
@@ -178,6 +239,8 @@ class Audit:
         lrs = [float(group["lr"]) for optimizer in _optimizers(self.state)
                for group in optimizer.param_groups if "lr" in group]
         epoch = self.samplers[0].epoch if self.samplers else None
+        if self.elastic:
+            extra["state"] = state_digests(self.state)
         self.record.emit("marks", step=step, at=at, rng=rng_digests(rng_state), lr=lrs, epoch=epoch, **extra)
 
     def _find_ddp(self) -> None:

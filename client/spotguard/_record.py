@@ -39,7 +39,10 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
   (the progress state at each save and after a resume's load); ``unsaved``: ``what`` (an
   optimizer or LR scheduler the job uses but did not hand to ``Run``); ``ddp``: ``entry``,
   ``world_size`` (a model trained through a DDP that ``Run`` was not given); rank 0, see
-  :mod:`spotguard._audit`.
+  :mod:`spotguard._audit`. With ``SPOTGUARD_RECORD_ELASTIC=1`` (``spotguard drill --resize``):
+  ``samples``: ``step``, ``drawn`` (the sample ids the step drew, with their places in the epoch's
+  order), ``of``, ``loss``, every rank; ``marks``' ``state`` (a digest per model and optimizer), and
+  the ``load`` marks of every rank.
 
 Two runs of the same job that end with equal ``finish`` digests ended in bit-identical states: the
 digest covers every byte of every entry of the checkpoint (model, optimizer, scheduler, data
@@ -95,7 +98,8 @@ SCHEMA: dict[str, dict[str, str]] = {
     "load_failed": {"error": "str?"},
     "data": {"step": "count", "ids": "str"},
     "marks": {"step": "count", "at": "str", "rng": "dict?", "lr": "list?", "epoch": "count?",
-              "loss": "number?"},
+              "loss": "number?", "state": "dict?"},
+    "samples": {"step": "count", "drawn": "list?", "of": "count?", "loss": "number?"},
     "unsaved": {"what": "str"},
     "ddp": {"entry": "str", "world_size": "count?"},
     "restore_failed": {"store": "str?", "store_step": "count?", "local_step": "count?", "error": "str?"},

@@ -123,6 +123,19 @@ def _sizes(rest: int, world: int, drop_last: bool) -> tuple[int, int]:
     return num_samples, num_samples * world
 
 
+def ids_digest(taken: list[tuple[int, int, int, int, list[int]]]) -> str | None:
+    """A digest of the sample ids in :meth:`ResumableSampler.take_consumed`'s chunks (None for none)."""
+    import hashlib
+    from array import array
+
+    if not taken:
+        return None
+    ids = array("q")
+    for chunk in taken:
+        ids.extend(chunk[-1])
+    return hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
+
+
 class ResumableSampler:
     """A ``DistributedSampler``-compatible sampler whose position survives a restart.
 
@@ -155,9 +168,9 @@ class ResumableSampler:
         self._iterated = self._advanced = False
         self._owner: Any = None
         self._plain_loader = self._warned_plain = False
-        self.consumed: list[tuple[int, int, int, int]] | None = None
-        """With a list here (a run that records itself), each advance appends (epoch, base, position, n):
-        :meth:`take_ids_digest` names the sample ids the loop drew since the last call."""
+        self.consumed: list[tuple[int, int, int, int, int]] | None = None
+        """With a list here (a run that records itself), each advance appends (epoch, passes, base,
+        position, n): :meth:`take_consumed` names the sample ids the loop drew since the last call."""
         self._order: tuple[tuple[int, int, int], list[int]] | None = None
 
     def _split(self, base: int) -> None:
@@ -189,23 +202,27 @@ class ResumableSampler:
                 f"advance({n_samples}) at position {self.position} passes the end of the epoch "
                 f"({self.num_samples} samples on this rank)")
         if self.consumed is not None:
-            self.consumed.append((self.epoch, self.base, self.position, int(n_samples)))
+            self.consumed.append((self.epoch, self.passes, self.base, self.position, int(n_samples)))
         self.position += int(n_samples)
         self._advanced = True
+
+    def take_consumed(self) -> list[tuple[int, int, int, int, list[int]]]:
+        """The samples drawn since the last call, one ``(epoch, pass, first, stride, ids)`` per
+        advance: ``ids[j]`` sits at place ``first + j * stride`` of the epoch's order over the whole
+        job (this rank takes every ``world_size``-th from ``base + rank``; a place past the dataset
+        is DistributedSampler's padding). Places, unlike per-rank positions, mean the same on any
+        number of ranks: a job resumed on another world size goes on at the next place."""
+        taken = [(epoch, passes, base + start * self.world_size + self.rank, self.world_size,
+                  self._indices(epoch, base)[start:start + n])
+                 for epoch, passes, base, start, n in self.consumed or ()]
+        if self.consumed:
+            self.consumed.clear()
+        return taken
 
     def take_ids_digest(self) -> str | None:
         """A digest of the sample ids consumed since the last call (None when none were, or
         nothing is tracked): equal for two runs exactly when they drew the same samples."""
-        import hashlib
-        from array import array
-
-        if not self.consumed:
-            return None
-        ids = array("q")
-        for epoch, base, start, n in self.consumed:
-            ids.extend(self._indices(epoch, base)[start:start + n])
-        self.consumed.clear()
-        return hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
+        return ids_digest(self.take_consumed())
 
     def __iter__(self) -> Iterator[int]:
         start = self.position if self._resume_pending else 0

@@ -19,6 +19,10 @@ The command runs as given, twice over:
    far apart two uninterrupted runs end, in parameters and in the last loss
    (:mod:`spotguard_daemon.commands.drill_spread`).
 
+``--resize N`` relaunches a ``torchrun`` command on ``N`` ranks and on its own number in turn, with
+no reference (nothing on another world size ends bit-identical to it), and judges the loaded state,
+the sample sequence and the loss curve (:mod:`spotguard_daemon.commands.drill_resize`).
+
 Notices come from a private daemon (``--platform none``, embedded default settings, its sockets
 and state in private temporary directories), started for each launch that gets one and stopped
 after it: a daemon keeps a notice pending past its deadline, and a relaunch on a real spot
@@ -54,10 +58,12 @@ from pathlib import Path
 
 import click
 
+from spotguard._audit import ELASTIC_ENV
 from spotguard._record import RecordError, read_new
 from spotguard_daemon.commands.common import guarded
 from spotguard_daemon.commands.drill_checks import Launch, judge, reproducible, save_figures, SPREAD_FACTOR
 from spotguard_daemon.commands.drill_report import Live, write_report
+from spotguard_daemon.commands.drill_resize import PROMISE, nproc, resize_checks, with_nproc
 from spotguard_daemon.commands.drill_spread import distance, entry_of, final_loss, loss_distance
 from spotguard_daemon.commands.drill_tree import Tree, new_file, private_dir
 from spotguard_daemon.commands.supervise import LaunchError, command_after_options, killpg, spawn, start_daemon, stop
@@ -86,8 +92,10 @@ class Drill:
     """The launches of one drill; :meth:`close` stops whatever still runs."""
 
     def __init__(self, argv: list[str], report: Path, preemptions: int, seed: int | None,
-                 timeout: float, live: Live) -> None:
+                 timeout: float, live: Live, resize: int | None = None) -> None:
         self.argv, self.report, self.live, self.timeout = argv, report, live, timeout
+        self.sizes = (nproc(argv), resize) if resize else None
+        """``--resize``: the command's ranks and the other number, launch by launch in turn."""
         self.seed = random.randrange(2**31) if seed is None else seed
         self.rng = random.Random(self.seed)
         self.kinds = [KINDS[i % len(KINDS)] for i in range(preemptions)]
@@ -163,6 +171,8 @@ class Drill:
         while True:
             done = sum(launch.preempted for launch in launches)
             launch = Launch(len(launches) + 1, self.kinds[done] if done < len(self.kinds) else None)
+            if self.sizes:
+                launch.ranks = self.sizes[(launch.index - 1) % 2]
             launches.append(launch)
             self.run_launch(launch, self._daemon(launch) if launch.kind in ("notice", "short-notice")
                             else None)
@@ -205,9 +215,11 @@ class Drill:
         runtime = self.sockets / (f"d{launch.index}" if daemon else "none")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
         env.update(SPOTGUARD_RECORD=str(record), SPOTGUARD_RUNTIME_DIR=str(runtime))
+        if self.sizes:
+            env[ELASTIC_ENV] = "1"
         launch.t_launch = time.time()
         with new_file(launch.log) as log:
-            proc = self._spawn(self.argv, env, log)
+            proc = self._spawn(with_nproc(self.argv, launch.ranks) if launch.ranks else self.argv, env, log)
         launch.pid = proc.pid
         self.live.launch(launch, proc.pid)
         try:
@@ -429,9 +441,13 @@ def _notify(endpoint: str | None, deadline: float) -> None:
               help="Seconds one launch may run before the drill kills it and fails.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print report.json on the last line of stdout too (for CI).")
+@click.option("--resize", type=click.IntRange(1, 4096), metavar="N",
+              help="Relaunch a torchrun command on N ranks (its --nproc-per-node) and on its own "
+                   "number in turn; judged by the state loaded, the sample sequence and the loss "
+                   "curve, not bit-identity (no reference run).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def drill(preemptions: int, no_reference: bool, seed: int | None, report_dir: Path | None,
-          launch_timeout: float, as_json: bool, command: tuple[str, ...]) -> None:
+          launch_timeout: float, as_json: bool, resize: int | None, command: tuple[str, ...]) -> None:
     """Run COMMAND under random preemptions and prove it resumes exactly (spotguard drill -- CMD).
 
     \b
@@ -439,21 +455,31 @@ def drill(preemptions: int, no_reference: bool, seed: int | None, report_dir: Pa
     preemptions took effect: make the job longer or save sooner), 130 interrupted.
     """
     command = tuple(command_after_options(command, "spotguard drill [OPTIONS] -- COMMAND [ARGS]..."))
+    try:
+        if resize is not None and nproc(list(command)) == resize:
+            raise ValueError(f"the command already runs {resize} ranks: --resize needs another number")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--resize'") from exc
     report = report_dir or Path(f"spotguard-drill-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         private_dir(report)
     except (ValueError, OSError) as exc:
         raise click.BadParameter(str(exc), param_hint="'--report-dir'") from exc
     live = Live(sys.stdout.isatty())
-    run = Drill(list(command), report.absolute(), preemptions, seed, launch_timeout, live)
+    run = Drill(list(command), report.absolute(), preemptions, seed, launch_timeout, live, resize)
+    resized = (f"{run.sizes[0]} -> {run.sizes[1]} ranks at the first relaunch (and back, in turn); "
+               f"{PROMISE}") if run.sizes else None
 
     def body() -> int:
-        reference = None if no_reference else run.reference()
+        if resized:
+            live.phase(f"no reference run: {resized}")
+        reference = None if no_reference or resized else run.reference()
         launches = run.drill()
         layout = _layout(launches, reference)  # before spread() moves the checkpoints aside
         spread = run.spread(launches, reference) if reference else None
         checks = judge(launches, reference, preemptions, spread, layout)
+        checks += resize_checks(launches) if resized else []
         return write_report(report, list(command), launches, reference, checks, live,
-                            spread=spread, problems=run.problems, as_json=as_json)
+                            spread=spread, problems=run.problems, as_json=as_json, resize=resized)
 
     sys.exit(guarded("drill", body, lambda status: run.close(), DrillError))

@@ -66,6 +66,8 @@ class Launch:
     skipped: str | None = None
     """Why its planned preemption was not delivered, if it was not."""
     killed: bool = False
+    ranks: int | None = None
+    """The ranks the drill launched it on, when it changes them (``--resize``)."""
     pid: int | None = None
     pids: set[int] = field(default_factory=set)
     """The launch's descendants the drill saw, by verified identity."""
@@ -108,7 +110,7 @@ class Launch:
 
     def point(self) -> dict[str, Any]:
         """The launch for the JSON report, without its raw events."""
-        return {"launch": self.index, "preemption": self.kind if self.preempted else None,
+        return {"launch": self.index, "ranks": self.ranks, "preemption": self.kind if self.preempted else None,
                 "target_step": self.target, "preempted_at_step": self.preempted_step,
                 "status": self.status, "killed": self.killed,
                 "resumed_from": self.first("start") and self.first("start").get("resumed_from"),

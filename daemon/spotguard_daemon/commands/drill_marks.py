@@ -3,7 +3,7 @@ after each load (``marks`` events, :mod:`spotguard._audit`): what stays exact ac
 for a job that is not reproducible run to run.
 
 * ``rng streams``: each relaunch's global RNG streams (Python, NumPy, torch, CUDA), right after its
-  load, are the ones saved at that step; and every stream the job seeds (equal in the reference and
+  load, are the ones saved at that step (by as many ranks: an elastic resume re-derives them); and every stream the job seeds (equal in the reference and
   in launch 1 before its preemption) equals the uninterrupted run's at every step both runs saved;
 * ``step``: each relaunch counts on from the step it loaded;
 * ``epoch`` and ``lr``: each relaunch's epoch and learning rates right after its load are the ones
@@ -34,21 +34,27 @@ def _marks(launch: Any, at: str) -> dict[int, dict[str, Any]]:
     return {event["step"]: event for event in launch.of("marks") if event.get("at") == at}
 
 
-def _saved_before(launches: list[Any], launch: Any, step: int) -> dict[str, Any] | None:
-    """The marks saved at ``step`` by the newest launch before ``launch`` that saved it."""
+def _world(launch: Any) -> int | None:
+    return (launch.first("start") or {}).get("world_size")
+
+
+def _saved_before(launches: list[Any], launch: Any, step: int, same_world: bool = False) -> dict[str, Any] | None:
+    """The marks saved at ``step`` by the newest launch before ``launch`` that saved it (None when
+    ``same_world`` and that launch ran on another number of ranks)."""
     for earlier in reversed(launches[: launches.index(launch)]):
         found = _marks(earlier, "save").get(step)
         if found is not None:
-            return found
+            return None if same_world and _world(earlier) != _world(launch) else found
     return None
 
 
-def _at_load(launches: list[Any], field: Callable[[dict[str, Any]], Any]):
+def _at_load(launches: list[Any], field: Callable[[dict[str, Any]], Any], same_world: bool = False):
     """(launch, step, loaded value, saved value) of the first relaunch whose value right after its
-    load differs from the one saved at that step; None when none does."""
+    load differs from the one saved at that step (``same_world``: by as many ranks); None when none
+    does."""
     for launch in launches[1:]:
         for step, loaded in _marks(launch, "load").items():
-            saved = _saved_before(launches, launch, step)
+            saved = _saved_before(launches, launch, step, same_world)
             if saved is not None and field(loaded) is not None and field(saved) is not None \
                     and field(loaded) != field(saved):
                 return launch, step, field(loaded), field(saved)
@@ -99,7 +105,7 @@ def _rng(launches: list[Any], reference: Any | None) -> Found | None:
         return None
     streams = sorted({name for launch in launches for event in launch.of("marks") for name in event.get("rng") or {}})
     for name in streams:
-        found = _at_load(launches, lambda event: (event.get("rng") or {}).get(name))
+        found = _at_load(launches, lambda event: (event.get("rng") or {}).get(name), same_world=True)
         if found:
             launch, step, loaded, saved = found
             return Found("rng streams", False, f"launch {launch.index}'s {name} RNG stream right "
@@ -116,7 +122,10 @@ def _rng(launches: list[Any], reference: Any | None) -> Found | None:
                          "DataLoader drawing its iterator's seed from the global RNG: use "
                          "spotguard.DataLoader, or give the loader a generator in the checkpoint; a "
                          "reseed in the loop)")
+    resized = any(_world(a) != _world(b) for a, b in zip(launches, launches[1:]) if b.resumed_from)
     return Found("rng streams", True, "every RNG stream was restored at each load"
+                 + (" on as many ranks (re-derived for the new ranks where the world size changed)"
+                    if resized else "")
                  + (" and went on as in the uninterrupted run" if reference is not None else ""))
 
 

@@ -53,7 +53,7 @@ class Live:
         self.line(f"== {text}")
 
     def launch(self, launch: Launch, pid: int) -> None:
-        self.line(f"{_name(launch)}: started (pid {pid})")
+        self.line(f"{_name(launch)}: started (pid {pid})" + (f" on {launch.ranks} ranks" if launch.ranks else ""))
 
     @staticmethod
     def name(launch: Launch) -> str:
@@ -109,7 +109,7 @@ def _describe(launch: Launch) -> str:
 
 def write_report(report: Path, command: list[str], launches: list[Launch], reference: Launch | None,
                  checks: list[Check], live: Live, *, spread: dict[str, Any] | None = None,
-                 problems: list[str] = (), as_json: bool = False) -> int:
+                 problems: list[str] = (), as_json: bool = False, resize: str | None = None) -> int:
     """Write report.json and timeline.svg, print the summary (and with ``as_json`` the report on
     stdout's last line); return the exit status (:data:`EXIT`)."""
     figures = save_figures(launches)
@@ -120,7 +120,7 @@ def write_report(report: Path, command: list[str], launches: list[Launch], refer
             "reference": reference.point() if reference else None,
             "launches": [launch.point() for launch in launches], "preemptions": rows,
             "effective_preemptions": sum(row["effective"] for row in rows), "save": figures,
-            "spread": spread, "malformed_record_lines": list(problems)}
+            "spread": spread, "resize": resize, "malformed_record_lines": list(problems)}
     write_private(report / "report.json", json.dumps(data, indent=2) + "\n")
     write_private(report / "timeline.svg", svg(launches, reference))
     live.line("done")
@@ -143,6 +143,8 @@ def summary(data: dict[str, Any], report: Path) -> list[str]:
         lines.append(f"  reference: {ref['reached']} steps in {ref['seconds']:.1f} s, uninterrupted")
     lines.append(f"  drill:     {len(data['launches'])} launches, {len(data['preemptions'])} "
                  f"preemptions delivered, {data['effective_preemptions']} took effect")
+    if data.get("resize"):
+        lines.append(f"  resize:    {data['resize']}")
     lines.append(f"  {'preemption':<14}{'at step':>8}{'stopped':>8}{'resumed':>8}{'lost':>6}"
                  f"{'lost s':>8}{'predicted s':>12}{'restart s':>10}  effect")
     for row in data["preemptions"]:

@@ -1,0 +1,134 @@
+"""``spotguard drill --resize``: a torchrun job relaunched on another number of ranks, judged by what
+an elastic resume promises (the state loaded, the sample sequence, the loss curve), never by
+bit-identity.
+
+End to end (real torchrun, gloo, CPU, the README's DDP loop in ``drill_ddp_job.py`` with 10 steps
+an epoch on 2 ranks, so that the resize lands mid-epoch): 2 ranks preempted by a notice and
+relaunched on 3 pass; the twin that restarts its data at epoch 0 fails, naming the epoch it left
+and the one it started over. On records written by real ``ResumableSampler``s (2 ranks, a step lost
+to a kill, 3 ranks resumed from rank 0's state, padding at the epoch's end): the samples check
+passes, and fails for a relaunch that restarts its position or keeps it without re-splitting.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard import ResumableSampler
+from spotguard._record import Recorder, read
+from spotguard_daemon.commands.drill_checks import Launch
+from spotguard_daemon.commands.drill_resize import nproc, resize_checks, with_nproc
+from test_drill_e2e import DRILL, drill
+
+HERE = Path(__file__).parent
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+N = 30  # samples: 15 a rank on 2 ranks; the rest re-split over 3 ends in padding
+
+
+def job(*extra: str) -> list[str]:
+    return [TORCHRUN, "--nproc-per-node", "2", str(HERE / "drill_ddp_job.py"), "--ckpt-dir", "ckpt",
+            "--samples", "40", "--batch", "2", "--steps", "48", "--save-every", "8", "--step-sleep", "0.1", *extra]
+
+
+def report_of(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "report" / "report.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_ddp_job_resized_from_2_to_3_ranks_passes_on_what_is_promised(tmp_path):
+    done = drill(tmp_path, "-n", "1", "--seed", "9", "--resize", "3", job=job())
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = report_of(tmp_path)
+    assert report["verdict"] == "PASSED" and report["effective_preemptions"] == 1
+    assert [launch["ranks"] for launch in report["launches"]] == [2, 3]
+    assert report["launches"][-1]["resumed_from"] > 0 and report["reference"] is None
+    assert "not bit-identical across world sizes" in report["resize"] and "resize:" in done.stdout
+    checks = {check["name"]: check for check in report["checks"]}
+    assert all(check["ok"] for check in checks.values())
+    assert {"loaded state", "samples", "loss"} <= checks.keys() and "identical" not in checks
+    assert "launch 2 (3 ranks): ranks 0, 1, 2 loaded step" in checks["loaded state"]["detail"]
+    assert "drawn once each by launch 1 (2 ranks), launch 2 (3 ranks)" in checks["samples"]["detail"]
+    assert "re-derived for the new ranks" in checks["rng streams"]["detail"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_resized_job_that_restarts_its_data_fails_naming_where_it_started_over(tmp_path):
+    done = drill(tmp_path, "-n", "1", "--seed", "9", "--resize", "3", job=job("--own-epoch-counter"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "spotguard drill: FAILED (samples): epoch 0 (pass 4) was drawn by launch 2 (3 ranks) after " \
+           "epoch 2 (pass 3), " in done.stderr
+    assert "samples never drawn: the data started over" in done.stderr
+    failed = {check["name"] for check in report_of(tmp_path)["checks"] if not check["ok"]}
+    assert failed == {"samples"}  # the state loaded and the loss went on; the data did not
+
+
+def test_resize_needs_a_torchrun_command_with_another_number_of_ranks(tmp_path):
+    assert with_nproc(["torchrun", "--nproc_per_node=2", "a.py", "--nproc-per-node", "9"], 3) == [
+        "torchrun", "--nproc_per_node=3", "a.py", "--nproc-per-node", "9"]
+    assert nproc(["torchrun", "--standalone", "--nproc-per-node", "4", "a.py"]) == 4
+    for command, error in ((["python", "train.py"], "names no --nproc-per-node"),
+                           (job(), "already runs 2 ranks")):
+        size = "2" if command == job() else "3"
+        done = subprocess.run([*DRILL, "--resize", size, "--report-dir", str(tmp_path / "r"), "--", *command],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and error in done.stderr, done.stderr
+        assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def _launch(tmp_path: Path, index: int, samplers: list, steps: range, resumed: int | None,
+            save_at: int | None = None) -> tuple[Launch, dict | None]:
+    """A launch of ``len(samplers)`` ranks drawing up to 2 samples a rank a step over ``steps``, its
+    samples (and rank 0's loss) recorded per step by a real Recorder, as the library does; and rank
+    0's sampler state after step ``save_at``."""
+    path, saved = tmp_path / f"{index}.jsonl", None
+    recorders = [Recorder(path, rank=r) for r in range(len(samplers))]
+    recorders[0].start(root=tmp_path, world_size=len(samplers), resumed_from=resumed, skipped=[],
+                       total=100, entries=["loader"])
+    iterators = [iter(sampler) for sampler in samplers]
+    for step in steps:
+        for rank, (sampler, it) in enumerate(zip(samplers, iterators)):
+            take = min(2, sampler.num_samples - sampler.position)
+            for _ in range(take):
+                next(it)
+            sampler.advance(take)
+            recorders[rank].emit("samples", step=step, of=N, loss=1.0 if rank == 0 else None,
+                                 drawn=[list(chunk) for chunk in sampler.take_consumed()])
+        if step == save_at:
+            saved = samplers[0].state_dict()
+    return Launch(index, events=list(read(path))), saved
+
+
+def _samplers(world: int, state: dict | None = None) -> list:
+    samplers = [ResumableSampler(N, seed=3, rank=r, world_size=world) for r in range(world)]
+    for sampler in samplers:
+        sampler.consumed = []
+        if state is not None:
+            sampler.load_state_dict(state)
+    return samplers
+
+
+@pytest.mark.parametrize("broken", [None, "restarted", "not re-split"])
+def test_the_samples_check_follows_places_across_a_resize_and_a_lost_step(tmp_path, broken):
+    first, saved = _launch(tmp_path, 1, _samplers(2), range(1, 6), None, save_at=4)  # step 5 lost to a kill
+    if broken == "restarted":
+        saved = dict(saved, position=0, base=0, world_size=3)
+    if broken == "not re-split":  # each rank keeps its position 8, over a 3-rank split of the whole epoch
+        saved = dict(saved, world_size=3)
+    second, _ = _launch(tmp_path, 2, _samplers(3, saved), range(5, 8), 4)  # (30 - 16) / 3: 5 a rank + padding
+    check = next(c for c in resize_checks([first, second]) if c.name == "samples")
+    if broken == "restarted":
+        assert not check.ok and "place(s) of its order drawn twice" in check.detail
+        assert "by launch 1 (2 ranks) at step 1 and by launch 2 (3 ranks) at step 5" in check.detail
+    elif broken:
+        assert not check.ok and "epoch 0 (pass 1): 8 place(s) from place 16 of its order were never drawn" \
+            in check.detail, check.detail
+    else:
+        assert check.ok, check.detail
+        assert "epoch 0 (pass 1): places 0-30 drawn once each by launch 1 (2 ranks), launch 2 (3 ranks)" \
+            in check.detail

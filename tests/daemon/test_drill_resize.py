@@ -7,7 +7,9 @@ an epoch on 2 ranks, so that the resize lands mid-epoch): 2 ranks preempted by a
 relaunched on 3 pass; the twin that restarts its data at epoch 0 fails, naming the epoch it left
 and the one it started over. On records written by real ``ResumableSampler``s (2 ranks, a step lost
 to a kill, 3 ranks resumed from rank 0's state, padding at the epoch's end): the samples check
-passes, and fails for a relaunch that restarts its position or keeps it without re-splitting.
+passes, and fails for a relaunch that restarts its position or keeps it without re-splitting. A
+rank that loaded the weights but not the optimizer (digests of real ones), and a loss that jumps
+after the resume, fail by name.
 """
 from __future__ import annotations
 
@@ -132,3 +134,47 @@ def test_the_samples_check_follows_places_across_a_resize_and_a_lost_step(tmp_pa
         assert check.ok, check.detail
         assert "epoch 0 (pass 1): places 0-30 drawn once each by launch 1 (2 ranks), launch 2 (3 ranks)" \
             in check.detail
+
+
+def test_a_rank_that_did_not_load_the_optimizer_and_a_loss_that_jumps_fail_by_name(tmp_path):
+    """Digests of real modules and optimizers (``state_digests``), recorded as the library records
+    its marks: rank 2 of the relaunch holds the saved weights but a fresh optimizer; the loss after
+    the resume jumps from about 0.1 to 2."""
+    import torch
+
+    from spotguard._audit import state_digests
+
+    def trained(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.ones(2, 3)).square().sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = trained(0)
+    saved = state_digests({"model": model, "optimizer": opt})
+    fresh_model, fresh_opt = trained(1)
+    fresh_model.load_state_dict(model.state_dict())  # the weights, not the optimizer
+    partial = state_digests({"model": fresh_model, "optimizer": fresh_opt})
+    assert partial["model"] == saved["model"] and partial["optimizer"] != saved["optimizer"]
+
+    first_rec = Recorder(tmp_path / "1.jsonl")
+    first_rec.start(root=tmp_path, world_size=2, resumed_from=None, skipped=[], total=40, entries=["model"])
+    for step in range(1, 21):
+        first_rec.emit("samples", step=step, loss=0.1 + 0.01 * (step % 3))
+    first_rec.emit("marks", step=20, at="save", state=saved)
+    recs = [Recorder(tmp_path / "2.jsonl", rank=r) for r in range(3)]
+    recs[0].start(root=tmp_path, world_size=3, resumed_from=20, skipped=[], total=40, entries=["model"])
+    for rank, rec in enumerate(recs):
+        rec.emit("marks", step=20, at="load", state=partial if rank == 2 else saved)
+    for step in range(21, 31):
+        recs[0].emit("samples", step=step, loss=2.0)
+    launches = [Launch(i, events=list(read(tmp_path / f"{i}.jsonl"))) for i in (1, 2)]
+    checks = {check.name: check for check in resize_checks(launches)}
+    assert not checks["loaded state"].ok and not checks["loaded state"].inconclusive
+    assert checks["loaded state"].detail.startswith(
+        "launch 2 (3 ranks): rank 2's optimizer right after loading step 20 is not the one launch 1 "
+        "(2 ranks) saved at that step")
+    assert not checks["loss"].ok and "mean loss 2 over its first 10 steps" in checks["loss"].detail
+    assert "the loss curve does not continue" in checks["loss"].detail

@@ -17,12 +17,26 @@ own torchrun agent (``tests/multinode/_twonodes.py``), running the tests' DDP jo
   connections, as when an OOM killer or a crash takes a node's processes).
 * **restart**: vanish with ``--max-restarts 1 --rdzv-conf join_timeout=J``: what torchrun's agent
   does after its worker exits 77 (it tries a new rendezvous and waits for the lost node).
+
+``--node-local`` measures node-local roots instead (each node's root a tmpfs of its own, the S3
+emulator as the store through a relay per node, ``tests/multinode/_bucket.py``; the job's model
+``--width`` wide, so that a checkpoint weighs something), writing ``results/multinode_node_local.json``:
+
+* **notice -> committed**: a notice on node b to every rank of both nodes stopped (their stop
+  records), to the step globally committed (``latest`` in the store names it, polled every 20 ms) and
+  to the last rank process gone, against the notice's deadline.
+* **fresh node**: the identical command relaunched on node a and a fresh node c (an empty root on
+  node b's daemon) to the first resumed step (rank 0's first step recorded), and the object bytes
+  each node fetched (counted by its relay); side by side, a restore of only node c's ranks' parts
+  plus rank 0's against the whole checkpoint (what fetching everything on every node costs), both
+  timed from the host straight to the emulator.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -33,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multinod
 
 import zmq  # noqa: E402
 from _common import BenchError, markdown_table, write_results  # noqa: E402
+from _bucket import Bucket  # noqa: E402
 from _twonodes import Cluster, Job, netns_available, two_nodes  # noqa: E402
 
 from spotguard.protocol import NotifyRequest, decode_reply, encode  # noqa: E402
@@ -115,6 +130,77 @@ def kill_once(cluster: Cluster, name: str, peer_timeout: float, *, vanish: bool,
             "peer_lost_records": len(job.events("peer_lost"))}
 
 
+def node_local_once(cluster: Cluster, bucket: Bucket, i: int, deadline: float, width: int) -> dict[str, Any]:
+    """A notice on node b to the step globally committed, then the relaunch on node a + a fresh node."""
+    name, args = f"local{i}", ("--save-every", "100000", "--width", str(width))
+    job_id, roots = f"multinode-local{i}", [cluster.workdir / "local-a", cluster.workdir / "local-b"]
+    job, pids = training(cluster, name, *args, roots=roots)
+    durable = bucket.durable()
+    sent = time.time()
+    notify(cluster.nodes[1].runtime_dir, deadline)
+    stopped = committed = None
+    exits: dict[int, float] = {}
+    while (committed is None or len(exits) < len(pids)) and time.time() < sent + deadline * 2:
+        exits.update({pid: time.time() for pid in pids.values() if pid not in exits and gone(pid)})
+        stops = job.events("stop")
+        if stopped is None and len(stops) == len(pids):
+            stopped = max(e["t"] for e in stops)
+        if committed is None and stopped is not None and durable.latest(job_id) == stops[0]["step"]:
+            committed = time.time()
+        time.sleep(0.02)
+    job.wait(120)
+    if committed is None:
+        raise BenchError(f"step not globally committed within {deadline * 2:.0f} s:\n{job.output()}")
+    step = job.events("stop")[0]["step"]
+    fresh = roots[1] / f"fresh{i}"
+    fresh.mkdir()
+    for node in cluster.nodes:
+        node.relay.fetched = 0
+    relaunched = time.time()
+    resumed = cluster.launch(f"{name}-resumed", name, "--steps", str(step + 3), *args, nproc=NPROC,
+                             roots=[roots[0], fresh])
+    if resumed.wait(300) != [0, 0]:
+        raise BenchError(resumed.output())
+    first = min(e["t"] for e in resumed.events("data") if e["step"] > step)
+    restores = {}
+    for what, ranks in (("own", list(range(NPROC, 2 * NPROC))), ("whole", None)):
+        started = time.monotonic()
+        restored = durable.restore(job_id, cluster.workdir / f"{what}{i}", ranks=ranks)
+        restores[what] = {"s": round(time.monotonic() - started, 3),
+                          "bytes": sum(f.stat().st_size for f in restored.rglob("*") if f.is_file())}
+    for path in (roots[0] / name, roots[1] / name, fresh):  # the tmpfs roots are small
+        shutil.rmtree(path)
+    return {"deadline_s": deadline, "width": width, "ranks": len(pids), "stop_step": step,
+            "notice_to_all_stopped_s": round(stopped - sent, 3),
+            "notice_to_global_commit_s": round(committed - sent, 3),
+            "notice_to_last_exit_s": round(max(exits.values()) - sent, 3) if len(exits) == len(pids) else None,
+            "relaunch_to_first_step_s": round(first - relaunched, 3),
+            "fetched_bytes_node_a": cluster.nodes[0].relay.fetched, "fetched_bytes_node_c": cluster.nodes[1].relay.fetched,
+            "restore_own_parts": restores["own"], "restore_whole": restores["whole"]}
+
+
+def node_local(args: argparse.Namespace, tmp: Path) -> None:
+    results: dict[str, Any] = {"nproc_per_node": NPROC, "store": "moto_server via a relay per node", "runs": []}
+    bucket = Bucket(tmp)
+    try:
+        with two_nodes(tmp / "local", bucket=bucket, node_local=True) as cluster:
+            for i in range(1 if args.quick else args.repeats):
+                results["runs"].append(node_local_once(cluster, bucket, i, args.deadline, args.width))
+    finally:
+        bucket.close()
+    write_results("multinode_node_local", results, args.out)
+    runs = results["runs"]
+    print(markdown_table(["notice deadline s", "notice -> all ranks stopped s", "notice -> globally committed s",
+                          "notice -> last rank exit s"],
+                         [[r["deadline_s"], r["notice_to_all_stopped_s"], r["notice_to_global_commit_s"],
+                           r["notice_to_last_exit_s"]] for r in runs]))
+    print(markdown_table(["relaunch -> first resumed step s", "fetched node a / node c bytes",
+                          "restore c's parts + rank 0's: s, bytes", "restore whole checkpoint: s, bytes"],
+                         [[r["relaunch_to_first_step_s"], f"{r['fetched_bytes_node_a']} / {r['fetched_bytes_node_c']}",
+                           f"{r['restore_own_parts']['s']}, {r['restore_own_parts']['bytes']}",
+                           f"{r['restore_whole']['s']}, {r['restore_whole']['bytes']}"] for r in runs]))
+
+
 def _worker_codes(job: Job) -> list[int]:
     return [int(c) for c in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", job.output(), re.MULTILINE)]
 
@@ -126,11 +212,16 @@ def main() -> None:
     parser.add_argument("--peer-timeout", type=float, default=10.0)
     parser.add_argument("--join-timeout", type=float, default=30.0)
     parser.add_argument("--quick", action="store_true", help="one notice only (a smoke run)")
+    parser.add_argument("--node-local", action="store_true", help="node-local roots and the S3 emulator")
+    parser.add_argument("--width", type=int, default=262144, help="--node-local: the model's hidden units")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     why = netns_available()
     if why:
         sys.exit(f"bench_multinode: {why}")
+    if args.node_local:
+        with tempfile.TemporaryDirectory(prefix="bench-multinode-") as tmp:
+            return node_local(args, Path(tmp))
     results: dict[str, Any] = {"nproc_per_node": NPROC, "notice": [], "kill": []}
     with tempfile.TemporaryDirectory(prefix="bench-multinode-") as tmp:
         with two_nodes(Path(tmp) / "notice") as cluster:

@@ -55,7 +55,21 @@ def in_netns(name: str) -> Iterator[None]:
         os.close(target)
 
 
-class HoldingRelay(Proxy):
+class Relay(Proxy):
+    """The storage tests' proxy, counting the object bytes it hands out (:attr:`fetched`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fetched = 0
+
+    def rewrite(self, method: str, path: str, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        if method == "GET" and "/objects/sha256/" in path:
+            with self.lock:
+                self.fetched += int(dict((k.lower(), v) for k, v in headers).get("content-length", 0))
+        return headers
+
+
+class HoldingRelay(Relay):
     """A relay that, once armed with :meth:`hold_after`, holds the first object PUT of the job's
     upload that follows the node's part of ``step`` (its pending note was written, no object of it
     lands): :attr:`held` is set, and the request waits for :meth:`release`, then is reset unsent."""
@@ -104,7 +118,7 @@ class Bucket:
         self.store_url = f"s3://{self.name}/pre"
         self.store = open_store(self.store_url, StoreOptions(endpoint_url=self.url))
         self.store._client.create_bucket(Bucket=self.name)
-        self.relays: list[Proxy] = []
+        self.relays: list[Relay] = []
 
     def _port(self, timeout: float = 30.0) -> int:
         port = int(self.proc.args[-1])
@@ -123,14 +137,14 @@ class Bucket:
     def durable(self) -> Durable:
         return Durable(self.store)
 
-    def relay(self, netns: str, host: str, holding: bool = False) -> Proxy:
+    def relay(self, netns: str, host: str, holding: bool = False) -> Relay:
         """A relay listening on ``host`` in namespace ``netns`` (started; closed by :meth:`close`)."""
         with in_netns(netns):
-            relay = (HoldingRelay if holding else Proxy)(self.url, host=host)
+            relay = (HoldingRelay if holding else Relay)(self.url, host=host)
         self.relays.append(relay.__enter__())
         return relay
 
-    def env(self, relay: Proxy) -> dict[str, str]:
+    def env(self, relay: Relay) -> dict[str, str]:
         """A node's store settings: the bucket through ``relay``."""
         return {**AWS, "SPOTGUARD_STORAGE__URL": self.store_url, "SPOTGUARD_STORAGE__ENDPOINT_URL": relay.url}
 

@@ -1,7 +1,7 @@
 """A data-parallel job for several nodes, written the README way (launched by torchrun on each node).
 
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        _multinode_job.py --ckpt-dir DIR --steps 60 [--save-every 10] [--step-sleep 0.05]
+        _multinode_job.py --ckpt-dir DIR --steps 60 [--save-every 10] [--step-sleep 0.05] [--width 32]
 
 DDP over gloo, a shuffled ``spotguard.DataLoader`` (sharded by rank) with a random augmentation
 from torch, NumPy and ``random``, dropout, AdamW and a warm-up + cosine ``LambdaLR``. Each rank
@@ -47,13 +47,14 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--peer-timeout", type=float, default=600.0)
+    p.add_argument("--width", type=int, default=32, help="hidden units (a larger checkpoint)")
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     loader = spotguard.DataLoader(Augmented(), batch_size=BATCH, shuffle=True, seed=0)
     model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(FEATURES, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 1)))
+        nn.Sequential(nn.Linear(FEATURES, args.width), nn.GELU(), nn.Dropout(0.2), nn.Linear(args.width, 1)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))

@@ -54,8 +54,9 @@ def cluster(tmp_path_factory):
 def runs(cluster):
     work = cluster.workdir
     roots = [work / "local-a", work / "local-b"]
-    # The reference runs first, alone: the notice goes to every job of node b's daemon, and a
-    # reference still running under load when it came stopped too (the test failed 1 of 5).
+    # The reference runs first, alone: the notice goes to every job of node b's daemon, so a
+    # reference still running when it came (under load) would stop too (a failure, 1 of 5, had
+    # been seen with the two running side by side).
     reference = cluster.launch("reference", "ref", *ARGS, nproc=NPROC, roots=roots)
     assert reference.wait(300) == [0, 0], reference.output()
     stopped = cluster.launch("stopped", "job", *ARGS, "--step-sleep", "0.25", nproc=NPROC, roots=roots)

@@ -12,7 +12,12 @@ default grace, GCP's notice) arrives 2 s into the evaluation. Two modes, in the 
   evaluation, or is ended by the forced exit (76) at the deadline minus 2 s;
 * ``hf``: the same model in a Hugging Face ``Trainer`` (``save_steps=25``, an evaluation after step
   40 whose prediction steps take as long), with :class:`SpotguardTrainerCallback`: the Trainer
-  writes ``checkpoint-40`` at the next prediction step after the notice, and ``train()`` ends with 75.
+  writes ``checkpoint-40`` at the next prediction step after the notice, and ``train()`` ends with 75;
+* ``2ranks``: the ``between`` job as DDP under ``torchrun --nproc-per-node 2`` (gloo), with
+  ``Run(agree_at_heartbeat=True)``; the SIGTERM goes to rank 1 alone, and the ranks agree at a
+  heartbeat to save step 40 and stop;
+* ``2ranks-boundary`` (the behaviour before, and without ``agree_at_heartbeat``): the same, acting
+  at the next boundary, after the evaluation.
 
 Per mode: the exit status, the notice to the last commit (``on_commit``'s print, Unix times on one
 machine), the deadline, the step committed and the steps lost (trained but not committed: 40 minus
@@ -22,6 +27,8 @@ the committed step). Results go to ``results/eval_notice.json`` and a table to s
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,20 +42,28 @@ from _common import markdown_table, write_results  # noqa: E402
 
 DEADLINE = 30.0
 STEPS_BEFORE_EVAL = 40
+MODES = ("between", "boundary", "hf", "2ranks", "2ranks-boundary")
 
 JOB = textwrap.dedent('''
-    import sys, time
+    import os, sys, time
     import torch
     from torch import nn
     import spotguard
 
     root, mode, eval_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    ranks = mode.startswith("2ranks")
+    if ranks:
+        torch.distributed.init_process_group("gloo")
+    rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Dropout(0.1), nn.Linear(4096, 2048))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    commit = lambda info: print(f"commit {info.step} {time.time():.3f}", flush=True)
-    if mode == "between":
-        run = spotguard.Run(root, model=model, optimizer=opt, save_every=25, daemon=False, on_commit=commit)
+    if ranks:
+        model = nn.parallel.DistributedDataParallel(model)
+    commit = lambda info: rank == 0 and print(f"commit {info.step} {time.time():.3f}", flush=True)
+    if mode == "between" or ranks:
+        run = spotguard.Run(root, model=model, optimizer=opt, save_every=25, daemon=False, on_commit=commit,
+                            agree_at_heartbeat=mode == "2ranks")
     else:
         run = spotguard.Run(root, model=model, state={"optimizer": opt}, save_every=25, daemon=False,
                             on_commit=commit)
@@ -58,11 +73,12 @@ JOB = textwrap.dedent('''
             loss = model(x).pow(2).mean()
             opt.zero_grad(); loss.backward(); opt.step()
             if step + 1 == %d:
-                print(f"eval {step} {time.time():.3f}", flush=True)
-                started = time.monotonic()
-                with torch.no_grad():
-                    while time.monotonic() - started < eval_s:
-                        model(torch.rand(16, 1024)); time.sleep(0.05)
+                if rank == int(ranks):  # rank 1 of 2: the notice reaches it alone
+                    print(f"eval {step} {time.time():.3f} {os.getpid()}", flush=True)
+                started, n = time.monotonic(), 0
+                with torch.no_grad():  # ranks: the same batches everywhere, so the same heartbeats
+                    while (n < eval_s / 0.05) if ranks else (time.monotonic() - started < eval_s):
+                        model(torch.rand(16, 1024)); time.sleep(0.05); n += 1
                         run.heartbeat()
                 print("evaluated", flush=True)
 ''' % STEPS_BEFORE_EVAL)
@@ -122,7 +138,9 @@ def one(mode: str, eval_s: float, work: Path) -> dict:
     root = work / mode
     env = {"SPOTGUARD_SIGNAL__GRACE": str(DEADLINE), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "SPOTGUARD_RUNTIME_DIR": str(work / "rt"), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.Popen([sys.executable, str(script), str(root), mode, str(eval_s)], env=env,
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--max-restarts", "0", "--nproc-per-node", "2"]
+    proc = subprocess.Popen([sys.executable, *(launcher if mode.startswith("2ranks") else []), str(script),
+                             str(root), mode, str(eval_s)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     commits: list[tuple[int, float]] = []
     sent = None
@@ -132,9 +150,9 @@ def one(mode: str, eval_s: float, work: Path) -> dict:
             if parts[:1] == ["commit"]:
                 commits.append((int(parts[1]), float(parts[2])))
             elif parts[:1] == ["eval"] and sent is None:
-                time.sleep(2.0)  # the notice lands 2 s into the evaluation
+                time.sleep(2.0)  # the notice lands 2 s into the evaluation (of rank 1 alone, with 2)
                 sent = time.time()
-                proc.send_signal(signal.SIGTERM)
+                os.kill(int(parts[3]) if len(parts) > 3 else proc.pid, signal.SIGTERM)
         proc.wait(timeout=eval_s + 120)
         err = proc.stderr.read()
     finally:
@@ -144,7 +162,9 @@ def one(mode: str, eval_s: float, work: Path) -> dict:
     gone = time.time()
     after = [(s, t) for s, t in commits if sent is not None and t >= sent]
     step = max((s for s, _ in commits), default=0)
-    return {"mode": mode, "eval_s": eval_s, "status": proc.returncode, "deadline_s": DEADLINE,
+    workers = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", err))  # torchrun's
+    return {"mode": mode, "eval_s": eval_s, "deadline_s": DEADLINE,  # summary of its failed workers
+            "status": ", ".join(workers[r] for r in sorted(workers)) if workers else proc.returncode,
             "notice_to_commit_s": round(after[-1][1] - sent, 2) if after else None,
             "notice_to_exit_s": round(gone - sent, 2) if sent else None,
             "committed_step": step, "steps_lost": STEPS_BEFORE_EVAL - step,
@@ -156,11 +176,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a 20 s evaluation instead of 60 s")
     p.add_argument("--eval-seconds", type=float, default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--modes", default=",".join(MODES), help=f"a comma-separated subset of {','.join(MODES)}")
     a = p.parse_args()
     eval_s = a.eval_seconds or (20.0 if a.quick else 60.0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-eval-notice-") as tmp:
-        for mode in ("between", "boundary", "hf"):
+        for mode in a.modes.split(","):
             rows.append(one(mode, eval_s, Path(tmp)))
     write_results("eval_notice", {"eval_seconds": eval_s, "steps_before_eval": STEPS_BEFORE_EVAL,
                                   "rows": rows}, a.out)

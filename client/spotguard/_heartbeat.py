@@ -66,6 +66,8 @@ class Heartbeats:
         raises ``SystemExit(75)`` otherwise)."""
         if not self.enabled or not self.active:
             return False
+        if self.run.stopped:  # stopped at an earlier heartbeat (exit_on_stop=False): no more exchanges
+            return True
         self.count += 1
         if not self._agreement.due(self.count):
             return False

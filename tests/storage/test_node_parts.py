@@ -82,3 +82,29 @@ def test_a_fresh_node_fetches_only_its_ranks_parts_and_rank_0s(durable, make_ckp
     assert manifest["node"] == {"leader": 0, "ranks": [0, 2], "restored": True}
     info = durable.upload(restored, "job")  # its daemon finds it durable already: nothing is sent
     assert info.objects_uploaded == 0 and durable.list("job") == [10]
+
+
+def test_a_fresh_node_downloads_the_replicated_state_once_for_all_its_ranks(make_ckpt, tmp_path, moto):
+    """DDP's replicated state is the same bytes in every rank's part (one object in the store): a
+    fresh node holding ranks 0 and 1 downloads it once and copies it, every file verified."""
+    from spotguard.storage import StoreOptions, open_store
+    from storage_proxy import Proxy
+
+    with Proxy(moto.url) as proxy:
+        store = open_store("s3://sg-replicated/pre", StoreOptions(endpoint_url=proxy.url, part_size=1 << 20))
+        store._client.create_bucket(Bucket="sg-replicated")
+        durable = Durable(store)
+        replicated = os.urandom(300_000)
+        files = {f"rank-{r}/{name}": data for r in (0, 1)
+                 for name, data in (("tree.json", os.urandom(512)), ("model.bin", replicated))}
+        node = {"index": 0, "nodes": 1, "leader": 0, "ranks": [0, 1], "digests": DIGESTS[:2]}
+        durable.upload(make_ckpt(tmp_path / "a", 10, files, node=node, world_size=2, digest="d" * 64,
+                                 job_id="job"), "job")
+        proxy.reset()
+        restored = durable.restore("job", tmp_path / "fresh", ranks=[0, 1])
+        gets = [path for method, path, _ in proxy.requests if method == "GET" and "/objects/" in path]
+    assert (restored / "rank-0" / "model.bin").read_bytes() == (restored / "rank-1" / "model.bin").read_bytes() \
+        == replicated
+    assert len(gets) == len(set(gets)) == 3, gets  # two tree.json objects and the one replicated object
+    assert (restored / "rank-1" / "model.bin").stat().st_nlink == 1
+    assert (restored / "rank-1" / "model.bin").stat().st_mode & 0o777 == 0o600

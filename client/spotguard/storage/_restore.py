@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -117,15 +118,20 @@ def _check_room(manifest: dict[str, Any], dest: Path) -> None:
 
 def _fetch(durable: Source, manifest: dict[str, Any], dest: Path, retry: Retry) -> list[str]:
     """Download and hash every file of ``manifest`` under ``dest``; return the problems found.
-    Each download is refused when the object is larger than the manifest says; transient errors
-    are retried (``retry``), and an object that fails its sha256 is downloaded once more before it
-    counts as corrupt."""
+    Each object is downloaded once: files of the same content (the replicated state in every
+    rank's part) are copied locally from the first one's verified download. Each download
+    is refused when the object is larger than the manifest says; transient errors are retried
+    (``retry``), and an object that fails its sha256 is downloaded once more before it counts as
+    corrupt."""
     _check_room(manifest, dest)
     progress = _Progress(f"{durable.store.url} {step_name(manifest['step'])}",
                          sum(meta["size"] for meta in manifest["files"].values()))
+    same: dict[tuple[str, int], list[str]] = {}
+    for rel, meta in sorted(manifest["files"].items()):
+        same.setdefault((meta["sha256"], meta["size"]), []).append(rel)
 
-    def one(item: tuple[str, dict[str, Any]]) -> str | None:
-        rel, meta = item
+    def one(rels: list[str]) -> str | None:
+        rel, meta = rels[0], manifest["files"][rels[0]]
         path, key = dest / rel, object_key(meta["sha256"])
         make_private_dirs(path.parent)
         for attempt in (1, 2):
@@ -139,13 +145,26 @@ def _fetch(durable: Source, manifest: dict[str, Any], dest: Path, retry: Retry) 
                 return f"{rel}: {exc}"
             if path.stat().st_size == meta["size"] and sha256_file(path) == meta["sha256"]:
                 progress.add(meta["size"])
+                for other in rels[1:]:
+                    _same_content(path, dest / other)
+                    progress.add(meta["size"])
                 return None
             if attempt == 1:
                 log.info("%s: %s does not hash to its address; downloading it once more", durable.store.url, key)
         return f"{rel}: object {meta['sha256'][:12]}... is corrupt (sha256 mismatch)"
 
     with ThreadPoolExecutor(durable.concurrency, thread_name_prefix="spotguard-restore") as pool:
-        return [p for p in pool.map(one, sorted(manifest["files"].items())) if p]
+        return [p for p in pool.map(one, same.values()) if p]
+
+
+def _same_content(source: Path, path: Path) -> None:
+    """A private copy of ``source``'s (verified) content at ``path``; not a hard link, which the
+    daemon refuses to upload from a checkpoint (a link can reach outside its root). The tree is
+    fsynced at its commit (:func:`commit_dir`)."""
+    make_private_dirs(path.parent)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
+        shutil.copyfileobj(src, dst, 16 << 20)
 
 
 def verify(durable: Source, job_id: str, step: int, *, deep: bool) -> list[str]:

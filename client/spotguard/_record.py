@@ -19,7 +19,8 @@ Every line carries ``v`` (the format, :data:`VERSION`), ``event``, ``t`` (Unix t
 * ``progress``: ``step``, the steps completed; rank 0, at most every :data:`PROGRESS_SECONDS`.
 * ``commit``: ``step``, ``kind`` (``periodic``, ``requested``, ``emergency`` or ``final``),
   ``digest`` (:attr:`~spotguard.checkpoint.CommitInfo.digest`), ``blocking_s``, ``persist_s``,
-  ``bytes``, ``path``; rank 0, once the checkpoint is committed.
+  ``bytes``, ``path``, ``mtbf_s`` and ``mtbf_source`` (the MTBF the cadence planned with: ``given``,
+  ``learned`` or ``default``); rank 0, once the checkpoint is committed.
 * ``stop``: ``step``, ``saved`` (an emergency save was taken), ``seconds_left``, ``notice`` (its
   ``id`` and ``kind``); every rank, before it exits 75. The client's side of the daemon's notice
   timeline too: ``save`` (``committed``, ``already``, ``no_room`` or ``failed``), ``estimate_s``
@@ -88,7 +89,8 @@ SCHEMA: dict[str, dict[str, str]] = {
               "total": "count?", "entries": "list?", "loaded_digest": "str?"},
     "progress": {"step": "count"},
     "commit": {"step": "count", "kind": "str?", "digest": "str?", "blocking_s": "seconds?",
-               "persist_s": "seconds?", "bytes": "count?", "path": "str?"},
+               "persist_s": "seconds?", "bytes": "count?", "path": "str?", "mtbf_s": "seconds?",
+               "mtbf_source": "str?"},
     "stop": {"step": "count", "saved": "bool?", "seconds_left": "number?", "notice": "dict?",
              "save": "str?", "estimate_s": "seconds?", "flagged_t": "time?", "stopped_t": "time?",
              "committed_t": "time?", "safe_t": "time?"},

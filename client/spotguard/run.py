@@ -388,9 +388,12 @@ class Run(Stopping):
         """Runs in the checkpointer's persist thread: report, and let the main thread observe."""
         self._pending_observation = True
         stats = self.checkpointer.stats
+        plan = {"mtbf_s": round(self.cadence.mtbf_s, 3), "mtbf_source": self.cadence.mtbf_source} \
+            if isinstance(getattr(self.cadence, "mtbf_s", None), (int, float)) else {}
         self.record.emit("commit", step=info.step, kind=self._save_kinds.pop(info.step, "periodic"),
                          digest=info.digest, path=str(info.path), bytes=stats.bytes,
-                         blocking_s=round(stats.blocking_seconds, 6), persist_s=round(stats.persist_seconds, 6))
+                         blocking_s=round(stats.blocking_seconds, 6), persist_s=round(stats.persist_seconds, 6),
+                         **plan)
         self.guard.report_commit(info, save_seconds=max(0.0, stats.blocking_seconds or 0.0),
                                  reached_at=self._save_reached.pop(info.step, None))
         if self._user_on_commit is not None:

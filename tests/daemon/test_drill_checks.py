@@ -17,6 +17,7 @@ import torch
 
 import spotguard
 from spotguard._record import Recorder, read, read_new
+from spotguard.cadence import DEFAULT_NODE_MTBF_S
 from spotguard.checkpoint import CheckpointCorruptError
 from spotguard_daemon.commands.drill_checks import Launch, judge, losses, save_figures, verdict
 from spotguard_daemon.commands.drill_report import CHAR_W, Live, write_report
@@ -68,6 +69,24 @@ def test_a_job_that_resumes_exactly_passes(tmp_path):
     assert [(r["kind"], r["steps_lost"], r["resumed_from"]) for r in rows] == [
         ("sigkill", 5, 20), ("notice", 0, 40)]
     assert save_figures(launches)["save_cost_s"] == 0.03
+    assert (save_figures(launches)["mtbf_s"], save_figures(launches)["mtbf_source"]) == (DEFAULT_NODE_MTBF_S, "default")
+
+
+def test_the_save_figures_use_the_mtbf_the_job_planned_with(tmp_path):
+    """The record's commits carry the cadence's MTBF (given, or learned by the daemon): Young's
+    optimum in the drill's figures is taken at the last one, not at a default."""
+    path = tmp_path / "1.jsonl"
+    rec = Recorder(path)
+    rec.start(root=tmp_path / "ckpt", world_size=1, resumed_from=None, skipped=[], total=100,
+              entries=["model"], loaded_digest=None)
+    for step, mtbf in ((10, 7200.0), (20, 1800.0)):
+        rec.emit("progress", step=step)
+        rec.emit("commit", step=step, kind="periodic", digest="d", blocking_s=0.5, persist_s=0.5,
+                 mtbf_s=mtbf, mtbf_source="learned")
+    launch = Launch(1, None, log=tmp_path / "1.log", events=list(read(path)), status=0)
+    figures = save_figures([launch])
+    assert (figures["mtbf_s"], figures["mtbf_source"]) == (1800.0, "learned")
+    assert figures["young_interval_s"] == pytest.approx(spotguard.young_interval(1800.0, 1.0))
 
 
 def test_restarting_from_zero_fails_the_resume_check(tmp_path):

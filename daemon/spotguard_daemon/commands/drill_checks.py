@@ -398,17 +398,21 @@ def _diverged(launches: list[Launch], reference: Launch) -> str:
 
 def save_figures(launches: list[Launch]) -> dict[str, float | None]:
     """Measured save cost C (median blocking+persist s) and save interval T (median seconds
-    between consecutive periodic commits of one launch), and Young's optimum for C."""
+    between consecutive periodic commits of one launch), and Young's optimum for C at the MTBF the
+    job planned with (its last commit's: given, learned by the daemon, or the default)."""
     commits = [c for launch in launches for c in launch.of("commit")]
     costs = [c.get("blocking_s", 0) + c.get("persist_s", 0) for c in commits]
     gaps = [b["t"] - a["t"] for launch in launches
             for a, b in zip(launch.of("commit"), launch.of("commit")[1:]) if b.get("kind") == "periodic"]
     cost = statistics.median(costs) if costs else None
     interval = statistics.median(gaps) if gaps else None
-    young = young_interval(DEFAULT_NODE_MTBF_S, cost) if cost else None
-    waste = expected_waste(interval, DEFAULT_NODE_MTBF_S, cost) if cost and interval else None
+    planned = [(c["mtbf_s"], c.get("mtbf_source")) for c in commits
+               if isinstance(c.get("mtbf_s"), (int, float)) and not isinstance(c["mtbf_s"], bool) and c["mtbf_s"] > 0]
+    mtbf, source = planned[-1] if planned else (DEFAULT_NODE_MTBF_S, "default")
+    young = young_interval(mtbf, cost) if cost else None
+    waste = expected_waste(interval, mtbf, cost) if cost and interval else None
     return {"save_cost_s": cost, "save_interval_s": interval, "young_interval_s": young,
-            "mtbf_s": DEFAULT_NODE_MTBF_S, "expected_waste": waste}
+            "mtbf_s": mtbf, "mtbf_source": source, "expected_waste": waste}
 
 
 def losses(launches: list[Launch], figures: dict[str, Any]) -> list[dict[str, Any]]:

@@ -156,7 +156,8 @@ def summary(data: dict[str, Any], report: Path) -> list[str]:
     if save["save_cost_s"] is not None:
         lines.append(f"  save cost {save['save_cost_s']:.3f} s; saves every "
                      f"{_num(save['save_interval_s'])} s; Young's optimum at a "
-                     f"{save['mtbf_s'] / 3600:g} h MTBF: every {save['young_interval_s']:.0f} s")
+                     f"{save['mtbf_s'] / 3600:.3g} h MTBF ({save.get('mtbf_source') or 'default'}): "
+                     f"every {save['young_interval_s']:.0f} s")
     lines += [f"  {ok if c['ok'] else bad} {c['name']}: {c['detail']}" for c in data["checks"]]
     lines.append(f"  report: {report / 'report.json'}  picture: {report / 'timeline.svg'}")
     return lines

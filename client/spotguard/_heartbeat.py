@@ -26,7 +26,7 @@ number of them (a loop bounded by time) would leave ranks waiting for each other
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from spotguard._between import as_captured
 from spotguard.distributed import Agreement, PeerLostError
@@ -49,6 +49,9 @@ class Heartbeats:
         self._agreement = Agreement(share=run.agreement) if self.enabled else None
         self.count = 0
         self.active = False  # inside Run.steps(): every rank counts the same calls
+        self.capture: Callable[[], tuple[int, dict[str, Any]] | None] = self._between_steps
+        """(step done, the state to save as of its end) while this rank is between two steps, else
+        None; the Lightning callback gives its own (the state it kept when a validation began)."""
         self._waiting_noted = False
 
     def boundary_marks(self) -> tuple[float, ...]:
@@ -72,7 +75,7 @@ class Heartbeats:
         if not self._agreement.due(self.count):
             return False
         run = self.run
-        captured = run._between.clean()
+        captured = self.capture()
         local = run._local_decision(run.step)
         try:
             decision = self._agreement.agree(self.count, local,
@@ -89,9 +92,17 @@ class Heartbeats:
                 log.warning("a stop at run.heartbeat(): the ranks are not all between the same two steps "
                             "(before the first optimizer step?); the next boundary stops them")
             return False
-        done, rng_state, position = captured
+        done, state = captured
         log.warning("a stop agreed at run.heartbeat() %d, between steps: every rank saves step %d", self.count, done)
-        return run._stop(done, decision, state=as_captured(run.state, rng_state, position))
+        return run._stop(done, decision, state=state)
+
+    def _between_steps(self) -> tuple[int, dict[str, Any]] | None:
+        """What the optimizer hooks captured at the last step's end (:meth:`Between.clean`)."""
+        captured = self.run._between.clean()
+        if captured is None:
+            return None
+        done, rng_state, position = captured
+        return done, as_captured(self.run.state, rng_state, position)
 
     def _mismatch(self, where: str) -> str:
         return (f"Run(agree_at_heartbeat=True): at {where} this rank's exchange met another rank's "

@@ -23,7 +23,7 @@ JOB = Path(__file__).with_name("_heartbeat_job.py")
 pytestmark = pytest.mark.slow
 
 
-def torchrun(out: Path, tmp: Path, **knobs: str) -> tuple[int, str, dict[int, str]]:
+def torchrun(out: Path, tmp: Path, job: Path = JOB, **knobs: str) -> tuple[int, str, dict[int, str]]:
     """Run the job on 2 ranks to its end; its status, output and each rank's exit status."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
     env.update(knobs, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
@@ -31,7 +31,7 @@ def torchrun(out: Path, tmp: Path, **knobs: str) -> tuple[int, str, dict[int, st
     for exit_file in out.glob("exit.*"):
         exit_file.unlink()
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts",
-                             "0", "--nproc-per-node", "2", str(JOB), str(out)], env=env,
+                             "0", "--nproc-per-node", "2", str(job), str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         text, _ = proc.communicate(timeout=240)

@@ -64,11 +64,18 @@ rank its RNG, and the gradient bucket layout of ``trainer.strategy.model`` is ch
 restored, :mod:`spotguard._ddp`, so 3+ ranks resume bit-identically). A collective that fails
 because a peer rank is gone (``on_exception``), the ranks' exchange failing, or no step boundary
 for ``peer_timeout`` end the process with 77 as in ``Run``; ``stop_lead`` is ``Run``'s far-deadline
-rule. A notice during a validation inside ``fit`` (one process) is acted on at the next validation batch
+rule. A notice during a validation inside ``fit`` is acted on at the next validation batch
 end: the state kept when the validation began (Lightning's dict, data position, RNG) is saved and ``fit``
 ends with ``SystemExit(75)``; the validation's RNG draws are put back at its end, so it never changes
-training and such a stop resumes bit-identically. Sharded strategies (FSDP, DeepSpeed) are not
-supported: their optimizer state is gathered with collectives that only rank 0 would call here.
+training and such a stop resumes bit-identically. With several ranks the batch ends are agreement
+points (``Run(agree_at_heartbeat=True)``, :mod:`spotguard._heartbeat`): every rank saves that step and
+exits 75 together. This needs every rank to run the same number of validation batches inside ``fit``
+(Lightning's ``DistributedSampler`` pads to that; the sanity check runs on every rank too, before any
+step, so a notice then waits for the first boundary); a validation whose batches differ between ranks
+(one on rank 0 alone) would leave ranks waiting for each other's exchange (``HeartbeatMismatch``, or 77
+at ``peer_timeout``): pass ``agree_in_validation=False`` there, and a notice waits for the next step. Tested
+under ``torchrun`` with ``strategy="ddp"``, SIGTERM to one rank mid-validation.
+Sharded strategies (FSDP, DeepSpeed) are not supported: their optimizer state is gathered with collectives that only rank 0 would call here.
 
 Exceptions: those of :class:`spotguard.Run` (``CheckpointError`` from a failed save or load).
 """
@@ -127,13 +134,18 @@ class SpotguardCallback(pl.Callback):
         on_commit: Callable[[Any], None] | None = None,
         guard: Guard | None = None,
         durable: str | None = None,
+        agree_in_validation: bool = True,
     ) -> None:
+        """``agree_in_validation`` (several ranks): the ranks agree on a notice at each validation
+        batch's end, as ``Run(agree_at_heartbeat=True)``; every rank must then run the same number
+        of validation batches inside ``fit`` (Lightning's ``DistributedSampler`` does). Turn it
+        off for a validation whose batches differ between ranks: a notice then waits for the next step."""
         self.root = root
         self._run_kwargs = dict(keep=keep, save_every=save_every, cadence=cadence, job_id=job_id,
                                 save_margin=save_margin, stop_lead=stop_lead, peer_timeout=peer_timeout,
                                 daemon=daemon, on_commit=on_commit,
                                 signal_deadlines=signal_deadlines, guard=guard, durable=durable,
-                                exit_on_stop=False)
+                                exit_on_stop=False, agree_at_heartbeat=agree_in_validation)
         self.run: Run | None = None
         self.data: DataPosition | None = None
         self.resumed_from: Any = None
@@ -157,6 +169,7 @@ class SpotguardCallback(pl.Callback):
         state = {"lightning": _TrainerState(trainer), "data": self.data,
                  **_ddp.entries({"model": trainer.strategy.model})}  # DDP's bucket layout
         self.run = Run(self.root, state=state, **self._run_kwargs)
+        self.run._heartbeats.capture = self._kept_at_validation  # several ranks: the state to save
         _keep_slurm_requeue(trainer)
         _quiet_lightning_sigterm(trainer)
         self.run.record.total = trainer.max_steps if trainer.max_steps > 0 else None  # the record's budget
@@ -189,7 +202,8 @@ class SpotguardCallback(pl.Callback):
         """A validation inside ``fit``: keep what a stop during it saves, the last step's state
         (Lightning's checkpoint dict, the data position and the RNG states, taken now)."""
         run = self.run
-        if run is None or trainer.sanity_checking or trainer.state.fn != "fit" or run.agreement.enabled:
+        if run is None or trainer.sanity_checking or trainer.state.fn != "fit" or \
+                (run.agreement.enabled and not run._heartbeats.enabled):
             return
         self._paused = (trainer.global_step, run.state["lightning"].state_dict(), self.data.state_dict(),
                         rng.capture())
@@ -197,9 +211,25 @@ class SpotguardCallback(pl.Callback):
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._defer_sigterm(trainer)
         if self.run is not None:
-            self.run.heartbeat()  # a long validation between two steps is not a lost peer
-            if self._paused is not None and self.run.guard.stop_requested:
+            # a long validation between two steps is not a lost peer; with several ranks, where they
+            # agree on a notice and save the state kept at the validation's start (True: stopped)
+            if self.run.heartbeat():
+                self._end_fit()
+            if self._paused is not None and not self.run.agreement.enabled and self.run.guard.stop_requested:
                 self._stop_in_validation()
+
+    def _kept_at_validation(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, the state to save) kept when the validation began, for a stop agreed at a heartbeat."""
+        if self._paused is None:
+            return None  # the sanity check, before any step: the next boundary acts
+        assert self.run is not None
+        return self._paused[0], self._frozen_state()
+
+    def _frozen_state(self) -> dict[str, Any]:
+        """The Run's state with Lightning's dict, the data position and the RNG kept at validation start."""
+        assert self.run is not None and self._paused is not None
+        _, lightning, data, rng_state = self._paused
+        return dict(self.run.state, lightning=_Frozen(lightning), data=_Frozen(data), rng=_Frozen(rng_state))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Put back the RNG states of the validation's start: it draws nothing training sees (so a
@@ -212,13 +242,16 @@ class SpotguardCallback(pl.Callback):
         """A stop decided during a validation (the far-deadline rule as at a step end): save the
         state kept at its start and end ``fit`` with ``SystemExit(75)`` now, not after it."""
         assert self.run is not None and self._paused is not None
-        step, lightning, data, rng_state = self._paused
+        step = self._paused[0]
         decision = self.run._local_decision(step)
         if not decision.stop:
             return
         log.warning("spotguard stops during the validation after step %d", step)
-        state = dict(self.run.state, lightning=_Frozen(lightning), data=_Frozen(data), rng=_Frozen(rng_state))
-        self.run._stop(step, decision, state=state)
+        self.run._stop(step, decision, state=self._frozen_state())
+        self._end_fit()
+
+    def _end_fit(self) -> None:
+        """After a stop's save during a validation: end ``fit`` with ``SystemExit(75)``."""
         self.stopped, self._steps, self._paused = True, None, None
         raise _exit.stop_exit(EXIT_PREEMPTED)  # through Lightning's on_exception: fit ends here
 

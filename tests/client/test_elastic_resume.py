@@ -1,9 +1,9 @@
 """Elastic resume under real ``torchrun`` (gloo, CPU): a job relaunched on another world size.
 
-* DDP through ``spotguard.Run`` and ``spotguard.DataLoader``: 2 ranks, each with a checkpoint
-  directory of its own (two nodes' local disks: node-local mode), train 3 steps and finish
-  (committing step 3); relaunched on 1 and on 3 ranks on the first node (its directory holds rank 0's
-  part only), the loaded model and optimizer equal the saved ones, and the samples the relaunch
+* DDP through ``spotguard.Run`` and ``spotguard.DataLoader``: 2 nodes x 2 ranks, each node with a
+  checkpoint directory of its own (node-local mode), train 3 steps and finish (committing step 3);
+  relaunched as 1 node x 2 ranks and 1 x 3 on the first node's directory (it holds ranks 0 and 1's
+  parts only), the loaded model and optimizer equal the saved ones, and the samples the relaunch
   draws (each batch carries its sample ids) are exactly the rest of the epoch: with the first
   launch's, every sample once.
 * torchrun's elastic range (``--nnodes 1:2``, two agents as two nodes): one node SIGKILLed
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-N = 24  # samples in the epoch; 2 ranks x batch 2 x 3 steps consume the first 12
+N = 48  # samples in the epoch; 4 ranks x batch 2 x 3 steps consume the first 24
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed")]
 
 
@@ -190,13 +190,13 @@ def _epoch0(records: list[dict], below: int = 10**9) -> list[int]:
 def ddp_saved(tmp_path_factory):
     base = tmp_path_factory.mktemp("elastic")
     (base / "first").mkdir()
-    torchrun(2, "ddp", str(base / "ckpt"), str(base / "first"), "3", JOB_RANKS_PER_NODE="1")
+    torchrun(4, "ddp", str(base / "ckpt"), str(base / "first"), "3", JOB_RANKS_PER_NODE="2")
     (manifest,) = [json.loads(p.read_text()) for p in (base / "ckpt" / "node-0").glob("**/step-*/manifest.json")]
-    assert {f.split("/")[0] for f in manifest["files"]} == {"rank-0"}  # node-local: this node's part
-    return base, _ranks(base / "first", 2)
+    assert {f.split("/")[0] for f in manifest["files"]} == {"rank-0", "rank-1"}  # node-local: this node's
+    return base, _ranks(base / "first", 4)
 
 
-@pytest.mark.parametrize(("ranks", "steps"), [(1, 9), (3, 5)])
+@pytest.mark.parametrize(("ranks", "steps"), [(2, 9), (3, 7)])  # the rest of the epoch, exactly
 def test_ddp_resumes_on_another_world_size_with_the_rest_of_the_epoch(ddp_saved, tmp_path, ranks, steps):
     base, first = ddp_saved
     shutil.copytree(base / "ckpt" / "node-0", tmp_path / "ckpt" / "node-0")  # the first node's disk
@@ -204,7 +204,7 @@ def test_ddp_resumes_on_another_world_size_with_the_rest_of_the_epoch(ddp_saved,
     done = torchrun(ranks, "ddp", str(tmp_path / "ckpt"), str(tmp_path / "out"), str(steps),
                     JOB_RANKS_PER_NODE=str(ranks))
     lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "elastic resume" in ln]
-    assert len(lines) == 1 and "saved by 2 ranks, this job has %d" % ranks in lines[0], lines
+    assert len(lines) == 1 and "saved by 4 ranks, this job has %d" % ranks in lines[0], lines
     second = _ranks(tmp_path / "out", ranks)
     for rank in second:
         assert rank["loaded"] == first[0]["final"]  # replicated model and optimizer, as saved

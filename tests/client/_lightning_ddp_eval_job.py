@@ -1,5 +1,5 @@
 """A Lightning DDP job (torchrun, gloo, CPU) that validates inside ``fit``, the usual way, for
-``test_lightning_ddp_eval_notice``.
+``test_ddp_eval_notice``.
 
     torchrun --nproc-per-node 2 _lightning_ddp_eval_job.py OUT
 

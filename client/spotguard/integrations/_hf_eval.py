@@ -17,8 +17,10 @@ found (a custom loop) leaves the notice to the next step end. A failed save (the
 
 At the evaluation's end (``on_evaluate``) the RNG states of its start are put back, so an
 evaluation never changes training and a stop during one resumes bit-identically (tested).
-One process only: with several ranks every rank must save the same step, and the ranks' exchange
-runs at step ends (a notice during an evaluation is acted on at the next one, as before).
+With several ranks the callback's exchange also runs at the prediction steps (every N of them, the
+marks of ``Run(agree_at_heartbeat=True)``: the prediction step's number and the step the evaluation
+follows), so every rank saves the same step there; ``agree_in_evaluation=False`` leaves a notice
+during an evaluation to the next step end.
 """
 
 from __future__ import annotations

@@ -105,12 +105,34 @@ class StopDecisions:
             log.warning("stopping at step %d after the scheduled save", step)
         control.should_training_stop = True
 
+    def _agree_in_evaluation(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                             kwargs: Mapping[str, Any]) -> None:
+        """Several ranks, at a prediction step of an evaluation inside ``train()``: every N of them
+        (N adapted as ``Run(agree_at_heartbeat=True)``'s) the ranks exchange their flags, with the
+        prediction step's number and the step the evaluation follows as marks; a stop agreed there
+        saves that step on every rank (the Trainer's save runs on every rank, as at a step end)."""
+        assert self._eval_agreement is not None
+        self._eval_count += 1
+        if not self._eval_agreement.due(self._eval_count):
+            return
+        local = self._local_decision(kwargs)
+        marks = (self._eval_count, self._pause.step)
+        decision = self._collective(lambda: self._eval_agreement.agree(self._eval_count, local, marks),
+                                    state.global_step)
+        if not all(decision.marks_equal):
+            raise RuntimeError(f"SpotguardTrainerCallback: at prediction step {self._eval_count} of an "
+                               "evaluation inside train() the ranks were at different prediction steps; "
+                               "every rank must evaluate the same number of batches, or pass "
+                               "agree_in_evaluation=False")
+        if decision.stop:
+            self._stop_in_evaluation(args, state, control, kwargs, decision)
+
     def _stop_in_evaluation(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                            kwargs: Mapping[str, Any]) -> None:
-        """A notice during an evaluation inside ``train()`` (the far-deadline rule as at a step end):
-        save the step it follows with that step's RNG states, at once, then end ``train()`` with
-        ``SystemExit(75)`` (:mod:`._hf_eval`)."""
-        decision = self._local_decision(kwargs)
+                            kwargs: Mapping[str, Any], agreed: Decision | None = None) -> None:
+        """A notice during an evaluation inside ``train()`` (the far-deadline rule as at a step end;
+        ``agreed``: the ranks' decision): save the step it follows with that step's RNG states, at
+        once, then end ``train()`` with ``SystemExit(75)`` (:mod:`._hf_eval`)."""
+        decision = agreed or self._local_decision(kwargs)
         trainer = calling_trainer() if decision.stop else None
         if trainer is None:
             return  # a far deadline (or no Trainer to save with): the next step end decides

@@ -39,8 +39,10 @@ guard the callback made is closed as ``Run`` closes it (forced-exit watchdog arm
 ignored), so call :meth:`~SpotguardTrainerCallback.exit_if_stopped` (75) right after ``train``.
 An evaluation the Trainer runs at the same step is not part of the measured save duration.
 
-A notice during an evaluation inside ``train()`` (one process) is acted on at its next prediction
-step (:mod:`._hf_eval`): the step it follows is saved at once with that step's RNG states (the
+A notice during an evaluation inside ``train()`` is acted on at its next prediction
+step (:mod:`._hf_eval`; with several ranks at the next prediction step where they exchange flags,
+every N of them as ``Run(agree_at_heartbeat=True)``, so every rank stops there: tested under
+``torchrun``, SIGTERM to one rank): the step it follows is saved at once with that step's RNG states (the
 Trainer's own ``_save_checkpoint``), and ``train()`` ends with ``SystemExit(75)``; the evaluation's
 RNG draws are put back at its end, so it never changes training and such a stop resumes
 bit-identically (tested). A far deadline lets the evaluation and training go on. A stop at a step
@@ -151,13 +153,16 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
     long plus ``PEER_LOST_GRACE`` exits 77). ``durable``: commit a copy of each save in
     spotguard's layout and report that to the daemon (which uploads it); None (default): when a
     durable store is known at ``on_train_begin`` (``$SPOTGUARD_STORAGE__URL`` or the daemon's
-    ``status``).
+    ``status``). ``agree_in_evaluation`` (several ranks): the ranks agree on a notice at the
+    prediction steps of an evaluation inside ``train()``; every rank must then evaluate the same
+    number of batches (Accelerate's ``even_batches`` does); off: a notice waits for the next step end.
     """
 
     def __init__(self, *, job_id: str = "", daemon: bool = True, save_margin: float = 2.0,
                  stop_lead: float = 60.0, peer_timeout: float | None = 600.0,
                  signal_deadlines: Mapping[int, float | None] = DEFAULT_SIGNAL_DEADLINES,
-                 guard: Guard | None = None, durable: bool | None = None) -> None:
+                 guard: Guard | None = None, durable: bool | None = None,
+                 agree_in_evaluation: bool = True) -> None:
         if stop_lead < 0:
             raise ValueError("stop_lead must be >= 0")
         self._guard_kwargs = dict(job_id=job_id, daemon=daemon, signal_deadlines=signal_deadlines)
@@ -165,6 +170,9 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         self._own_guard = guard is None
         self.save_margin, self.stop_lead, self.peer_timeout = save_margin, stop_lead, peer_timeout
         self.agreement: Agreement | None = None
+        self.agree_in_evaluation = agree_in_evaluation
+        self._eval_agreement: Agreement | None = None  # several ranks: at prediction steps (_hf_stop)
+        self._eval_count = 0
         self.stopped = False
         self.save_seconds: float | None = None
         self._save_started: float | None = None
@@ -201,6 +209,8 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         # Made here, not in __init__: torch.distributed runs by now, so the exchange gets its own
         # group bounded by peer_timeout. Interval 1: a stop comes at the step end after the notice.
         self.agreement = Agreement(timeout=self.peer_timeout, max_interval=1)
+        enabled = self.agreement.enabled and self.agree_in_evaluation
+        self._eval_agreement = Agreement(share=self.agreement) if enabled else None
         if self.peer_timeout and self.agreement.enabled:
             stalled = (f"no step end for {self.peer_timeout} s (peer_timeout=): a peer rank is probably "
                        "gone")
@@ -237,7 +247,7 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
             self._decide(step, control, kwargs)
         if self.stopped:
             control.should_evaluate = False  # the save first: an evaluation now could outlast the deadline
-        elif control.should_evaluate and not self.agreement.enabled:
+        elif control.should_evaluate and self._pauses():
             self._pause.begin(step)
         if control.should_save:  # ours or the Trainer's schedule: time it until on_save
             self._save_started = time.monotonic()
@@ -246,8 +256,7 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if control.should_evaluate and not self.stopped and self.agreement is not None \
-                and not self.agreement.enabled:  # an epoch strategy's evaluation
+        if control.should_evaluate and not self.stopped and self._pauses():  # an epoch strategy's evaluation
             self._pause.begin(state.global_step)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -260,8 +269,17 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         ``train()`` stops there (:mod:`._hf_eval`)."""
         if self._progress is not None and self._progress.armed_at is not None:
             self._arm_progress()
-        if self._pause.active and self.guard is not None and self.guard.stop_requested and not self.stopped:
+        if not self._pause.active or self.guard is None or self.stopped:
+            return
+        if self._eval_agreement is not None:  # several ranks: they agree here every N prediction steps
+            self._agree_in_evaluation(args, state, control, kwargs)
+        elif self.guard.stop_requested:
             self._stop_in_evaluation(args, state, control, kwargs)
+
+    def _pauses(self) -> bool:
+        """Whether a notice during an evaluation inside ``train()`` is acted on there (one process,
+        or several that agree at its prediction steps)."""
+        return self.agreement is not None and (not self.agreement.enabled or self._eval_agreement is not None)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:

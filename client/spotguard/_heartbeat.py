@@ -37,7 +37,8 @@ log = logging.getLogger("spotguard.run")
 
 
 class HeartbeatMismatch(RuntimeError):
-    """The ranks did not call ``run.heartbeat()`` at the same points (``agree_at_heartbeat=True``)."""
+    """The ranks did not call ``run.heartbeat()`` at the same points (``agree_at_heartbeat=True``), or
+    the Hugging Face callback's ranks were at different prediction steps of an evaluation."""
 
 
 class Heartbeats:
@@ -105,6 +106,8 @@ class Heartbeats:
         return done, as_captured(self.run.state, rng_state, position)
 
     def _mismatch(self, where: str) -> str:
-        return (f"Run(agree_at_heartbeat=True): at {where} this rank's exchange met another rank's "
-                f"heartbeat or boundary; every rank must call run.heartbeat() at the same points (the "
-                f"same evaluation loop on every rank), or leave agree_at_heartbeat off")
+        return (f"agreement at heartbeats: at {where} this rank's exchange met another rank's heartbeat "
+                f"or boundary; every rank must call run.heartbeat() at the same points (the same "
+                f"evaluation loop on every rank; Lightning's callback calls it at each validation batch "
+                f"end), or turn the agreement off (Run(agree_at_heartbeat=False), "
+                f"SpotguardCallback(agree_in_validation=False))")

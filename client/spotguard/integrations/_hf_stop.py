@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from spotguard import _exit
+from spotguard._heartbeat import HeartbeatMismatch
 from spotguard._peer import exit_peer_lost
 from spotguard._run_stop import note_far_notice
 from spotguard.distributed import Decision, PeerLostError
@@ -120,7 +121,7 @@ class StopDecisions:
         decision = self._collective(lambda: self._eval_agreement.agree(self._eval_count, local, marks),
                                     state.global_step)
         if not all(decision.marks_equal):
-            raise RuntimeError(f"SpotguardTrainerCallback: at prediction step {self._eval_count} of an "
+            raise HeartbeatMismatch(f"SpotguardTrainerCallback: at prediction step {self._eval_count} of an "
                                "evaluation inside train() the ranks were at different prediction steps; "
                                "every rank must evaluate the same number of batches, or pass "
                                "agree_in_evaluation=False")

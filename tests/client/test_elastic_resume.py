@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-N = 48  # samples in the epoch; 4 ranks x batch 2 x 3 steps consume the first 24
+N = 24  # samples in the epoch of the rendezvous test (JOB_SAMPLES sets the worker's)
+N_WIDE = 48  # the DDP tests': 4 ranks x batch 2 x 3 steps consume the first 24
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed")]
 
 
@@ -65,12 +66,14 @@ def ddp_worker(root: str, out: str, steps: int) -> None:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
+    samples = int(os.environ.get("JOB_SAMPLES", N))
+
     class Ids(torch.utils.data.Dataset):
         def __len__(self):
-            return N
+            return samples
 
         def __getitem__(self, i):
-            return i, torch.full((4,), float(i) / N)
+            return i, torch.full((4,), float(i) / samples)
 
     loader = spotguard.DataLoader(Ids(), batch_size=2, shuffle=True, seed=0)
     result: dict = {"ids": {}}
@@ -190,7 +193,8 @@ def _epoch0(records: list[dict], below: int = 10**9) -> list[int]:
 def ddp_saved(tmp_path_factory):
     base = tmp_path_factory.mktemp("elastic")
     (base / "first").mkdir()
-    torchrun(4, "ddp", str(base / "ckpt"), str(base / "first"), "3", JOB_RANKS_PER_NODE="2")
+    torchrun(4, "ddp", str(base / "ckpt"), str(base / "first"), "3", JOB_RANKS_PER_NODE="2",
+             JOB_SAMPLES=str(N_WIDE))
     (manifest,) = [json.loads(p.read_text()) for p in (base / "ckpt" / "node-0").glob("**/step-*/manifest.json")]
     assert {f.split("/")[0] for f in manifest["files"]} == {"rank-0", "rank-1"}  # node-local: this node's
     return base, _ranks(base / "first", 4)
@@ -202,14 +206,14 @@ def test_ddp_resumes_on_another_world_size_with_the_rest_of_the_epoch(ddp_saved,
     shutil.copytree(base / "ckpt" / "node-0", tmp_path / "ckpt" / "node-0")  # the first node's disk
     (tmp_path / "out").mkdir()
     done = torchrun(ranks, "ddp", str(tmp_path / "ckpt"), str(tmp_path / "out"), str(steps),
-                    JOB_RANKS_PER_NODE=str(ranks))
+                    JOB_RANKS_PER_NODE=str(ranks), JOB_SAMPLES=str(N_WIDE))
     lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "elastic resume" in ln]
     assert len(lines) == 1 and "saved by 4 ranks, this job has %d" % ranks in lines[0], lines
     second = _ranks(tmp_path / "out", ranks)
     for rank in second:
         assert rank["loaded"] == first[0]["final"]  # replicated model and optimizer, as saved
     drawn = _epoch0(first) + _epoch0(second)
-    assert sorted(drawn) == list(range(N))  # every sample of the epoch, none twice, none skipped
+    assert sorted(drawn) == list(range(N_WIDE))  # every sample of the epoch, none twice, none skipped
     assert all(epoch == 0 for rank in second for epoch, _ in rank["ids"].values())
     assert sorted(int(s) for s in second[0]["ids"]) == list(range(3, steps))
 

@@ -49,7 +49,7 @@ from typing import Any, Mapping
 from spotguard._record import Recorder
 from spotguard.sampler import ids_digest
 
-__all__ = ["Audit", "ELASTIC_ENV", "rng_digests", "state_digests"]
+__all__ = ["Audit", "ELASTIC_ENV", "feed_state", "rng_digests", "state_digests"]
 
 ELASTIC_ENV = "SPOTGUARD_RECORD_ELASTIC"
 
@@ -122,14 +122,17 @@ def state_digests(state: Mapping[str, Any]) -> dict[str, str]:
             continue
         digest = hashlib.blake2b(digest_size=8)
         try:
-            _feed(digest, value.state_dict())
+            feed_state(digest, value.state_dict())
         except Exception:  # noqa: BLE001 (a shard, an unreadable tensor: nothing raises into the loop)
             continue
         out[name] = digest.hexdigest()
     return out
 
 
-def _feed(digest: Any, value: Any) -> None:
+def feed_state(digest: Any, value: Any) -> None:
+    """Feed ``value`` (a ``state_dict``: tensors, mappings, sequences, plain values) into the hash
+    ``digest``: each tensor's dtype, shape and bytes, keys in order. A DTensor (a shard) raises
+    TypeError: its bytes are not the state's."""
     if hasattr(value, "full_tensor"):
         raise TypeError("a DTensor shard")
     if hasattr(value, "detach") and hasattr(value, "dtype"):
@@ -139,11 +142,11 @@ def _feed(digest: Any, value: Any) -> None:
     elif isinstance(value, dict):
         for key in sorted(value, key=repr):
             digest.update(f"K{key!r}".encode())
-            _feed(digest, value[key])
+            feed_state(digest, value[key])
     elif isinstance(value, (list, tuple)):
         digest.update(f"L{len(value)}".encode())
         for item in value:
-            _feed(digest, item)
+            feed_state(digest, item)
     else:
         digest.update(f"V{value!r}".encode())
 

@@ -21,31 +21,13 @@ import hashlib
 import os
 from typing import Any, Mapping
 
-from spotguard._audit import rng_digests
+from spotguard._audit import feed_state, rng_digests
 from spotguard._record import Recorder
 
 __all__ = ["TrainerRecord", "state_digest"]
 
 ENTRIES = ["model", "optimizer", "rng", "scheduler", "trainer_state"]
 """What a Trainer checkpoint holds, in the start event's ``entries``."""
-
-
-def _feed(digest: Any, value: Any) -> None:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().cpu().contiguous().view(-1)
-        digest.update(f"{tensor.dtype}{tuple(value.shape)}".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    elif isinstance(value, Mapping):
-        for key in sorted(value, key=str):
-            digest.update(repr(key).encode())
-            _feed(digest, value[key])
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _feed(digest, item)
-    else:
-        digest.update(repr(value).encode())
 
 
 def state_digest(state: Any, kwargs: Mapping[str, Any]) -> str:
@@ -55,8 +37,8 @@ def state_digest(state: Any, kwargs: Mapping[str, Any]) -> str:
         obj = kwargs.get(name)
         if obj is not None and hasattr(obj, "state_dict"):
             digest.update(name.encode())
-            _feed(digest, obj.state_dict())
-    _feed(digest, [state.global_step, state.epoch, rng_digests()])
+            feed_state(digest, obj.state_dict())
+    feed_state(digest, [state.global_step, state.epoch, rng_digests()])
     return digest.hexdigest()
 
 

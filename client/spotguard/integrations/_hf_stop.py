@@ -122,9 +122,9 @@ class StopDecisions:
                                     state.global_step)
         if not all(decision.marks_equal):
             raise HeartbeatMismatch(f"SpotguardTrainerCallback: at prediction step {self._eval_count} of an "
-                               "evaluation inside train() the ranks were at different prediction steps; "
-                               "every rank must evaluate the same number of batches, or pass "
-                               "agree_in_evaluation=False")
+                                    "evaluation inside train() the ranks were at different prediction steps; "
+                                    "every rank must evaluate the same number of batches, or pass "
+                                    "agree_in_evaluation=False")
         if decision.stop:
             self._stop_in_evaluation(args, state, control, kwargs, decision)
 

@@ -74,8 +74,9 @@ exits 75 together. This needs every rank to run the same number of validation ba
 step, so a notice then waits for the first boundary); a validation whose batches differ between ranks
 (one on rank 0 alone) would leave ranks waiting for each other's exchange (``HeartbeatMismatch``, or 77
 at ``peer_timeout``): pass ``agree_in_validation=False`` there, and a notice waits for the next step. Tested
-under ``torchrun`` with ``strategy="ddp"``, SIGTERM to one rank mid-validation.
-Sharded strategies (FSDP, DeepSpeed) are not supported: their optimizer state is gathered with collectives that only rank 0 would call here.
+under ``torchrun`` with ``strategy="ddp"``, SIGTERM to one rank mid-validation. Sharded strategies
+(FSDP, DeepSpeed) are not supported: their optimizer state is gathered with collectives that only
+rank 0 would call here.
 
 Exceptions: those of :class:`spotguard.Run` (``CheckpointError`` from a failed save or load).
 """

@@ -69,7 +69,9 @@ def write_all(fd: int, data: memoryview, pace: Callable[..., Any] | None = None)
     ``O_DIRECT``: the next call may write unaligned data to the same file (the emergency path streams
     a file's tensors through the same fd, chunk after chunk)."""
     view, offset = _flat(data), 0
-    direct_end = _direct_end(view) if os.lseek(fd, 0, os.SEEK_CUR) % _PAGE == 0 else 0
+    direct_end = _direct_end(view)
+    if direct_end and os.lseek(fd, 0, os.SEEK_CUR) % _PAGE:  # O_DIRECT needs an aligned file offset
+        direct_end = 0
     if direct_end and not _set_direct(fd, True):
         direct_end = 0
     try:

@@ -370,14 +370,18 @@ class Daemon:
         watchdog = systemd.watchdog_interval()
         loop = asyncio.get_running_loop()
         next_ping = loop.time()
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("expire", self.store.expire), ("goodput flush", self.handler.ledger.flush),
+            ("goodput store", self.progress.tick), ("timeline", self.timeline.tick),
+            ("job rates", self.rates.snapshot),
+            ("reap", lambda: self.metrics.clients.set(self.handler.reap())),
+            ("acknowledge", self._acknowledge_ready)]
         while True:
-            self.store.expire()
-            self.handler.ledger.flush()
-            self.progress.tick()
-            self.timeline.tick()
-            self.rates.snapshot()
-            self.metrics.clients.set(self.handler.reap())
-            self._acknowledge_ready()
+            for name, step in steps:  # one failing step never stops the others nor the watchdog
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - logged and counted, tried next pass
+                    self.tasks.failed(f"housekeeping: {name}", exc)
             if watchdog is not None and loop.time() >= next_ping:
                 systemd.notify("WATCHDOG=1")
                 next_ping = loop.time() + watchdog

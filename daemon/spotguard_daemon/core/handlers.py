@@ -35,7 +35,11 @@ tree may change after the check).
 
 Goodput: commits, ``progress`` reports and rank-0 restarts feed the
 :class:`~spotguard_daemon.core.goodput.GoodputLedger`, whose losses go to the metrics; a restart of a job
-the ledger does not know goes to ``recall`` (the durable store's copy, :mod:`.goodput_store`).
+the ledger does not know goes to ``recall`` (the durable store's copy, :mod:`.goodput_store`). A
+register is a restart at most once per registration (a client registers, restores, then registers
+again with the step), and only while the job's previous rank 0 is gone (a second process naming a
+running job is logged and counts nothing); the ledger then counts an interruption only when the
+previous run trained.
 The reply to ``progress`` carries the job's learned :class:`~spotguard.protocol.JobRate`
 (:mod:`.job_rates`), which ``cadence`` also answers for any job, to any peer.
 
@@ -247,22 +251,32 @@ class RequestHandler:
             return Reply(ok=False, error=f"register refused: {MAX_CLIENTS} clients are registered")
         if old is not None and old.proven and old.start_time == client.start_time:
             client.registered_at = old.registered_at  # the same process: reports since then stay valid
+            client.resumed = old.resumed
             if not request.job_id and request.rank == 0:  # spotguard run's registrar naming a client
                 client.rank, client.job_id = old.rank, old.job_id
         self.clients[client.key] = client
         if client.proven:  # an unproven peer could name any job: it must not count or reset its loss
-            self._count_restart(request, client.key)
+            self._count_restart(request, client)
         here = f" (pid {client.key} here)" if client.key != request.pid else ""
         log.info("client pid %d%s registered (rank %d, job %r, signal %s)", request.pid, here, client.rank,
                  client.job_id, "yes" if client.uid is not None else "no")
         self._on_change()
         return Reply(ok=True, data={"notices": self._notices(), "signal": client.public()["signal"]})
 
-    def _count_restart(self, request: RegisterRequest, key: int) -> None:
+    def _count_restart(self, request: RegisterRequest, client: Client) -> None:
         """Count a rank-0 resume and the committed steps it re-runs (see :mod:`.metrics`)."""
+        key = client.key
         if request.resumed_from_step is None or request.rank != 0:
             return
         job = request.job_id or DEFAULT_JOB
+        record = self.ledger.record(job)
+        previous = None if record is None or record.pid in (0, key) else self.clients.get(record.pid)
+        if client.resumed == job or (previous is not None and previous.alive()):
+            log.info("job %r: pid %d registered as rank 0 resumed from step %d while %s; not a restart",
+                     job, key, request.resumed_from_step, "its restart was counted already"
+                     if client.resumed == job else f"the job's rank 0 (pid {record.pid}) still runs")
+            return
+        client.resumed = job
         known = self._known_step(job)
         newest = max(self._newest.get(job, -1), -1 if known is None else known)
         self.metrics.resumed(newest - request.resumed_from_step if newest >= 0 else 0)

@@ -21,7 +21,7 @@ import click
 from spotguard import __version__
 from spotguard._paths import untrusted
 from spotguard.protocol import Kind
-from spotguard_daemon.commands.common import fail, request, settings_or_exit
+from spotguard_daemon.commands.common import fail, printable, request, settings_or_exit
 from spotguard_daemon.core.settings import Settings, redacted
 
 __all__ = ["main"]
@@ -127,7 +127,7 @@ def status(config: str | None, as_json: bool, timeout: float) -> None:
     if as_json:
         click.echo(json.dumps(redact_data(reply.data), indent=2))
     else:
-        click.echo(_human_status(reply.data))
+        click.echo(printable(_human_status(reply.data)))
 
 
 def _human_uploads(uploads: dict[str, Any]) -> list[str]:

@@ -22,7 +22,17 @@ import click
 
 from spotguard_daemon.core.settings import Settings, SettingsError, load_settings
 
-__all__ = ["daemon_status", "fail", "guarded", "request", "settings_or_exit"]
+__all__ = ["daemon_status", "fail", "guarded", "printable", "request", "settings_or_exit"]
+
+_CONTROL = {c: ascii(chr(c))[1:-1] for c in [*range(0x00, 0x20), *range(0x7f, 0xa0), 0x200e, 0x200f,
+                                          *range(0x202a, 0x202f), *range(0x2066, 0x206a)] if c != 0x0a}
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal, line breaks kept: every other control character (an escape
+    sequence's ESC, a bell, a carriage return, bidi overrides) shown as ``\\xNN``/``\\uNNNN``.
+    For whatever a client or a store wrote (job ids, details) before it is printed."""
+    return text.translate(_CONTROL)
 
 
 def fail(status: int, message: str) -> NoReturn:

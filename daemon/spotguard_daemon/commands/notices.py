@@ -17,7 +17,7 @@ import click
 from spotguard._paths import untrusted
 from spotguard.protocol import MAX_HISTORY, StatusRequest
 
-from spotguard_daemon.commands.common import fail, request, settings_or_exit
+from spotguard_daemon.commands.common import fail, printable, request, settings_or_exit
 
 __all__ = ["notices", "human_timeline"]
 
@@ -68,4 +68,4 @@ def notices(config: str | None, count: int, as_json: bool, timeout: float) -> No
     if not history:
         click.echo("no terminating notice recorded")
     for line in history:
-        click.echo("\n".join(human_timeline(line)))
+        click.echo(printable("\n".join(human_timeline(line))))

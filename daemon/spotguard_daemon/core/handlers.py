@@ -318,8 +318,9 @@ class RequestHandler:
             if kinds:  # a restart after a drill is no interruption (the learned MTBF, .job_rates)
                 self.ledger.stopped(client.job_id or DEFAULT_JOB, drill=kinds == {Kind.DRILL})
         unknown = self.store.mark_safe_all(ids, key)
-        self.timeline.safe([i for i in ids if i not in unknown], key, request,
-                           (client.job_id if client is not None else "") or DEFAULT_JOB)
+        if current_peer.get().uid is not None:  # an unproven peer proves no hold on any notice
+            self.timeline.safe([i for i in ids if i not in unknown], key, request,
+                               (client.job_id if client is not None else "") or DEFAULT_JOB)
         self._on_change()
         return Reply(ok=True, data={"unknown": unknown})
 
@@ -328,7 +329,8 @@ class RequestHandler:
         key = key_of(request.pid, current_peer.get())
         if not may_act_for(current_peer.get(), request.pid, self.clients.get(key)):
             return Reply(ok=False, error=f"ack refused: pid {request.pid} is not the sender's")
-        self.timeline.ack(request.notice_ids, key, request.at)
+        if current_peer.get().uid is not None:  # as in _safe: proven peers only
+            self.timeline.ack(request.notice_ids, key, request.at)
         return Reply(ok=True)
 
     def _commit(self, request: CommitRequest) -> Reply:

@@ -172,7 +172,7 @@ class Durable:
             key = _parts.part_key(job_id, manifest["step"], manifest["node"]["index"])
         body = json.dumps({**manifest, "durable": durable}, indent=1).encode()
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
-        if "node" not in manifest or self._complete(job_id, manifest["step"]):
+        if "node" not in manifest or self._complete(job_id, manifest["step"], json.loads(body)):
             self._advance_pointer(job_id, manifest["step"])
         total = sum(size for _, size in by_hash.values())
         info = DurableInfo(job_id, manifest["step"], key, len(manifest["files"]), len(sent),
@@ -183,11 +183,11 @@ class Durable:
             self.cleanup(info)
         return info
 
-    def _complete(self, job_id: str, step: int) -> bool:
-        """Write the global manifest of ``step`` if every node's part is in the store (see
-        :mod:`._parts`); True once it is there."""
+    def _complete(self, job_id: str, step: int, own: dict[str, Any] | None = None) -> bool:
+        """Write the global manifest of ``step`` if every node's part of ``own``'s incarnation (the
+        part this node uploaded) is in the store (see :mod:`._parts`); True once it is there."""
         manifest = _retrying(lambda: _parts.assemble(self.store, _job(job_id), step, MAX_MANIFEST_BYTES,
-                                                     _loads), self.attempts, f"parts of step {step}")
+                                                     _loads, own), self.attempts, f"parts of step {step}")
         if manifest is None:
             log.info("durable %s step %d: this node's part is in the store; waiting for the other nodes'",
                      job_id, step)

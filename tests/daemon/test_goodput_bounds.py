@@ -109,3 +109,45 @@ def test_planted_and_claimed_interruptions_stay_bounded_and_the_watchdog_keeps_p
         victim.kill()
         victim.wait()
     assert "housekeeping" not in daemon.output() and "Traceback" not in daemon.output()
+
+
+def test_a_failing_housekeeping_step_stops_neither_the_others_nor_the_watchdog(sock_dir, tmp_path, notify,
+                                                                               monkeypatch, caplog):
+    """The daemon's housekeeping with one step that always raises (the job rates' snapshot, as a
+    count past 2**53 once made it): the pings go on, so do the other steps, the failure is logged
+    once and counted every pass."""
+    import asyncio
+
+    from test_daemon_e2e import in_process_daemon
+
+    monkeypatch.setenv("NOTIFY_SOCKET", str(sock_dir / "notify.sock"))
+    monkeypatch.setenv("WATCHDOG_USEC", "100000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    daemon = in_process_daemon(sock_dir, tmp_path)
+    flushed = []
+
+    def broken() -> None:
+        raise ValueError("interruptions must be an integer >= 0")
+
+    daemon.rates.snapshot = broken
+    daemon.handler.ledger.flush = lambda: flushed.append(1)
+
+    async def run_a_while() -> None:
+        task = asyncio.ensure_future(daemon._housekeeping())
+        await asyncio.sleep(1.0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(run_a_while())
+    notify.setblocking(False)
+    queued = []
+    while True:
+        try:
+            queued.append(notify.recv(256))
+        except BlockingIOError:
+            break
+    assert len(flushed) >= 5 and queued.count(b"WATCHDOG=1") >= 5  # every 0.05 s for 1 s
+    assert daemon.metrics.task_restarts.labels(task="housekeeping: job rates")._value.get() >= 5
+    assert sum("housekeeping: job rates failed" in r.getMessage() for r in caplog.records) >= 5
+    assert sum(r.exc_info is not None for r in caplog.records) == 1  # the traceback once per cause

@@ -103,13 +103,13 @@ def _learned(job: str, config: str | None) -> tuple[float, list[str]]:
     from spotguard._paths import untrusted
     from spotguard.protocol import CadenceRequest, JobRate
 
-    from spotguard_daemon.commands.common import fail, request, settings_or_exit
+    from spotguard_daemon.commands.common import fail, no_daemon, request, settings_or_exit
 
     endpoint = settings_or_exit(config).request_endpoint
     distrust = untrusted(endpoint)
     reply = None if distrust else request(endpoint, CadenceRequest(job_id=job), 2.0)
     if reply is None:
-        fail(1, distrust or f"no daemon answered on {endpoint} within 2 s")
+        fail(1, distrust or no_daemon(endpoint, 2.0))
     if not reply.ok or reply.data.get("rate") is None:
         fail(1, reply.error or f"the daemon knows nothing of job {job!r} (it learns a job from the "
                                "progress its rank 0 reports)")

@@ -60,7 +60,7 @@ import click
 
 from spotguard._audit import ELASTIC_ENV
 from spotguard._record import RecordError, read_new
-from spotguard_daemon.commands.common import guarded
+from spotguard_daemon.commands.common import Duration, guarded
 from spotguard_daemon.commands.drill_checks import Launch, judge, reproducible, save_figures, SPREAD_FACTOR
 from spotguard_daemon.commands.drill_report import Live, write_report
 from spotguard_daemon.commands.drill_resize import PROMISE, nproc, resize_checks, with_nproc
@@ -437,8 +437,9 @@ def _notify(endpoint: str | None, deadline: float) -> None:
 @click.option("--report-dir", type=click.Path(file_okay=False, path_type=Path),
               help="New or empty directory of yours, writable by no one else, for the report, "
                    "logs and records (default ./spotguard-drill-<time>).")
-@click.option("--launch-timeout", default=3600.0, show_default=True, type=click.FloatRange(1),
-              help="Seconds one launch may run before the drill kills it and fails.")
+@click.option("--launch-timeout", default=3600.0, show_default=True, type=Duration(1),
+              help="How long one launch may run before the drill kills it and fails (seconds, "
+                   "or 30m, 2h).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print report.json on the last line of stdout too (for CI).")
 @click.option("--resize", type=click.IntRange(1, 4096), metavar="N",

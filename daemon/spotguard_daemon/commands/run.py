@@ -62,7 +62,7 @@ from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
 
-from spotguard_daemon.commands.common import daemon_status, settings_or_exit
+from spotguard_daemon.commands.common import Duration, daemon_status, settings_or_exit
 from spotguard_daemon.commands.run_summary import PREEMPTED, Launch, human, summary
 from spotguard_daemon.commands.supervise import (STOP_S, CommandNotFound, LaunchError, Registrar,
                                         become_subreaper, command_after_options,
@@ -393,15 +393,16 @@ def _refuse_untrusted(settings) -> None:
               help="Do not start a daemon when none answers (signals and exit statuses only).")
 @click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(0),
               help="Relaunches after a failure (a status other than 0, 75, 76, 77).")
-@click.option("--backoff", default=1.0, show_default=True, type=click.FloatRange(0),
-              help="Seconds before the first relaunch after a failure, or after a preemption "
-                   "without progress; doubled each time.")
-@click.option("--backoff-max", default=60.0, show_default=True, type=click.FloatRange(0),
-              help="Longest wait before a relaunch.")
+@click.option("--backoff", default=1.0, show_default=True, type=Duration(0),
+              help="Wait before the first relaunch after a failure, or after a preemption "
+                   "without progress (seconds, or 500ms, 1m); doubled each time.")
+@click.option("--backoff-max", default=60.0, show_default=True, type=Duration(0),
+              help="Longest wait before a relaunch (seconds, or 2m, 1h).")
 @click.option("--max-preemptions", default=1000, show_default=True, type=click.IntRange(0),
               help="Relaunches after a preemption (75, 76, 77) at most.")
-@click.option("--useful-seconds", default=600.0, show_default=True, type=click.FloatRange(0),
-              help="A pending platform notice due further away than this still gets a relaunch.")
+@click.option("--useful-seconds", default=600.0, show_default=True, type=Duration(0),
+              help="A pending platform notice due further away than this (seconds, or 10m) still "
+                   "gets a relaunch.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout too.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, ...],

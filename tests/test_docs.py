@@ -4,6 +4,7 @@ repository's own files)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,30 @@ def test_a_link_to_a_missing_repository_file_fails_the_strict_build(tmp_path):
     out = build(site_linking(tmp_path, "../gone.py"), tmp_path / "site")
     assert out.returncode != 0
     assert "index.md links to ../gone.py, which is not in the repository" in out.stderr
+
+
+def _listed(text: str) -> set[str]:
+    """The package names of a prose list such as ``a, b, c and d``."""
+    return {word.strip("`# \n") for word in re.split(r",|\band\b", text) if word.strip("`# \n")}
+
+
+def test_the_readme_the_development_guide_and_the_install_script_list_the_same_packages():
+    script = (ROOT / "scripts" / "install-system-packages.sh").read_text()
+    packages = set(re.findall(r"\[([\w-]+)\]=", re.search(r"command_of=\((.*?)\)", script, re.S)[1]))
+    assert {"nodejs", "npm", "prometheus", "slurm-wlm"} <= packages  # Azurite needs Node.js
+    readme = re.search(r"the Debian packages (.*?) itself", (ROOT / "README.md").read_text(), re.S)[1]
+    guide = re.search(r"`scripts/install-system-packages.sh`:\s*(.*?);",
+                      (ROOT / "docs" / "development.md").read_text(), re.S)[1]
+    assert _listed(readme) == packages and _listed(guide) == packages, (readme, guide)
+    test_run = (ROOT / "scripts" / "test").read_text()
+    assert test_run.index("install-system-packages.sh") < test_run.index("install-emulators.sh")
+
+
+def test_the_site_needs_only_the_docs_extra_and_its_output_is_ignored():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[>=<]", dep)[0] for dep in extras["docs"]}
+    assert names == {"mkdocs", "mkdocs-material", "mkdocstrings[python]"}
+    assert "spotguard[docs]" in extras["test"]
+    assert "/site/" in (ROOT / ".gitignore").read_text().splitlines()

@@ -1,6 +1,6 @@
 """``spotguard demo``: the README's first command. A training job rides out a preemption, locally.
 
-No cloud account, no root, about 15 s on 2 cores. In a private workspace:
+No cloud account, no root, 15-40 s on 2 cores (more when the machine is loaded). In a private workspace:
 
 1. *node 1*: a daemon (``--platform none``, durable store ``file://<workspace>/durable``) starts;
 2. the example job (:mod:`spotguard_examples.train_plain`) starts beside it; its first checkpoint

@@ -32,6 +32,8 @@ def test_the_site_builds_strict_without_a_warning(tmp_path):
         (ROOT / "examples" / "train_plain.py").read_bytes()
     api = (site / "reference" / "api" / "index.html").read_text()
     assert 'id="spotguard.run.Run"' in api and ":class:" not in api  # Sphinx roles shown as code
+    table = api[api.index('id="spotguard.run.Run"'):api.index('id="spotguard.run.Run.steps"')]
+    assert "<code>agree_at_heartbeat</code>" in table and "peer rank ends the process" in table
 
 
 def site_linking(tmp_path: Path, target: str) -> Path:
@@ -85,3 +87,19 @@ def test_the_site_needs_only_the_docs_extra_and_its_output_is_ignored():
     assert names == {"mkdocs", "mkdocs-material", "mkdocstrings[python]"}
     assert "spotguard[docs]" in extras["test"]
     assert "/site/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_the_api_reference_documents_every_parameter_of_run_checkpointer_guard_and_the_callbacks():
+    """Each parameter has a ``:param NAME:`` in its class's docstring, which mkdocstrings renders
+    as the page's parameter table (the site test builds it). Read from the source, not imported."""
+    import ast
+
+    for path, name in (("run.py", "Run"), ("checkpoint/manager.py", "Checkpointer"),
+                       ("guard.py", "Guard"), ("integrations/lightning.py", "SpotguardCallback"),
+                       ("integrations/huggingface.py", "SpotguardTrainerCallback")):
+        tree = ast.parse((ROOT / "client" / "spotguard" / path).read_text())
+        cls = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == name)
+        init = next(node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+        params = {arg.arg for arg in init.args.args + init.args.kwonlyargs} - {"self"}
+        documented = set(re.findall(r":param (\w+):", ast.get_docstring(cls) or ""))
+        assert documented == params, (name, params - documented, documented - params)

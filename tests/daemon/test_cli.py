@@ -96,6 +96,13 @@ def test_durations_take_units(text, seconds):
             parse(bad)
 
 
+
+def test_the_cadence_takes_its_durations_with_units_too():
+    result = run("cadence", "--checkpoint-seconds", "30s", "--mtbf-hours", "3", "--step-seconds", "500ms")
+    assert result.returncode == 0, result.stderr
+    assert "checkpoint cost  C = 30.0 s" in result.stdout and "floor(T / 0.5 s)" in result.stdout
+
+
 def test_notify_and_status_against_a_running_daemon(daemon_factory):
     daemon = daemon_factory()
     env = {"SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)}

@@ -251,6 +251,11 @@ class Durable:
 
     # -- reading ---------------------------------------------------------------------------------
 
+    def jobs(self) -> list[str]:
+        """The jobs with at least one manifest in the store, sorted."""
+        return sorted({found.group(1) for key in self.store.list("jobs/")
+                       if (found := _MANIFEST.match(key))})
+
     def list(self, job_id: str) -> list[int]:
         """Steps with a manifest, oldest first."""
         steps = []

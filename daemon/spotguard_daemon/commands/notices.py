@@ -17,7 +17,8 @@ import click
 from spotguard._paths import untrusted
 from spotguard.protocol import MAX_HISTORY, StatusRequest
 
-from spotguard_daemon.commands.common import fail, printable, request, settings_or_exit
+from spotguard_daemon.commands.common import (Duration, fail, no_daemon, printable, request,
+                                              settings_or_exit)
 
 __all__ = ["notices", "human_timeline"]
 
@@ -51,7 +52,8 @@ def human_timeline(line: dict[str, Any]) -> list[str]:
 @click.option("-n", "--count", default=10, show_default=True, type=click.IntRange(1, MAX_HISTORY),
               help="How many of the latest notices.")
 @click.option("--json", "as_json", is_flag=True, help="Print them as a JSON list, newest first.")
-@click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon.")
+@click.option("--timeout", default=2.0, show_default=True, type=Duration(0.001),
+              help="How long to wait for the daemon (seconds, or 500ms, 1m).")
 def notices(config: str | None, count: int, as_json: bool, timeout: float) -> None:
     """List the latest terminating notices of this node, newest first, each with the stages the
     emergency path went through (seen, published, each client's flag, stop, save, safe, durable,
@@ -60,7 +62,7 @@ def notices(config: str | None, count: int, as_json: bool, timeout: float) -> No
     distrust = untrusted(endpoint)
     reply = None if distrust else request(endpoint, StatusRequest(history=count), timeout)
     if reply is None:
-        fail(1, distrust or f"no daemon answered on {endpoint} within {timeout:g} s")
+        fail(1, distrust or no_daemon(endpoint, timeout))
     history = reply.data.get("history") or []
     if as_json:
         click.echo(json.dumps(history, indent=2))

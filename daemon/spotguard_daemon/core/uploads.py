@@ -261,10 +261,16 @@ class UploadQueue:
                 self.retention.run(prune)
 
     def _enqueue(self, upload: Upload) -> bool:
-        """Queue ``upload`` unless a newer one of its job is queued or durable; lock held."""
+        """Queue ``upload`` unless a newer one of its job is queued or durable, or uploading now: a
+        node's ranks each report the same commit (one upload per node per step), and a late report
+        of an older step must not abandon the newer one in flight. Lock held."""
         queued = self._queue.get(upload.job_id)
         done = self._durable.get(upload.job_id, {}).get("step", -1)
         if (queued is not None and queued.step >= upload.step) or upload.step <= done:
+            return False
+        current = self._current
+        if current is not None and current is not upload and current.job_id == upload.job_id and (
+                current.step > upload.step or (current.step == upload.step and current.path == upload.path)):
             return False
         self._queue[upload.job_id] = upload
         self.metrics.depth.set(len(self._queue) + (self._current is not None))

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from spotguard.storage.durable import Durable
+from spotguard.storage.base import StoreOptions
 from spotguard.storage.file import FileStore
+from spotguard.storage.registry import open_store
 
+from conftest import write_checkpoint
+from storage_proxy import Proxy
 from test_upload_queue import _queue
+from spotguard_daemon.core import upload_global
 
 
 def test_every_rank_reporting_the_same_commit_makes_one_upload(tmp_path, make_ckpt, caplog):
@@ -38,3 +44,84 @@ def test_every_rank_reporting_the_same_commit_makes_one_upload(tmp_path, make_ck
     assert "superseded" not in caplog.text
     assert caplog.text.count("queued job step 2 for upload") == 1
     assert Durable(store).list("job") == [2]
+
+
+class SlowObjectPuts(Proxy):
+    """A throttled store: every object PUT waits ``slow_s`` before it is forwarded."""
+
+    def pick_fault(self, method: str, path: str) -> str | None:
+        return "slow" if method == "PUT" and "/objects/" in path else None
+
+
+def node_ckpt(root, step: int, index: int, files: dict[str, bytes], nodes: int = 2, digest: str = "a") -> object:
+    """A committed node-local checkpoint of node ``index`` (rank ``index``) the way a leader commits one."""
+    node = {"index": index, "nodes": nodes, "leader": index, "ranks": [index], "digests": [digest * 64] * nodes}
+    return write_checkpoint(root, step, {f"rank-{index}/{k}": v for k, v in files.items()}, node=node,
+                            world_size=nodes, digest=digest * 64)
+
+
+def test_a_node_uploading_slower_than_the_saves_still_makes_steps_global(moto, new_bucket, tmp_path):
+    """Item 2: node b's store takes ~1 s per checkpoint, the job saves every 0.2 s. Before, every
+    upload of b was superseded and no step became global until the saves stopped; now b finishes
+    its upload after ``max_superseded`` supersedes, so steps become global while the job saves."""
+    direct = new_bucket("s3")
+    with SlowObjectPuts(moto.url, slow_s=0.3) as slow:
+        store_b = open_store(direct.url, StoreOptions(endpoint_url=slow.url, max_attempts=6))
+        a, _, _ = _queue(direct, tmp_path / "a")
+        b, done_b, _ = _queue(store_b, tmp_path / "b")
+        b.durable.concurrency = 1
+        a.start(), b.start()
+        global_while_saving, lags = None, []
+        try:
+            for step in range(1, 19):
+                for k, queue in enumerate((a, b)):
+                    files = {f"f{i}.bin": os.urandom(20_000) for i in range(3)}
+                    queue.submit("job", node_ckpt(tmp_path / f"ckpt{k}", step, k, files), step)
+                time.sleep(0.2)
+                lags.append(b.watch.lag())
+                if global_while_saving is None and Durable(direct).latest("job") is not None:
+                    global_while_saving = step
+            assert a.wait_idle(60) and b.wait_idle(60)
+        finally:
+            a.close(), b.close()
+    assert global_while_saving is not None, f"no step became global while the job saved; b: {done_b}"
+    assert Durable(direct).latest("job") == 18  # the last one is never superseded
+    assert max(lags) > 0 and b.watch.lag() == 0  # the gauge: behind while saving, 0 once global
+    print(f"first global step while saving: after the commit of step {global_while_saving}")
+
+
+class LaggingList(FileStore):
+    """A store whose listing lags (some S3-compatible gateways, caches): a key shows up in ``list``
+    only ``lag`` seconds after it was written; reads and ``exists`` see it at once."""
+
+    def __init__(self, root, lag: float) -> None:
+        super().__init__(root)
+        self.lag = lag
+
+    def list(self, prefix: str):
+        now = time.time()
+        return [key for key in super().list(prefix) if now - self._path(key).stat().st_mtime >= self.lag]
+
+
+def test_a_store_whose_listing_lags_still_makes_the_step_global(tmp_path, monkeypatch):
+    """Item 4: both nodes' parts land while the listing shows neither the other's part; before,
+    nothing ever wrote the global manifest. The daemon checks the incomplete step again until it is."""
+    monkeypatch.setattr(upload_global, "RECHECK_FIRST", 0.5)
+    queues = [_queue(LaggingList(tmp_path / "bucket", lag=1.0), tmp_path / f"n{k}")[0] for k in (0, 1)]
+    for k, queue in enumerate(queues):
+        queue.start()
+        queue.submit("job", node_ckpt(tmp_path / f"ckpt{k}", 10, k, {"w.bin": bytes([k]) * 1000}), 10)
+    try:
+        assert all(queue.wait_idle(30) for queue in queues)
+        assert Durable(FileStore(tmp_path / "bucket")).latest("job") is None  # no upload saw both parts
+        deadline = time.monotonic() + 15
+        while Durable(FileStore(tmp_path / "bucket")).latest("job") != 10:
+            assert time.monotonic() < deadline, queues[0].status()["global"]
+            time.sleep(0.1)
+        while not all(q.status()["global"]["job"]["global_step"] == 10 for q in queues):
+            assert time.monotonic() < deadline, [q.status()["global"] for q in queues]
+            time.sleep(0.1)
+    finally:
+        for queue in queues:
+            queue.close()
+    assert all(q.watch.lag() == 0 and q.status()["global"]["job"]["recheck_step"] is None for q in queues)

@@ -48,6 +48,8 @@ class GlobalWatch:
         self._superseded: dict[str, int] = {}
         self._recheck: dict[str, tuple[int, float, float]] = {}
         """job -> (step, when to check again, the wait after that)."""
+        self._finishing: dict[str, int] = {}
+        """job -> the step whose upload is finished although superseded (said once)."""
 
     def submitted(self, job: str, step: int) -> None:
         with self._lock:
@@ -95,6 +97,35 @@ class GlobalWatch:
             if self.max_superseded and count >= self.max_superseded:
                 return f"{count} uploads in a row were superseded (storage.max_superseded={self.max_superseded})"
         return None
+
+    def finish_anyway(self, job: str, step: int) -> bool:
+        """Whether the upload of ``step``, superseded, is finished all the same (:meth:`finish`);
+        the warning is said once per upload."""
+        if self._finishing.get(job) == step:
+            return True
+        why = self.finish(job)
+        if why is not None:
+            self._finishing[job] = step
+            log.warning("finishing the upload of %s step %d although a newer checkpoint is committed: %s",
+                        job, step, why)
+        return why is not None
+
+    def recheck(self, durable: Any, job: str, step: int) -> None:
+        """Check again whether ``step``, whose part this node uploaded, is global now (or a newer one
+        is): :meth:`Durable.complete <spotguard.storage.durable.Durable.complete>` writes the global
+        manifest once every part is listed. Any store error: checked again later."""
+        try:
+            newest = durable.latest(job)
+            if newest is not None and newest >= step:
+                self.committed(job, newest)
+            elif durable.complete(job, step):
+                log.info("durable %s step %d: global on a later check", job, step)
+                self.committed(job, step)
+            else:
+                self.checked(job, step)
+        except Exception as exc:  # noqa: BLE001 - any SDK's transport error: check again later
+            log.info("could not check whether %s step %d is global: %s", job, step, exc)
+            self.checked(job, step)
 
     def due(self) -> tuple[str, int] | None:
         """A job whose incomplete step is due for a re-check, and that step."""

@@ -9,7 +9,9 @@
   one still queued, and abandons one uploading unless ``finish_superseded``; while a notice is
   pending (``urgent``), another job's newer commit pre-empts the upload in flight, which is queued
   again and resumes, reusing the objects already sent (:mod:`.upload_flight`: the hooks that pace
-  and abandon an upload). Uploads and retention (:mod:`.upload_retention`) of one prefix run one
+  and abandon an upload). A superseded upload is finished all the same once the lag behind the
+  global step passed its bound, and incomplete node-local steps are checked again while idle
+  (:mod:`.upload_global`). Uploads and retention (:mod:`.upload_retention`) of one prefix run one
   at a time, as :mod:`spotguard.storage.durable` requires.
 * **Journaled.** Every accepted commit is written to ``<state_dir>/uploads.json`` (atomically) before
   the request is answered and removed only once durable, so a daemon killed mid-upload resumes on
@@ -101,8 +103,6 @@ class UploadQueue:
         self.watch = GlobalWatch(lag_bound, max_superseded)
         """Global steps, the lag behind them, and incomplete steps to check again (:mod:`.upload_global`)."""
         self.metrics.global_lag.set_function(self.watch.lag)
-        self._finishing: dict[str, int] = {}
-        """job -> the step whose upload is finished although superseded (logged once)."""
         self._cond = threading.Condition()
         self._queue: dict[str, Upload] = {}
         self._current: Upload | None = None
@@ -269,7 +269,7 @@ class UploadQueue:
             if upload is not None:
                 self._attempt(upload)
             elif recheck is not None:
-                self._recheck(*recheck)
+                self.watch.recheck(self.durable, *recheck)
             else:
                 self.retention.run(prune)
 
@@ -354,40 +354,13 @@ class UploadQueue:
         """Superseded by a newer commit of its job, or pre-empted by another job's newer commit
         (ready to go) while a notice is pending; lock held."""
         if upload.job_id in self._queue and not self.finish_superseded and not self._stop:
-            if not self._finish_anyway(upload):
+            if not self.watch.finish_anyway(upload.job_id, upload.step):
                 return Superseded
         now = time.time()
         if any(u.submitted > upload.submitted and u.not_before <= now for u in self._queue.values()) \
                 and self._urgent():
             return Preempted
         return None
-
-    def _finish_anyway(self, upload: Upload) -> bool:
-        """Whether ``upload``, superseded, is finished all the same: the lag behind the global step
-        passed its bound (:mod:`.upload_global`); said once per upload. Lock held."""
-        if self._finishing.get(upload.job_id) == upload.step:
-            return True
-        why = self.watch.finish(upload.job_id)
-        if why is not None:
-            self._finishing[upload.job_id] = upload.step
-            log.warning("finishing the upload of %s step %d although a newer checkpoint is committed: %s",
-                        upload.job_id, upload.step, why)
-        return why is not None
-
-    def _recheck(self, job_id: str, step: int) -> None:
-        """Check again whether ``step``, whose part this node uploaded, is global now (or a newer one is)."""
-        try:
-            newest = self.durable.latest(job_id)
-            if newest is not None and newest >= step:
-                self.watch.committed(job_id, newest)
-            elif self.durable.complete(job_id, step):
-                log.info("durable %s step %d: global on a later check", job_id, step)
-                self.watch.committed(job_id, step)
-            else:
-                self.watch.checked(job_id, step)
-        except Exception as exc:  # noqa: BLE001 - any SDK's transport error: check again later
-            log.info("could not check whether %s step %d is global: %s", job_id, step, exc)
-            self.watch.checked(job_id, step)
 
     def _urgent(self) -> bool:
         try:

@@ -156,6 +156,9 @@ class Guard:
         self.nodes = nodes
         self._answered = False
         """Whether a daemon answered a commit of this process (then one that stops answering is down)."""
+        self.durable_s: float | None = None
+        """Seconds this node's daemon takes to make a commit of the job durable (median of its last
+        uploads; None: unknown): the cadence never saves faster than that."""
         self.job_rate: JobRate | None = None
         """The daemon's estimate of this job's interruption rate, from its newest progress reply."""
         self._previous: dict[int, Any] = {}
@@ -305,6 +308,7 @@ class Guard:
             if reply.ok:
                 self.progress_acknowledged = progress[0]
                 self.job_rate = _job_rate(reply.data.get("rate")) or self.job_rate
+                self.durable_s = _seconds(reply.data.get("durable_s")) or self.durable_s
 
     def _keep_unsent(self, message: CommitRequest) -> None:
         global _UNANSWERED_SAID
@@ -528,6 +532,13 @@ def _job_rate(data: Any) -> JobRate | None:
     except ValidationError as exc:
         log.debug("ignoring the daemon's job rate: %s", exc)
         return None
+
+
+def _seconds(value: Any) -> float | None:
+    """A plausible duration from a reply (a finite number of seconds, 0 < s <= 1e6), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e6:
+        return None
+    return float(value)
 
 
 def _progress_interval(given: float | None) -> float:

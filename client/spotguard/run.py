@@ -406,6 +406,8 @@ class Run(Stopping):
         self._last_boundary = now
         if hasattr(self.cadence, "follow"):
             self.cadence.follow(getattr(self.guard, "job_rate", None))  # the daemon's learned MTBF
+        if hasattr(self.cadence, "floor"):
+            self.cadence.floor(getattr(self.guard, "durable_s", None))  # what the store can take
         if self._pending_observation:
             self._pending_observation = False
             stats = self.checkpointer.stats

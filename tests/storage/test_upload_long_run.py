@@ -6,6 +6,8 @@ import logging
 import os
 import time
 
+import pytest
+
 from spotguard.storage.durable import Durable
 from spotguard.storage.base import StoreOptions
 from spotguard.storage.file import FileStore
@@ -125,3 +127,32 @@ def test_a_store_whose_listing_lags_still_makes_the_step_global(tmp_path, monkey
         for queue in queues:
             queue.close()
     assert all(q.watch.lag() == 0 and q.status()["global"]["job"]["recheck_step"] is None for q in queues)
+
+
+def test_the_cadence_never_plans_saves_faster_than_the_store_takes_them(tmp_path, make_ckpt):
+    """Item 2: the daemon measures the time from commit to durable (here ~0.5 s: 2 MB at 4 MB/s),
+    and a cadence whose Young/Daly interval is shorter plans with that instead."""
+    from spotguard.cadence import Cadence
+    from spotguard.guard import _seconds
+
+    queue, _, _ = _queue(FileStore(tmp_path / "bucket"), tmp_path, bandwidth_mbps=4)
+    assert queue.time_to_durable("job") is None
+    queue.start()
+    try:
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 1, {"w.bin": os.urandom(2_000_000)}), 1)
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    took = queue.time_to_durable("job")
+    assert 0.3 < took < 10, took
+    assert [_seconds(v) for v in (took, None, True, float("nan"), -1, 2e6)] == [took, None, None, None, None, None]
+    cadence = Cadence(mtbf_s=10.0, cost_s=0.001)  # Daly: ~0.14 s between saves
+    cadence.observe_step(0.01)
+    assert cadence.interval_s < took and cadence.steps == int(cadence.interval_s / 0.01)
+    cadence.floor(took)
+    assert cadence.interval_s == took and cadence.steps == int(took / 0.01)
+    cadence.floor(0.001)  # a store that became fast: the plan is Daly's again
+    assert cadence.interval_s == pytest.approx(0.1414, rel=0.05)
+    fixed = Cadence(every_seconds=0.05)
+    fixed.floor(took)
+    assert fixed.interval_s == 0.05  # a fixed interval is the user's to choose

@@ -24,8 +24,10 @@ alert watches. Thread-safe.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from typing import Any
 
 __all__ = ["GlobalWatch", "RECHECK_FIRST", "RECHECK_MAX"]
@@ -50,6 +52,8 @@ class GlobalWatch:
         """job -> (step, when to check again, the wait after that)."""
         self._finishing: dict[str, int] = {}
         """job -> the step whose upload is finished although superseded (said once)."""
+        self._to_durable: dict[str, deque[float]] = {}
+        """job -> seconds from commit to durable of its last uploads (:meth:`time_to_durable`)."""
 
     def submitted(self, job: str, step: int) -> None:
         with self._lock:
@@ -62,10 +66,13 @@ class GlobalWatch:
         with self._lock:
             self._superseded[job] = self._superseded.get(job, 0) + 1
 
-    def uploaded(self, job: str, step: int, complete: bool) -> None:
-        """This node's part (or checkpoint) of ``step`` is in the store; ``complete``: the step is global."""
+    def uploaded(self, job: str, step: int, complete: bool, committed_at: float | None = None) -> None:
+        """This node's part (or checkpoint) of ``step`` is in the store; ``complete``: the step is
+        global; ``committed_at``: when it was committed (unix time), for :meth:`time_to_durable`."""
         with self._lock:
             self._superseded.pop(job, None)
+            if committed_at is not None:
+                self._to_durable.setdefault(job, deque(maxlen=5)).append(max(0.0, time.time() - committed_at))
         if complete:
             self.committed(job, step)
             return
@@ -126,6 +133,13 @@ class GlobalWatch:
         except Exception as exc:  # noqa: BLE001 - any SDK's transport error: check again later
             log.info("could not check whether %s step %d is global: %s", job, step, exc)
             self.checked(job, step)
+
+    def time_to_durable(self, job: str) -> float | None:
+        """The median seconds from commit to durable of the job's last 5 uploads (None: none yet):
+        the client's cadence never plans saves closer together than this (the store cannot take them)."""
+        with self._lock:
+            seen = self._to_durable.get(job)
+            return statistics.median(seen) if seen else None
 
     def due(self) -> tuple[str, int] | None:
         """A job whose incomplete step is due for a re-check, and that step."""

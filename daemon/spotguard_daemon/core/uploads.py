@@ -153,6 +153,10 @@ class UploadQueue:
         with self._cond:
             return self._durable.get(job_id, {}).get("step")
 
+    def time_to_durable(self, job_id: str) -> float | None:
+        """Median seconds from commit to durable of the job's last uploads (:mod:`.upload_global`)."""
+        return self.watch.time_to_durable(job_id or DEFAULT_JOB)
+
     def idle(self) -> bool:
         with self._cond:
             return not self._queue and self._current is None
@@ -342,7 +346,7 @@ class UploadQueue:
         else:
             self.metrics.bytes.inc(info.bytes_uploaded)
             self.metrics.seconds.observe(info.seconds)
-            self.watch.uploaded(upload.job_id, info.step, info.complete)
+            self.watch.uploaded(upload.job_id, info.step, info.complete, upload.submitted)
             self._finish(upload, info)  # the pointer is written: durable now, published before any delete
             self.durable.cleanup(info)  # a slow or stalled delete delays nothing a client waits for
             self.retention.run(upload.job_id)

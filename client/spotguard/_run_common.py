@@ -11,9 +11,9 @@ the load: each rank offers the steps its node holds and the steps the store hold
 ranks agree (``all_reduce`` of ints, as the load does) on the newest step every rank can have, and
 the node leaders lacking it fetch it (only their ranks' parts, as a fresh node does). Steps a node
 holds that are newer than the agreed one are from a timeline the relaunch abandons: they are
-renamed ``abandoned-step-N`` (kept, never loaded, never pruned as checkpoints), so that the
-relaunch's own step N never mixes with them. Store errors leave the store out of the offer (with a
-warning) and the load goes on with what is local.
+renamed ``abandoned-step-N-<time>`` (kept, never loaded, never pruned as checkpoints), so that the
+relaunch's own step N never mixes with them; only once every node has the agreed step. Store
+errors leave the store out of the offer (with a warning) and the load goes on with what is local.
 """
 
 from __future__ import annotations
@@ -51,17 +51,20 @@ def fetch_common_step(run: Any, url: str | None, options: StoreOptions | None) -
     step = agree_step(coord, local | remote)
     if step is None:
         return None
-    fetched = int(step not in local and ckpt._leads)
-    if fetched:
+    ok = 1
+    if step not in local and ckpt._leads:
         try:
             log.warning("node-local roots: the ranks agree on step %d, which this node lacks (its newest: "
                         "%s); fetching it from %s", step, max(local, default=None), durable.store.url)
             durable.restore(job, ckpt.root, step=step, ranks=ckpt.node_ranks)
         except (StoreError, OSError) as exc:
             log.error("could not fetch step %d from the store: %s", step, exc)
+            ok = 0
+    if not coord.agree(ok, "min"):  # every node's fetch is done before anyone loads
+        return None  # the load says what each rank holds; nothing was set aside
     if ckpt._leads:
         _set_aside(ckpt.root, step)
-    coord.agree(fetched, "sum")  # every node's fetch is done before anyone loads
+    coord.agree(0, "sum")  # set aside before any rank of the node lists its checkpoints
     return step
 
 

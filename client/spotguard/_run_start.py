@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from spotguard import _jobid
+from spotguard._run_common import fetch_common_step
 from spotguard._run_parts import distributed, local_rank
 from spotguard.checkpoint import CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.load import read_manifest
@@ -61,6 +62,10 @@ def restore_from_store(run: Any) -> None:
             log.warning("could not restore from %s (%s); going on with local checkpoints", url, exc)
     if run.agreement.enabled:
         distributed().barrier(group=run.agreement.process_group)
+    try:  # node-local roots: the newest step every rank holds or can fetch (collective)
+        fetch_common_step(run, url, options)
+    except StoreError as exc:
+        log.warning("could not agree on a step with the store (%s); going on with local checkpoints", exc)
 
 
 def daemon_store(run: Any) -> str | None:

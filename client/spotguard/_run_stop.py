@@ -73,6 +73,7 @@ class Stopping:
             checkpoint=self._due_latched or self.guard.checkpoint_requested,
             seconds_left=left if stop else None,
             save_seconds=save if stop else None,
+            durable_seconds=getattr(self.guard, "durable_s", None),
         )
 
     def _stop_needed(self, save_seconds: float | None) -> float:

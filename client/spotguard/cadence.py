@@ -193,6 +193,9 @@ class Cadence:
 
     :meth:`use_mtbf` replaces the job MTBF with a learned one (the daemon's estimate, which
     ``spotguard.Run`` passes on; ``learn=False`` keeps the one given here) and re-plans.
+    :meth:`floor` keeps a planned interval (Young or Daly) from going below the time a commit takes
+    to become durable (the daemon's measure): saves faster than the store can take would all be
+    superseded, and protect nothing more.
 
     Distributed jobs: every rank must decide alike or collective saves deadlock. The Cadence never
     communicates: agree its answer across ranks (``spotguard.Run`` all-reduces it and calls
@@ -234,6 +237,8 @@ class Cadence:
             _positive("every_seconds", every_seconds) if every_seconds is not None else None)
         self._formula = young_interval if formula == "young" else daly_interval
         self._costs: deque[float] = deque(maxlen=5)
+        self.floor_s = 0.0
+        """The shortest planned interval: the time a commit takes to become durable (:meth:`floor`)."""
         self.cost_s = _positive("cost_s", cost_s)
         self.step_s: float | None = None
         self._anchor: int | None = None
@@ -283,6 +288,18 @@ class Cadence:
                      "prior %.0f s for %d node(s)); checkpoint every %.1f s", rate.mtbf_s,
                      rate.interruptions, rate.running_s, rate.prior_mtbf_s, rate.nodes, self.interval_s)
 
+    def floor(self, durable_s: float | None) -> None:
+        """Never plan saves closer than ``durable_s`` seconds (the time to durable; None: no news).
+        O(1): called at every step boundary; a fixed ``every_steps``/``every_seconds`` is kept."""
+        if durable_s is None or durable_s == self.floor_s:
+            return
+        binds = self._formula(self.mtbf_s, self.cost_s) < durable_s
+        if binds and abs(durable_s - self.floor_s) > 0.1 * max(self.floor_s, 1e-9):
+            log.info("checkpoints take %.0f s to become durable, longer than the planned interval; "
+                     "checkpoint every %.0f s", durable_s, durable_s)
+        self.floor_s = float(durable_s)
+        self._replan()
+
     def due(self, step: int) -> bool:
         """True if the loop should save at ``step``; a True answer re-anchors the count there."""
         if self._anchor is None:
@@ -301,7 +318,7 @@ class Cadence:
         if self._fixed_interval is not None:
             self.interval_s = self._fixed_interval
         else:
-            self.interval_s = self._formula(self.mtbf_s, self.cost_s)
+            self.interval_s = max(self._formula(self.mtbf_s, self.cost_s), self.floor_s)
         self._replan_steps()
 
     def _replan_steps(self) -> None:

@@ -54,6 +54,9 @@ class Decision:
     checkpoint: bool = False
     seconds_left: float | None = None
     save_seconds: float | None = None
+    durable_seconds: float | None = None
+    """The slowest node's time from commit to durable (its daemon's measure; None: unknown): rank 0's
+    cadence never plans saves closer than that."""
     marks_equal: tuple[bool, ...] = ()
     """Per mark given to :meth:`Agreement.agree`: whether every rank gave the same value."""
 
@@ -114,16 +117,18 @@ class Agreement:
             return dataclasses.replace(local, marks_equal=(True,) * len(marks)) if marks else local
         left = _NO_DEADLINE if local.seconds_left is None else local.seconds_left
         save = -1.0 if local.save_seconds is None else local.save_seconds
-        values = [float(local.stop), float(local.checkpoint), -left, -self._propose(step), save]
+        durable = -1.0 if local.durable_seconds is None else local.durable_seconds
+        values = [float(local.stop), float(local.checkpoint), -left, -self._propose(step), save, durable]
         values += [v for mark in marks for v in (float(mark), -float(mark))]
         started = time.monotonic()
-        stop, checkpoint, neg_left, neg_interval, save, *pairs = self._all_reduce_max(values, step)
+        stop, checkpoint, neg_left, neg_interval, save, durable, *pairs = self._all_reduce_max(values, step)
         self._collective_seconds = time.monotonic() - started
         self.interval = max(1, int(-neg_interval))
         self._next_check = step + self.interval
         return Decision(stop=stop > 0, checkpoint=checkpoint > 0,
                         seconds_left=None if -neg_left >= _NO_DEADLINE / 2 else -neg_left,
                         save_seconds=None if save < 0 else save,
+                        durable_seconds=None if durable < 0 else durable,
                         marks_equal=tuple(pairs[i] == -pairs[i + 1] for i in range(0, len(pairs), 2)))
 
     def barrier(self, step: int) -> None:

@@ -175,6 +175,11 @@ class Guard:
         self.progress_acknowledged: int | None = None
         """The newest step the daemon acknowledged in a progress report (None before the first)."""
         self.nodes = nodes
+        self._answered = False
+        """Whether a daemon answered a commit of this process (then one that stops answering is down)."""
+        self.durable_s: float | None = None
+        """Seconds this node's daemon takes to make a commit of the job durable (median of its last
+        uploads; None: unknown): the cadence never saves faster than that."""
         self.job_rate: JobRate | None = None
         """The daemon's estimate of this job's interruption rate, from its newest progress reply."""
         self._previous: dict[int, Any] = {}
@@ -297,6 +302,7 @@ class Guard:
         if self._link is None:
             return False
         reply = self._link.request(message) if self._link.alive else None
+        self._answered = self._answered or reply is not None
         if reply is None:
             self._keep_unsent(message)
         elif not reply.ok:
@@ -323,6 +329,7 @@ class Guard:
             if reply.ok:
                 self.progress_acknowledged = progress[0]
                 self.job_rate = _job_rate(reply.data.get("rate")) or self.job_rate
+                self.durable_s = _seconds(reply.data.get("durable_s")) or self.durable_s
 
     def _keep_unsent(self, message: CommitRequest) -> None:
         global _UNANSWERED_SAID
@@ -332,8 +339,15 @@ class Guard:
                 self._unsent.pop(next(iter(self._unsent)))
         if not _UNANSWERED_SAID:  # once per process until a daemon answers, not per checkpoint
             _UNANSWERED_SAID = True
-            log.info("no daemon answered the commit of step %d; commits are kept (the newest %d) and "
-                     "announced when one answers", message.step, MAX_UNSENT_COMMITS)
+            if self._answered or self.nodes > 1:  # a daemon that was there (or a fleet's) is down
+                log.warning("no daemon answered the commit of step %d: this node's daemon is down, so its "
+                            "checkpoints are not made durable and, on node-local roots, no step after the "
+                            "last global one becomes global (a relaunch resumes from there); commits are "
+                            "kept (the newest %d) and announced when it answers", message.step,
+                            MAX_UNSENT_COMMITS)
+            else:
+                log.info("no daemon answered the commit of step %d; commits are kept (the newest %d) and "
+                         "announced when one answers", message.step, MAX_UNSENT_COMMITS)
 
     def _resend_commits(self) -> None:
         """Re-announce kept commit reports, oldest first, while the daemon answers (guard thread)."""
@@ -539,6 +553,13 @@ def _job_rate(data: Any) -> JobRate | None:
     except ValidationError as exc:
         log.debug("ignoring the daemon's job rate: %s", exc)
         return None
+
+
+def _seconds(value: Any) -> float | None:
+    """A plausible duration from a reply (a finite number of seconds, 0 < s <= 1e6), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e6:
+        return None
+    return float(value)
 
 
 def _progress_interval(given: float | None) -> float:

@@ -405,6 +405,8 @@ class Run(Stopping):
             self._peer_lost(done, exc)
         self._heartbeats.check_boundary(decision, done)
         self._due_latched = False
+        if hasattr(self.cadence, "floor"):  # the slowest node's time to durable (several nodes)
+            self.cadence.floor(decision.durable_seconds)
         if decision.stop:
             return self._stop(done, decision)
         if decision.checkpoint and self._saved_step != done:
@@ -449,6 +451,8 @@ class Run(Stopping):
         self._last_boundary = now
         if hasattr(self.cadence, "follow"):
             self.cadence.follow(getattr(self.guard, "job_rate", None))  # the daemon's learned MTBF
+        if hasattr(self.cadence, "floor") and not self.agreement.enabled:
+            self.cadence.floor(getattr(self.guard, "durable_s", None))  # what the store can take
         if self._pending_observation:
             self._pending_observation = False
             stats = self.checkpointer.stats

@@ -40,7 +40,7 @@ def _agree_worker(rank: int, init: str, results) -> None:
             time.sleep(0.002 if rank == 0 else 0.02)  # rank 1's steps look 10x slower
         local = Decision(stop=rank == 1 and step >= 3, checkpoint=rank == 0,
                          seconds_left=30.0 if rank == 0 else None,
-                         save_seconds=0.5 if rank == 0 else 2.0)
+                         save_seconds=0.5 if rank == 0 else 2.0, durable_seconds=None if rank == 0 else 7.5)
         marks = (step, float(rank == 1 and step >= 3))  # the same on both ranks, then rank 1's differs
         out.append((step, agreement.agree(step, local, marks), agreement.interval))
         step += 1
@@ -49,13 +49,14 @@ def _agree_worker(rank: int, init: str, results) -> None:
     dist.destroy_process_group()
 
 
-def test_two_ranks_agree_on_flags_deadline_save_cost_interval_and_marks(tmp_path):
+def test_two_ranks_agree_on_flags_deadline_save_cost_durable_time_interval_and_marks(tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_agree_worker, args=(f"file://{tmp_path}/init", results), nprocs=2, join=True)
     assert results[0] == results[1]  # identical steps, decisions and intervals on both ranks
     for step, decision, interval in results[0]:
         assert decision.checkpoint  # rank 0 asked
         assert decision.seconds_left == 30.0 and decision.save_seconds == 2.0  # MIN, MAX
+        assert decision.durable_seconds == 7.5  # the slowest node's time to durable (issue 28 item 2)
         assert decision.stop == (step >= 3)  # rank 1 asked, from step 3 on
         assert decision.marks_equal == (True, step < 3)  # every rank sees a mark that differs
         assert 1 <= interval <= 0.5 / 0.002  # never more than max_lag of the fastest rank

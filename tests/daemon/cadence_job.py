@@ -50,7 +50,7 @@ def main() -> None:
             ready = True
             report = {"rate": rate.model_dump(), "mtbf_s": run.cadence.mtbf_s,
                       "source": run.cadence.mtbf_source, "interval_s": run.cadence.interval_s,
-                      "cost_s": run.cadence.cost_s, "pid": os.getpid()}
+                      "cost_s": run.cadence.cost_s, "floor_s": run.cadence.floor_s, "pid": os.getpid()}
             tmp = args.ready.with_suffix(".tmp")
             tmp.write_text(json.dumps(report))
             tmp.replace(args.ready)

@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--peer-timeout", type=float, default=600.0)
     p.add_argument("--width", type=int, default=32, help="hidden units (a larger checkpoint)")
+    p.add_argument("--keep", type=int, default=3, help="local checkpoints kept per node")
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -59,7 +60,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
     run = spotguard.Run(args.ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
-                        save_every=args.save_every, peer_timeout=args.peer_timeout)
+                        save_every=args.save_every, peer_timeout=args.peer_timeout, keep=args.keep)
 
     def batches():
         while True:

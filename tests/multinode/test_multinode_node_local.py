@@ -13,7 +13,10 @@ of the upload after its part of step 10 (``HoldingRelay``: the pending note of s
 none of its objects lands). Once node a's part of step 20 is in the store, node b drops off the
 network and every process in its namespace, daemon included, is SIGKILLed. The store never shows
 step 20 as globally committed, node a's ranks exit 77, and the relaunch on node a and a fresh node c
-(a new daemon in b's namespace on a new, empty tmpfs) resumes from step 10, bit-identical.
+(a new daemon in b's namespace on a new, empty tmpfs) resumes from step 10, bit-identical. Node a
+keeps one local checkpoint, so it holds only step 20 then (issue 28 item 1: every rank used to
+refuse to start): the ranks agree on step 10, which node a fetches from the store too, and node a's
+step 20, of the abandoned run, is set aside.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ WIDTH = ("--width", "65536")
 """A 2 MiB first layer: the leaders' model and optimizer files are written with O_DIRECT, which
 tmpfs takes since Linux 6.6 (before, the checkpoint engine falls back to buffered writes)."""
 ARGS = ("--steps", str(STEPS), "--save-every", "20", *WIDTH)
-LOST = ("--steps", str(STEPS), "--save-every", str(SAVE), *WIDTH)
-"""The job killed mid-upload: a save every 10 steps (the cadence does not change the training)."""
+LOST = ("--steps", str(STEPS), "--save-every", str(SAVE), "--keep", "1", *WIDTH)
+"""The job killed mid-upload: a save every 10 steps (the cadence does not change the training), one
+local checkpoint kept: node a holds only step 20 when node b dies, node c only what it fetches."""
 
 
 @pytest.fixture(scope="module")
@@ -150,5 +154,7 @@ def test_node_b_killed_mid_upload_leaves_the_step_uncommitted_and_the_relaunch_r
     resumed = cluster.launch("lost-resumed", "lost", *LOST, nproc=NPROC, roots=[roots[0], fresh])
     assert resumed.wait(300) == [0, 0], resumed.output()
     assert {e["resumed_from"] for e in resumed.events("start")} == {SAVE}, resumed.output()
+    aside = [p.name for p in (roots[0] / "lost").glob("abandoned-step-*")]
+    assert [n.rsplit("-", 1)[0] for n in aside] == [f"abandoned-step-{2 * SAVE:010d}"], aside
     final = {e["digest"] for e in resumed.events("finish")}
     assert len(final) == 1 and final == {e["digest"] for e in runs["reference"].events("finish")}, resumed.output()

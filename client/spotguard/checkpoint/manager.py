@@ -368,7 +368,7 @@ class Checkpointer:
         self.wait()
         found = {step: path for step, path in layout.committed_dirs(self.root)}
         count = self._coord.agree(len(found), "max") if self._coord else len(found)
-        below = 10**10
+        below, held_by_all = 10**10, False
         for _ in range(count):  # the ranks agree on a step every rank has (node-local roots differ)
             step = max((s for s in found if s < below), default=-1)
             step = self._coord.agree(step, "min") if self._coord else step
@@ -376,8 +376,9 @@ class Checkpointer:
                 break
             entries = self._try_read(found[step], state) if step in found else None
             ok = entries is not None
-            if self._coord:
-                ok = bool(self._coord.agree(int(ok), "min"))
+            if self._coord:  # 2: read, 1: held but unreadable, 0: this rank's root lacks the step
+                seen = self._coord.agree(2 if ok else int(step in found), "min")
+                ok, held_by_all = seen == 2, held_by_all or seen >= 1
             below = step
             if ok:
                 restore(state, entries)
@@ -390,11 +391,29 @@ class Checkpointer:
                                    "to a run on %d ranks)", info.step, self.resized_from, self.world_size,
                                    self.world_size, self.resized_from)
                 return info
+        if self._coord and count and not held_by_all:  # node-local roots that share no step
+            raise CheckpointCorruptError(self._no_common_step(found))
         if count:  # silently starting over would let retention delete the evidence
             raise CheckpointCorruptError(f"none of the {count} checkpoints under {self.root} is valid "
                                          "(see the warnings); move them away to start fresh")
         self.prepare(state)
         return None
+
+    def _no_common_step(self, found: dict[int, Path]) -> str:
+        """What each rank holds, for the error when no step is held by every rank (collective)."""
+        words = [0] * (3 * self.world_size)
+        words[3 * self.rank: 3 * self.rank + 3] = [len(found), min(found, default=-1), max(found, default=-1)]
+        summed = self._coord.all_reduce(words)
+        held = [tuple(summed[3 * r: 3 * r + 3]) for r in range(self.world_size)]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank, what in enumerate(held):
+            groups.setdefault(what, []).append(rank)
+        said = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)}: "
+                         + (f"{n} checkpoint{'s' if n > 1 else ''} (steps {lo}..{hi})" if n else "none")
+                         for (n, lo, hi), ranks in groups.items())
+        return (f"no checkpoint step is held by every rank, locally or in the durable store ({said}); a "
+                f"node whose daemon was down uploaded nothing since the last global step. Relaunch on "
+                f"nodes that hold a common step, or move {self.root} away on every node to start fresh")
 
     def _try_read(self, path: Path, state: Mapping[str, Any]) -> dict[str, Any] | None:
         try:
@@ -482,3 +501,14 @@ def _coordinator(process_group: Any, timeout: float) -> Any:
     from spotguard.checkpoint.distributed import Coordinator
 
     return Coordinator(process_group, timeout)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and spans[-1][1] == rank - 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

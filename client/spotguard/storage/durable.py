@@ -21,8 +21,11 @@ checkpoint, with a warning, when one is corrupt or incomplete.
 
 Errors are :mod:`.base`'s; a checkpoint that fails verification raises :class:`IntegrityError`.
 Concurrency note: uploads and :meth:`~Durable.prune` of one prefix should be serialised (the
-daemon's upload queue does this); a prune racing an upload from another node could, in a window of
-one request, delete an object the upload decided to reuse.
+daemon's upload queue does this on one node). Across nodes (node-local roots) a prune may race an
+upload that decided to reuse an object it found present; so the daemon prunes with a grace period
+(an object is deleted only once unreferenced for :data:`GC_GRACE_SECONDS`, and the pending notes are
+read again right before the delete), and a global manifest is written only after every object it
+names was checked present: a step whose object was deleted anyway never becomes global.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ Progress = Callable[[int, int], None]
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 """A manifest lists files, not data: anything larger is damage or an attack."""
+GC_GRACE_SECONDS = 600.0
+"""The daemon's ``prune(grace=)``: an object is deleted only after it was unreferenced this long."""
 MAX_POINTER_BYTES = 64
 """``latest`` holds ``step-NNNNNNNNNN\n``."""
 
@@ -108,6 +113,9 @@ class DurableInfo:
     seconds: float
     pending_key: str = ""
     """The upload's pending note, still in the store when ``upload(cleanup=False)`` returned."""
+    complete: bool = True
+    """False for a node's part whose step is not global yet (another node's part is missing, or a
+    lagging listing did not show it): :meth:`Durable.complete` checks again later."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,8 @@ class Durable:
         self.store, self.concurrency, self.attempts = store, concurrency, attempts
         self.retry_seconds = retry_seconds
         """How long a restore retries transient errors (see :mod:`._restore`)."""
+        self._garbage_since: dict[str, float] = {}
+        """Objects found unreferenced, and since when (``prune(grace=)``)."""
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -172,30 +182,56 @@ class Durable:
             key = _parts.part_key(job_id, manifest["step"], manifest["node"]["index"])
         body = json.dumps({**manifest, "durable": durable}, indent=1).encode()
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
-        if "node" not in manifest or self._complete(job_id, manifest["step"], json.loads(body)):
+        complete = "node" not in manifest or self._complete(job_id, manifest["step"], json.loads(body))
+        if complete:
             self._advance_pointer(job_id, manifest["step"])
         total = sum(size for _, size in by_hash.values())
         info = DurableInfo(job_id, manifest["step"], key, len(manifest["files"]), len(sent),
-                           len(by_hash) - len(sent), sum(sent), total, time.monotonic() - started, pending)
+                           len(by_hash) - len(sent), sum(sent), total, time.monotonic() - started, pending,
+                           complete)
         log.info("durable %s step %d: %d/%d objects sent, %d bytes in %.2fs", job_id, info.step,
                  info.objects_uploaded, len(by_hash), info.bytes_uploaded, info.seconds)
         if cleanup:
             self.cleanup(info)
         return info
 
+    def complete(self, job_id: str, step: int) -> bool:
+        """Check again whether every node's part of ``step`` is in the store; if so (and its
+        objects are), write the global manifest and advance the pointer. True once ``step`` is
+        global. The daemon calls this for a part whose step was not complete at its upload: the
+        other nodes' parts came later, or the store's listing lagged."""
+        if self.store.exists(manifest_key(job_id, step)) or self._complete(job_id, step):
+            self._advance_pointer(job_id, step)
+            return True
+        return False
+
     def _complete(self, job_id: str, step: int, own: dict[str, Any] | None = None) -> bool:
         """Write the global manifest of ``step`` if every node's part of ``own``'s incarnation (the
-        part this node uploaded) is in the store (see :mod:`._parts`); True once it is there."""
+        part this node uploaded; default: the newest part's) is in the store (see :mod:`._parts`)
+        and every object it names is present (another node's retention may have
+        deleted one this node's part reused: then the step is not made global); True once it is."""
         manifest = _retrying(lambda: _parts.assemble(self.store, _job(job_id), step, MAX_MANIFEST_BYTES,
                                                      _loads, own), self.attempts, f"parts of step {step}")
         if manifest is None:
             log.info("durable %s step %d: this node's part is in the store; waiting for the other nodes'",
                      job_id, step)
             return False
+        missing = self._missing_objects(manifest)
+        if missing:
+            log.warning("durable %s step %d: every node's part is in the store, but %d of its objects are "
+                        "not (e.g. %s); the step is not made global", job_id, step, len(missing), missing[0])
+            return False
         key, body = manifest_key(job_id, step), _parts.dumps(manifest)
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
         log.info("durable %s step %d: every node's part is in the store; global manifest written", job_id, step)
         return True
+
+    def _missing_objects(self, manifest: dict[str, Any]) -> list[str]:
+        """The object keys ``manifest`` names that the store lacks (checked in parallel)."""
+        keys = sorted({object_key(meta["sha256"]) for meta in manifest["files"].values()})
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="spotguard-check") as pool:
+            present = list(pool.map(self.store.exists, keys))
+        return [key for key, there in zip(keys, present) if not there]
 
     def cleanup(self, info: DurableInfo) -> None:
         """Remove the pending note of an upload that is durable; a failure is logged (prune removes
@@ -314,11 +350,17 @@ class Durable:
 
     # -- retention -------------------------------------------------------------------------------
 
-    def prune(self, job_id: str, keep: int, *, pending_ttl: float = 24 * 3600) -> PruneReport:
+    def prune(self, job_id: str, keep: int, *, pending_ttl: float = 24 * 3600,
+              grace: float = 0.0) -> PruneReport:
         """Keep the newest ``keep`` manifests of ``job_id`` (and whatever ``latest`` names), then
-        delete every object that no manifest of any job under this prefix, and no pending upload
-        younger than ``pending_ttl`` seconds, references. Stale pending notes and crashed partial
-        uploads (``clean_incomplete``) are removed too."""
+        delete every object that no manifest or node part of any job under this prefix, and no
+        pending upload younger than ``pending_ttl`` seconds, references. Stale pending notes and
+        crashed partial uploads (``clean_incomplete``) are removed too.
+
+        ``grace`` (seconds; the daemon's is :data:`GC_GRACE_SECONDS`) deletes an object only once
+        this :class:`Durable` found it unreferenced ``grace`` seconds ago and again now, and the
+        pending notes are read once more right before the delete: an upload on another node that
+        decided to reuse the object meanwhile has named it by then."""
         if keep < 1:
             raise ValueError("keep must be >= 1")
         steps, pointer = self.list(job_id), self.latest(job_id)
@@ -327,28 +369,43 @@ class Durable:
         oldest = min((s for s in steps if s not in doomed), default=0)  # older node parts are done with
         self.store.delete(k for k in self.store.list(f"jobs/{_job(job_id)}/parts/")
                           if (m := _parts.PART.match(k)) and int(m.group(2)) < oldest)
-        objects, pending = self._collect_garbage(pending_ttl)
+        objects, pending = self._collect_garbage(pending_ttl, grace)
         clean = getattr(self.store, "clean_incomplete", None)
         return PruneReport(doomed, objects, pending, clean(pending_ttl) if clean else 0)
 
-    def _collect_garbage(self, pending_ttl: float) -> tuple[int, int]:
+    def _collect_garbage(self, pending_ttl: float, grace: float) -> tuple[int, int]:
         present = set(self.store.list(OBJECTS))  # listed first: later uploads are never collected
         referenced, stale = self._references(pending_ttl)
         if referenced is None:
             return 0, 0
         garbage = [key for key in present if key[len(OBJECTS):] not in referenced]
+        if grace > 0:
+            garbage = self._past_grace(garbage, grace)
+            if garbage:  # an upload that started since: its note names what it reuses
+                named = self._references(pending_ttl, notes_only=True)[0]
+                garbage = [key for key in garbage if named is not None and key[len(OBJECTS):] not in named]
         self.store.delete(garbage + stale)
         if garbage:
             log.info("durable %s: deleted %d unreferenced objects", self.store.url, len(garbage))
         return len(garbage), len(stale)
 
-    def _references(self, pending_ttl: float) -> tuple[set[str] | None, list[str]]:
-        """Hashes named by any manifest or live pending note, and the stale pending keys. ``None``
-        when some manifest cannot be read: then nothing is collected (its objects are unknown)."""
+    def _past_grace(self, garbage: list[str], grace: float) -> list[str]:
+        """The objects of ``garbage`` that were garbage ``grace`` seconds ago already."""
+        now, seen = time.time(), self._garbage_since
+        for key in set(seen) - set(garbage):
+            del seen[key]  # referenced again
+        return [key for key in garbage if now - seen.setdefault(key, now) >= grace]
+
+    def _references(self, pending_ttl: float, *, notes_only: bool = False) -> tuple[set[str] | None, list[str]]:
+        """Hashes named by any manifest, node part or live pending note (only the notes with
+        ``notes_only``), and the stale pending keys. ``None`` when some manifest cannot be read:
+        then nothing is collected (its objects are unknown)."""
         referenced: set[str] = set()
         stale: list[str] = []
         for key in self.store.list("jobs/"):
             try:
+                if notes_only and "/pending/" not in key:
+                    continue
                 if _MANIFEST.match(key) or _parts.PART.match(key):
                     data = validate_manifest(json.loads(self.store.get_bytes(key)), key)
                     referenced.update(meta["sha256"] for meta in data["files"].values())

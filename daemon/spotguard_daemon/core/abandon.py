@@ -10,8 +10,12 @@ atomically and replayed at the next start, and the goodput copy is best effort. 
   cancelling the awaiting task abandons the call.
 * :func:`exit_abandoning` ends the process once the daemon stopped. Threads that the SDKs' transfer
   pools started (``ThreadPoolExecutor``, s3transfer, GCS's transfer manager) are not daemon
-  threads, and the interpreter would join them at exit; when any are still running, it says how
-  many and leaves with ``os._exit`` after flushing the logs.
+  threads, and the interpreter would join them at exit; a ``ThreadPoolExecutor``'s workers are
+  joined at exit even when they are daemon threads (a pool started from the daemon's upload thread
+  inherits its daemon flag, and ``concurrent.futures`` joins its workers all the same: a SIGTERM
+  during a stalled part upload once kept the process alive for minutes after "daemon stopped").
+  When any such thread is still running, it says how many and leaves with ``os._exit`` after
+  flushing the logs.
 """
 
 from __future__ import annotations
@@ -55,10 +59,18 @@ async def in_thread(call: Callable[[], Any], name: str) -> Any:
     return await future
 
 
+def _joined_at_exit() -> list[threading.Thread]:
+    """Threads the interpreter would wait for at exit: non-daemon ones, and every pool worker."""
+    from concurrent.futures import thread as pool_threads
+
+    threads = {t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon}
+    threads.update(getattr(pool_threads, "_threads_queues", {}).keys())  # joined by _python_exit
+    return list(threads)
+
+
 def exit_abandoning(status: int) -> NoReturn:
     """Exit with ``status`` now, abandoning any store call still in flight (see the module)."""
-    pending = [t.name for t in threading.enumerate()
-               if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    pending = [t.name for t in _joined_at_exit() if t.is_alive()]
     if not pending:
         sys.exit(status)
     log.warning("abandoning %d store transfer thread(s) still running at exit (%s)", len(pending),

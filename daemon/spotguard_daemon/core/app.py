@@ -107,7 +107,8 @@ class Daemon:
                                       on_change=self._clients_changed, on_commit=self._committed,
                                       known_step=self.queue.durable_step, metrics=self.metrics,
                                       ledger=ledger, recall=self.progress.recall, rates=self.rates,
-                                      timeline=self.timeline)
+                                      timeline=self.timeline,
+                                      time_to_durable=lambda job: self.queue.time_to_durable(job))
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
                              pending_ids=lambda: [n.id for n in self.store.pending()],

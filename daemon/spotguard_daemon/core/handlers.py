@@ -165,8 +165,11 @@ class RequestHandler:
                  known_step: Callable[[str], int | None] | None = None,
                  metrics: Metrics | None = None, ledger: GoodputLedger | None = None,
                  recall: Callable[[str, int], None] | None = None, rates: JobRates | None = None,
-                 timeline: Timelines | None = None) -> None:
+                 timeline: Timelines | None = None,
+                 time_to_durable: Callable[[str], float | None] | None = None) -> None:
         self.store = store
+        self.time_to_durable = time_to_durable or (lambda job: None)
+        """Seconds a job's commit takes to become durable here (the cadence's floor), or None."""
         self.timeline = timeline or Timelines()
         """The notice timeline: clients' flags and safe reports are recorded there (:mod:`.timeline`)."""
         self.metrics = metrics or Metrics()
@@ -374,8 +377,10 @@ class RequestHandler:
 
     def _cadence(self, request: CadenceRequest | ProgressRequest) -> Reply:
         """The job's learned :class:`~spotguard.protocol.JobRate` (None: the ledger knows nothing of it)."""
-        rate = self.rates.rate(request.job_id or DEFAULT_JOB)
-        return Reply(ok=True, data={"rate": None if rate is None else rate.model_dump()})
+        job = request.job_id or DEFAULT_JOB
+        rate = self.rates.rate(job)
+        return Reply(ok=True, data={"rate": None if rate is None else rate.model_dump(),
+                                    "durable_s": self.time_to_durable(job)})
 
     def _check_order(self, job: str, step: int) -> None:
         """Record ``step`` as the job's newest; ValueError when an accepted step is newer."""

@@ -38,6 +38,9 @@ class NoStoreQueue:
     def submit(self, job_id: str, path: Path, step: int, size_bytes: int = 0) -> None:
         log.debug("not uploading %s step %d: no durable store", job_id or DEFAULT_JOB, step)
 
+    def time_to_durable(self, job_id: str) -> float | None:
+        return None
+
     def durable_step(self, job_id: str) -> int | None:
         return None
 

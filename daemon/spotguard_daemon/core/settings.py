@@ -247,6 +247,13 @@ class StorageSettings(_Section):
     """Upload bandwidth cap in megabytes per second; unset for no cap."""
     finish_superseded: bool = False
     """Finish uploading an older checkpoint when a newer one is committed meanwhile."""
+    durable_lag_seconds: float = Field(600.0, ge=0)
+    """Bound on the lag behind the global step: once this node's oldest commit that no global step
+    covers is older than this, the upload in flight is finished even if a newer checkpoint is
+    committed (0: no bound)."""
+    max_superseded: int = Field(3, ge=0)
+    """After this many uploads of a job in a row were superseded, the next one is finished (0: no
+    bound): a node that uploads slower than the job saves still makes steps durable and global."""
     progress_seconds: float = Field(30.0, gt=0, le=3600)
     """Each job's goodput record is copied to the store at most this often (when it changed; every
     second while a terminating notice is pending), so a fresh node counts what a restart lost."""

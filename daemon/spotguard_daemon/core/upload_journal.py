@@ -54,6 +54,9 @@ class UploadMetrics:
         self.durable_age = Gauge("spotguard_upload_last_durable_age_seconds",
                                  "Seconds since the newest checkpoint became durable (NaN: none yet).",
                                  registry=r)
+        self.global_lag = Gauge("spotguard_upload_global_lag_seconds",
+                                "Seconds since this node's oldest commit that no global step covers yet "
+                                "(0: its newest commit is global, or nothing waits).", registry=r)
         self.restarts = Counter("spotguard_upload_worker_restarts_total",
                                 "Times the upload worker failed and was restarted (a bug).", registry=r)
         self.refused = Counter("spotguard_upload_refused_total",

@@ -9,7 +9,9 @@
   one still queued, and abandons one uploading unless ``finish_superseded``; while a notice is
   pending (``urgent``), another job's newer commit pre-empts the upload in flight, which is queued
   again and resumes, reusing the objects already sent (:mod:`.upload_flight`: the hooks that pace
-  and abandon an upload). Uploads and retention (:mod:`.upload_retention`) of one prefix run one
+  and abandon an upload). A superseded upload is finished all the same once the lag behind the
+  global step passed its bound, and incomplete node-local steps are checked again while idle
+  (:mod:`.upload_global`). Uploads and retention (:mod:`.upload_retention`) of one prefix run one
   at a time, as :mod:`spotguard.storage.durable` requires.
 * **Journaled.** Every accepted commit is written to ``<state_dir>/uploads.json`` (atomically) before
   the request is answered and removed only once durable, so a daemon killed mid-upload resumes on
@@ -55,12 +57,13 @@ from spotguard._priority import lower_priority
 from spotguard.storage._local import ManifestError
 from spotguard.storage.base import IntegrityError, Store, StoreOptions
 from spotguard.storage.registry import open_store
-from spotguard.storage.durable import Durable, DurableInfo, manifest_key
+from spotguard.storage.durable import GC_GRACE_SECONDS, Durable, DurableInfo, manifest_key
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
 from spotguard_daemon.core import confine
 from spotguard_daemon.core.no_store import NoStoreQueue
 from spotguard_daemon.core.upload_flight import Flight, Preempted, Superseded
+from spotguard_daemon.core.upload_global import GlobalWatch
 from spotguard_daemon.core.upload_journal import Journal, Upload, UploadMetrics
 from spotguard_daemon.core.upload_retention import Retention, backoff
 from spotguard_daemon.core.redact import redact_url
@@ -85,7 +88,8 @@ class UploadQueue:
                  on_durable: Callable[[str, int, str], None] | None = None,
                  registry: CollectorRegistry | None = None, retry_max: float = 30.0,
                  url: str = "", root: Path | None = None, staging: Path | None = None,
-                 urgent: Callable[[], bool] = lambda: False) -> None:
+                 urgent: Callable[[], bool] = lambda: False, lag_bound: float = 600.0,
+                 max_superseded: int = 3) -> None:
         self.durable, self.keep = durable, keep
         self.url = redact_url(url.split("?", 1)[0])
         """Where checkpoints go, as clients may restore from it (a query string or a password masked)."""
@@ -96,18 +100,24 @@ class UploadQueue:
         self.on_durable = on_durable or (lambda job, step, key: None)
         self.metrics = UploadMetrics(registry)
         self.metrics.durable_age.set_function(self._age)
+        self.watch = GlobalWatch(lag_bound, max_superseded)
+        """Global steps, the lag behind them, and incomplete steps to check again (:mod:`.upload_global`)."""
+        self.metrics.global_lag.set_function(self.watch.lag)
         self._cond = threading.Condition()
         self._queue: dict[str, Upload] = {}
         self._current: Upload | None = None
         self._progress = (0, 0)
         self._durable: dict[str, dict[str, Any]] = {}
         self._refused: dict[str, dict[str, Any]] = {}
-        self.retention = Retention(lambda job: self.durable.prune(job, self.keep), min(retry_max, 5.0))
+        self.retention = Retention(lambda job: self.durable.prune(job, self.keep, grace=GC_GRACE_SECONDS),
+                                   min(retry_max, 5.0))
         self._restarts = 0
         self._stop = False
         self._thread: threading.Thread | None = None
         self.journal = Journal(journal, self.metrics.journal_errors)
         self._queue, self._durable = self.journal.load()
+        for upload in self._queue.values():
+            self.watch.submitted(upload.job_id, upload.step)
         self.metrics.depth.set(len(self._queue))
         self._restore_durable_step()
 
@@ -133,6 +143,7 @@ class UploadQueue:
         with self._cond:
             if not self._enqueue(Upload(job_id, str(path), step, size_bytes)):
                 return
+            self.watch.submitted(job_id, step)
             self._save_journal()
             self._cond.notify_all()
             self._ensure_worker()
@@ -141,6 +152,10 @@ class UploadQueue:
     def durable_step(self, job_id: str) -> int | None:
         with self._cond:
             return self._durable.get(job_id, {}).get("step")
+
+    def time_to_durable(self, job_id: str) -> float | None:
+        """Median seconds from commit to durable of the job's last uploads (:mod:`.upload_global`)."""
+        return self.watch.time_to_durable(job_id or DEFAULT_JOB)
 
     def idle(self) -> bool:
         with self._cond:
@@ -169,7 +184,7 @@ class UploadQueue:
                     "durable": {job: dict(d) for job, d in self._durable.items()},
                     "refused": {job: dict(r) for job, r in self._refused.items()},
                     "retention_retry": self.retention.status(),
-                    "worker": {"alive": alive, "restarts": self._restarts},
+                    "worker": {"alive": alive, "restarts": self._restarts}, "global": self.watch.status(),
                     "journal_ok": self.journal.ok}
 
     def close(self, timeout: float = 5.0) -> None:
@@ -246,10 +261,10 @@ class UploadQueue:
         notice is pending: a delete must not hold up the upload that matters)."""
         while True:
             with self._cond:
-                upload, prune = self._next(), None
-                while upload is None and prune is None and not self._stop:
-                    prune = self._retention_ready()
-                    if prune is None:
+                upload, prune, recheck = self._next(), None, None
+                while upload is None and prune is None and recheck is None and not self._stop:
+                    prune, recheck = self._retention_ready(), self.watch.due()
+                    if prune is None and recheck is None:
                         self._cond.wait(self._wait_time())
                         self._retry_journal()
                         upload = self._next()
@@ -257,14 +272,22 @@ class UploadQueue:
                     return
             if upload is not None:
                 self._attempt(upload)
+            elif recheck is not None:
+                self.watch.recheck(self.durable, *recheck)
             else:
                 self.retention.run(prune)
 
     def _enqueue(self, upload: Upload) -> bool:
-        """Queue ``upload`` unless a newer one of its job is queued or durable; lock held."""
+        """Queue ``upload`` unless a newer one of its job is queued or durable, or uploading now: a
+        node's ranks each report the same commit (one upload per node per step), and a late report
+        of an older step must not abandon the newer one in flight. Lock held."""
         queued = self._queue.get(upload.job_id)
         done = self._durable.get(upload.job_id, {}).get("step", -1)
         if (queued is not None and queued.step >= upload.step) or upload.step <= done:
+            return False
+        current = self._current
+        if current is not None and current is not upload and current.job_id == upload.job_id and (
+                current.step > upload.step or (current.step == upload.step and current.path == upload.path)):
             return False
         self._queue[upload.job_id] = upload
         self.metrics.depth.set(len(self._queue) + (self._current is not None))
@@ -289,7 +312,7 @@ class UploadQueue:
 
     def _wait_time(self) -> float | None:
         waits = [u.not_before - time.time() for u in self._queue.values()]
-        waits += self.retention.waits()
+        waits += self.retention.waits() + self.watch.waits()
         if self.journal.dirty:
             waits.append(JOURNAL_RETRY_SECONDS)
         return max(0.05, min(waits)) if waits else None
@@ -306,6 +329,7 @@ class UploadQueue:
                                            interrupt=flight.interrupt, cleanup=False)
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
+            self.watch.superseded(upload.job_id)
             self._finish(upload, None)
         except Preempted:
             log.info("upload of %s step %d paused for a newer checkpoint (notice pending)",
@@ -322,6 +346,7 @@ class UploadQueue:
         else:
             self.metrics.bytes.inc(info.bytes_uploaded)
             self.metrics.seconds.observe(info.seconds)
+            self.watch.uploaded(upload.job_id, info.step, info.complete, upload.submitted)
             self._finish(upload, info)  # the pointer is written: durable now, published before any delete
             self.durable.cleanup(info)  # a slow or stalled delete delays nothing a client waits for
             self.retention.run(upload.job_id)
@@ -333,7 +358,8 @@ class UploadQueue:
         """Superseded by a newer commit of its job, or pre-empted by another job's newer commit
         (ready to go) while a notice is pending; lock held."""
         if upload.job_id in self._queue and not self.finish_superseded and not self._stop:
-            return Superseded
+            if not self.watch.finish_anyway(upload.job_id, upload.step):
+                return Superseded
         now = time.time()
         if any(u.submitted > upload.submitted and u.not_before <= now for u in self._queue.values()) \
                 and self._urgent():
@@ -436,4 +462,5 @@ def from_settings(settings: Any, *, registry: CollectorRegistry | None = None,
                        finish_superseded=storage.finish_superseded, nice=storage.upload_nice,
                        bandwidth_mbps=storage.bandwidth_mbps, on_durable=on_durable, registry=registry,
                        url=settings.storage_url, root=settings.checkpoint_root,
-                       staging=settings.runtime_dir / "upload-staging", urgent=urgent)
+                       staging=settings.runtime_dir / "upload-staging", urgent=urgent,
+                       lag_bound=storage.durable_lag_seconds, max_superseded=storage.max_superseded)

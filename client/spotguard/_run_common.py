@@ -1,0 +1,103 @@
+"""Node-local roots at a relaunch: agree on the newest step every rank holds or can fetch from the store.
+
+Each node keeps its own checkpoints, and its daemon uploads its part; a step is global once every
+node's part is in the store. When a node's daemon died, the nodes' local checkpoints drift apart
+from the store's: a surviving node may hold only steps newer than the last global one (its
+retention deleted the older ones), while a fresh node fetched that global step. Without a step in
+common every rank used to refuse to start.
+
+:func:`fetch_common_step` runs on every rank, collectively, after the fresh-node fetch and before
+the load: each rank offers the steps its node holds and the steps the store holds globally, the
+ranks agree (``all_reduce`` of ints, as the load does) on the newest step every rank can have, and
+the node leaders lacking it fetch it (only their ranks' parts, as a fresh node does). Steps a node
+holds that are newer than the agreed one are from a timeline the relaunch abandons: they are
+renamed ``abandoned-step-N-<time>`` (kept, never loaded, never pruned as checkpoints), so that the
+relaunch's own step N never mixes with them; only once every node has the agreed step. Store
+errors leave the store out of the offer (with a warning) and the load goes on with what is local.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from spotguard.checkpoint import layout
+from spotguard.storage import StoreError
+from spotguard.storage.base import StoreOptions
+from spotguard.storage.durable import Durable
+from spotguard.storage.fresh_node import DEFAULT_JOB
+from spotguard.storage.registry import open_store
+
+__all__ = ["fetch_common_step"]
+
+log = logging.getLogger("spotguard.run")
+
+NONE = -1
+
+
+def fetch_common_step(run: Any, url: str | None, options: StoreOptions | None) -> int | None:
+    """Collective on node-local roots (every rank calls it; a no-op otherwise): make the newest
+    step every rank holds or can fetch present on every node; return it (None: no such step)."""
+    ckpt = run.checkpointer
+    coord = getattr(ckpt, "_coord", None)
+    if coord is None or not coord.node_local:
+        return None
+    job = run._job_id or DEFAULT_JOB
+    local = {step for step, _ in layout.committed_dirs(ckpt.root)}
+    durable, remote = _store_steps(url, options, job)
+    step = agree_step(coord, local | remote)
+    if step is None:
+        return None
+    ok = 1
+    if step not in local and ckpt._leads:
+        try:
+            log.warning("node-local roots: the ranks agree on step %d, which this node lacks (its newest: "
+                        "%s); fetching it from %s", step, max(local, default=None), durable.store.url)
+            durable.restore(job, ckpt.root, step=step, ranks=ckpt.node_ranks)
+        except (StoreError, OSError) as exc:
+            log.error("could not fetch step %d from the store: %s", step, exc)
+            ok = 0
+    if not coord.agree(ok, "min"):  # every node's fetch is done before anyone loads
+        return None  # the load says what each rank holds; nothing was set aside
+    if ckpt._leads:
+        _set_aside(ckpt.root, step)
+    coord.agree(0, "sum")  # set aside before any rank of the node lists its checkpoints
+    return step
+
+
+def agree_step(coord: Any, have: set[int]) -> int | None:
+    """The newest step in every rank's ``have`` (collective): each round, each rank offers its newest
+    step below the last offer, the lowest offer is checked against every rank."""
+    below = 10**10
+    while True:
+        step = coord.agree(max((s for s in have if s < below), default=NONE), "min")
+        if step == NONE:
+            return None
+        if coord.agree(int(step in have), "min"):
+            return step
+        below = step
+
+
+def _store_steps(url: str | None, options: StoreOptions | None, job: str) -> tuple[Any, set[int]]:
+    if not url:
+        return None, set()
+    try:
+        durable = Durable(open_store(url, StoreOptions.of(options)))
+        return durable, set(durable.list(job))
+    except (StoreError, ValueError, OSError) as exc:
+        log.warning("cannot list the store's checkpoints of %s (%s); agreeing on local steps only", job, exc)
+        return None, set()
+
+
+def _set_aside(root: Path, step: int) -> None:
+    """Rename the local steps newer than ``step`` (an abandoned timeline) out of the checkpoints' way."""
+    for newer, path in layout.committed_dirs(root):
+        if newer <= step:
+            break
+        aside = root / f"abandoned-{path.name}-{int(time.time())}"
+        os.rename(path, aside)
+        log.warning("node-local roots: the relaunch resumes from step %d; this node's newer step %d is from "
+                    "the abandoned run and was moved to %s", step, newer, aside)

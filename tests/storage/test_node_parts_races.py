@@ -1,0 +1,138 @@
+"""Issue 28 items 3 and 7: node parts of one job from several nodes and incarnations, racing.
+
+Real stores (``file://``; the race is in the order of requests, not in a backend), a node's
+:class:`Durable` per node; the interleavings are forced at the exact request where they hurt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+
+import pytest
+
+from spotguard.storage import Durable, ManifestError
+from spotguard.storage._keys import object_key
+from spotguard.storage.durable import GC_GRACE_SECONDS, manifest_key
+from spotguard.storage.file import FileStore
+
+from test_upload_long_run import node_ckpt
+
+X = b"x" * 5000  # a body step 10 holds and step 30 holds again (content addressed: one object)
+
+
+class ListHook(FileStore):
+    """Runs ``hook`` once, right after the first listing of ``jobs/`` (a prune's reference read)."""
+
+    hook = None
+
+    def list(self, prefix: str):
+        keys = list(super().list(prefix))
+        if prefix == "jobs/" and self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return keys
+
+
+@pytest.mark.parametrize("grace", [GC_GRACE_SECONDS, 0.0])
+def test_retention_on_one_node_never_leaves_a_global_step_without_its_objects(tmp_path, grace):
+    """Node 1 completes step 20 and prunes (keep=1): the object X only step 10 named is garbage.
+    Right after its reference read, node 0 uploads its part of step 30, finds X present and skips
+    it; then node 1's delete lands, and node 1's part completes step 30. Before, step 30 became
+    global naming a missing X. Now the
+    daemon's grace period spares X (step 30 global and restorable); without a grace (a one-shot
+    prune) X is deleted, and step 30 is not made global: step 20 stays the newest, restorable."""
+    bucket = tmp_path / "bucket"
+    node0, node1 = Durable(FileStore(bucket)), Durable(ListHook(bucket))
+    for step, body in ((10, X), (20, b"twenty" * 100)):
+        node0.upload(node_ckpt(tmp_path / "n0", step, 0, {"w.bin": body}), "job")
+        node1.upload(node_ckpt(tmp_path / "n1", step, 1, {"w.bin": bytes([step]) * 100}), "job")
+    late = node_ckpt(tmp_path / "n0", 30, 0, {"w.bin": X})
+    node1.store.hook = lambda: node0.upload(late, "job")
+    node1.prune("job", keep=1, grace=grace)
+    node1.upload(node_ckpt(tmp_path / "n1", 30, 1, {"w.bin": b"thirty" * 100}), "job")  # completes the set
+
+    x_there = node0.store.exists(object_key(hashlib.sha256(X).hexdigest()))
+    assert x_there == (grace > 0)
+    checker = Durable(FileStore(bucket))
+    if grace:
+        assert checker.latest("job") == 30 and checker.verify("job", 30) == []
+    else:
+        assert checker.list("job") == [20] and checker.latest("job") == 20  # 30 names a missing object
+        assert not checker.store.exists(manifest_key("job", 30))
+    newest = checker.latest("job")
+    assert checker.verify("job", newest) == []
+    checker.restore("job", tmp_path / "fresh")
+
+
+def test_objects_named_by_a_part_of_a_step_not_yet_global_are_never_collected(tmp_path):
+    """Node 0's part of step 30 is in the store, node 1's is not yet: a prune on node 0 (keep=1)
+    keeps every object that part names, whatever the grace."""
+    durable = Durable(FileStore(tmp_path / "bucket"))
+    for k in (0, 1):
+        durable.upload(node_ckpt(tmp_path / f"n{k}", 20, k, {"w.bin": bytes([k]) * 100}), "job")
+    durable.upload(node_ckpt(tmp_path / "n0", 30, 0, {"new.bin": b"n" * 300}), "job")
+    durable.prune("job", keep=1, grace=0.0)
+    durable.upload(node_ckpt(tmp_path / "n1", 30, 1, {"w.bin": b"m" * 300}), "job")
+    assert durable.latest("job") == 30 and durable.verify("job", 30) == []
+
+
+def test_concurrent_completions_write_byte_identical_global_manifests(tmp_path):
+    """Item 7: four daemons find the set complete at once: every global manifest written is the
+    same bytes, whoever wrote it and when."""
+    writes: list[bytes] = []
+
+    class Recording(FileStore):
+        def put_bytes(self, key: str, data: bytes) -> None:
+            if key == manifest_key("job", 10):
+                writes.append(data)
+            super().put_bytes(key, data)
+
+    bucket = tmp_path / "bucket"
+    seed = Durable(FileStore(bucket))
+    for k in (0, 1):  # the parts land; nobody completes the set (each sees only its own part)
+        ckpt = node_ckpt(tmp_path / f"n{k}", 10, k, {"w.bin": bytes([k]) * 1000})
+        seed.store.put_bytes(f"objects/sha256/{hashlib.sha256(bytes([k]) * 1000).hexdigest()}",
+                             bytes([k]) * 1000)
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["durable"] = {"version": 1, "name": ckpt.name, "objects": "objects/sha256/", "uploaded": 1000.0 + k}
+        seed.store.put_bytes(f"jobs/job/parts/step-0000000010/node-{k}.json", json.dumps(manifest).encode())
+    barrier = threading.Barrier(4)
+
+    def complete() -> None:
+        barrier.wait()
+        Durable(Recording(bucket)).complete("job", 10)
+
+    threads = [threading.Thread(target=complete) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(writes) >= 2 and len(set(writes)) == 1, f"{len(writes)} writes, {len(set(writes))} distinct"
+    assert Durable(FileStore(bucket)).latest("job") == 10
+
+
+def test_an_old_incarnation_still_uploading_never_mixes_into_the_relaunch(tmp_path):
+    """Item 7: node 0 of the previous launch is still uploading its step 20 while the relaunch,
+    resumed from step 10 and trained differently, writes its own step 20 on both nodes. The old
+    part never joins the new set (parts are assembled per incarnation): step 20 is global only with
+    the relaunch's parts, and the old upload, landing last, completes nothing and leaves the global
+    step alone."""
+    durable = Durable(FileStore(tmp_path / "bucket"))
+    for k in (0, 1):
+        durable.upload(node_ckpt(tmp_path / f"old{k}", 10, k, {"w.bin": bytes([k]) * 100}), "job")
+    old = node_ckpt(tmp_path / "old0", 20, 0, {"w.bin": b"old" * 100}, digest="o")
+    new = [node_ckpt(tmp_path / f"new{k}", 20, k, {"w.bin": b"new" * 100 + bytes([k])}, digest="n")
+           for k in (0, 1)]
+    durable.upload(old, "job")  # the old node's part lands first
+    # the relaunch's node 1: its part is in, but its incarnation's set lacks node 0: nothing global
+    assert durable.upload(new[1], "job").complete is False
+    assert durable.latest("job") == 10
+    durable.upload(new[0], "job")  # replaces the old node's part: the relaunch's set, global
+    assert durable.latest("job") == 20
+    assert durable.manifest("job", 20)["digest"] == "n" * 64
+    assert durable.upload(old, "job").complete is False  # the old node's upload, retried, lands last
+    assert durable.latest("job") == 20 and durable.manifest("job", 20)["digest"] == "n" * 64
+    restored = Durable(FileStore(tmp_path / "bucket")).restore("job", tmp_path / "fresh")
+    assert (restored / "rank-0" / "w.bin").read_bytes() == b"new" * 100 + b"\x00"

@@ -1,0 +1,158 @@
+"""Issue 28: the upload queue in a long run (real stores, the real queue, no daemon process)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+
+from spotguard.storage.durable import Durable
+from spotguard.storage.base import StoreOptions
+from spotguard.storage.file import FileStore
+from spotguard.storage.registry import open_store
+
+from conftest import write_checkpoint
+from storage_proxy import Proxy
+from test_upload_queue import _queue
+from spotguard_daemon.core import upload_global
+
+
+def test_every_rank_reporting_the_same_commit_makes_one_upload(tmp_path, make_ckpt, caplog):
+    """Item 6: the ranks of a node each report the node's commit; it is uploaded once, never
+    abandoned as "superseded" by itself, and a late report of an older step changes nothing."""
+    store = FileStore(tmp_path / "bucket")
+    files = {f"t{i}.bin": bytes([i]) * 500_000 for i in range(4)}  # 2 MB at 4 MB/s: about 0.5 s
+    queue, done, _ = _queue(store, tmp_path, bandwidth_mbps=4)
+    old = make_ckpt(tmp_path / "ckpt", 1, {"a": b"a"})
+    ckpt = make_ckpt(tmp_path / "ckpt", 2, files)
+    queue.start()
+    caplog.set_level(logging.INFO, logger="spotguard_daemon")
+    try:
+        queue.submit("job", ckpt, 2)
+        deadline = time.monotonic() + 10
+        while (queue.status()["uploading"] or {}).get("step") != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for _ in range(2):  # rank 1 and rank 2 of the node
+            queue.submit("job", ckpt, 2)
+        queue.submit("job", old, 1)  # a rank's report of the previous step, late
+        assert queue.status()["pending"] == []
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert done == [("job", 2)]
+    assert "superseded" not in caplog.text
+    assert caplog.text.count("queued job step 2 for upload") == 1
+    assert Durable(store).list("job") == [2]
+
+
+class SlowObjectPuts(Proxy):
+    """A throttled store: every object PUT waits ``slow_s`` before it is forwarded."""
+
+    def pick_fault(self, method: str, path: str) -> str | None:
+        return "slow" if method == "PUT" and "/objects/" in path else None
+
+
+def node_ckpt(root, step: int, index: int, files: dict[str, bytes], nodes: int = 2, digest: str = "a") -> object:
+    """A committed node-local checkpoint of node ``index`` (rank ``index``) the way a leader commits one."""
+    node = {"index": index, "nodes": nodes, "leader": index, "ranks": [index], "digests": [digest * 64] * nodes}
+    return write_checkpoint(root, step, {f"rank-{index}/{k}": v for k, v in files.items()}, node=node,
+                            world_size=nodes, digest=digest * 64)
+
+
+def test_a_node_uploading_slower_than_the_saves_still_makes_steps_global(moto, new_bucket, tmp_path):
+    """Item 2: node b's store takes ~1 s per checkpoint, the job saves every 0.2 s. Before, every
+    upload of b was superseded and no step became global until the saves stopped; now b finishes
+    its upload after ``max_superseded`` supersedes, so steps become global while the job saves."""
+    direct = new_bucket("s3")
+    with SlowObjectPuts(moto.url, slow_s=0.3) as slow:
+        store_b = open_store(direct.url, StoreOptions(endpoint_url=slow.url, max_attempts=6))
+        a, _, _ = _queue(direct, tmp_path / "a")
+        b, done_b, _ = _queue(store_b, tmp_path / "b")
+        b.durable.concurrency = 1
+        a.start(), b.start()
+        global_while_saving, lags = None, []
+        try:
+            for step in range(1, 19):
+                for k, queue in enumerate((a, b)):
+                    files = {f"f{i}.bin": os.urandom(20_000) for i in range(3)}
+                    queue.submit("job", node_ckpt(tmp_path / f"ckpt{k}", step, k, files), step)
+                time.sleep(0.2)
+                lags.append(b.watch.lag())
+                if global_while_saving is None and Durable(direct).latest("job") is not None:
+                    global_while_saving = step
+            assert a.wait_idle(60) and b.wait_idle(60)
+        finally:
+            a.close(), b.close()
+    assert global_while_saving is not None, f"no step became global while the job saved; b: {done_b}"
+    assert Durable(direct).latest("job") == 18  # the last one is never superseded
+    assert max(lags) > 0 and b.watch.lag() == 0  # the gauge: behind while saving, 0 once global
+    print(f"first global step while saving: after the commit of step {global_while_saving}")
+
+
+class LaggingList(FileStore):
+    """A store whose listing lags (some S3-compatible gateways, caches): a key shows up in ``list``
+    only ``lag`` seconds after it was written; reads and ``exists`` see it at once."""
+
+    def __init__(self, root, lag: float) -> None:
+        super().__init__(root)
+        self.lag = lag
+
+    def list(self, prefix: str):
+        now = time.time()
+        return [key for key in super().list(prefix) if now - self._path(key).stat().st_mtime >= self.lag]
+
+
+def test_a_store_whose_listing_lags_still_makes_the_step_global(tmp_path, monkeypatch):
+    """Item 4: both nodes' parts land while the listing shows neither the other's part; before,
+    nothing ever wrote the global manifest. The daemon checks the incomplete step again until it is."""
+    monkeypatch.setattr(upload_global, "RECHECK_FIRST", 0.5)
+    queues = [_queue(LaggingList(tmp_path / "bucket", lag=1.0), tmp_path / f"n{k}")[0] for k in (0, 1)]
+    for k, queue in enumerate(queues):
+        queue.start()
+        queue.submit("job", node_ckpt(tmp_path / f"ckpt{k}", 10, k, {"w.bin": bytes([k]) * 1000}), 10)
+    try:
+        assert all(queue.wait_idle(30) for queue in queues)
+        assert Durable(FileStore(tmp_path / "bucket")).latest("job") is None  # no upload saw both parts
+        deadline = time.monotonic() + 15
+        while Durable(FileStore(tmp_path / "bucket")).latest("job") != 10:
+            assert time.monotonic() < deadline, queues[0].status()["global"]
+            time.sleep(0.1)
+        while not all(q.status()["global"]["job"]["global_step"] == 10 for q in queues):
+            assert time.monotonic() < deadline, [q.status()["global"] for q in queues]
+            time.sleep(0.1)
+    finally:
+        for queue in queues:
+            queue.close()
+    assert all(q.watch.lag() == 0 and q.status()["global"]["job"]["recheck_step"] is None for q in queues)
+
+
+def test_the_cadence_never_plans_saves_faster_than_the_store_takes_them(tmp_path, make_ckpt):
+    """Item 2: the daemon measures the time from commit to durable (here ~0.5 s: 2 MB at 4 MB/s),
+    and a cadence whose Young/Daly interval is shorter plans with that instead."""
+    from spotguard.cadence import Cadence
+    from spotguard.guard import _seconds
+
+    queue, _, _ = _queue(FileStore(tmp_path / "bucket"), tmp_path, bandwidth_mbps=4)
+    assert queue.time_to_durable("job") is None
+    queue.start()
+    try:
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 1, {"w.bin": os.urandom(2_000_000)}), 1)
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    took = queue.time_to_durable("job")
+    assert 0.3 < took < 10, took
+    assert [_seconds(v) for v in (took, None, True, float("nan"), -1, 2e6)] == [took, None, None, None, None, None]
+    cadence = Cadence(mtbf_s=10.0, cost_s=0.001)  # Daly: ~0.14 s between saves
+    cadence.observe_step(0.01)
+    assert cadence.interval_s < took and cadence.steps == int(cadence.interval_s / 0.01)
+    cadence.floor(took)
+    assert cadence.interval_s == took and cadence.steps == int(took / 0.01)
+    cadence.floor(0.001)  # a store that became fast: the plan is Daly's again
+    assert cadence.interval_s == pytest.approx(0.1414, rel=0.05)
+    fixed = Cadence(every_seconds=0.05)
+    fixed.floor(took)
+    assert fixed.interval_s == 0.05  # a fixed interval is the user's to choose

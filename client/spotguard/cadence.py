@@ -85,7 +85,8 @@ DEDICATED_NODE_MTBF_S = 6000 * _HOUR
 """Dedicated (non-spot) GPU nodes, measured: Meta's Llama 3 report (419 unexpected interruptions in
 54 days on 16,384 H100s = 2,048 8-GPU nodes, a job MTBF of about 3 h). Never assumed: set it."""
 
-NODE_MTBF_S: dict[str, float] = dict.fromkeys(("aws", "gcp", "azure", "alibaba", "none"), DEFAULT_NODE_MTBF_S)
+NODE_MTBF_S: dict[str, float] = dict.fromkeys(("aws", "gcp", "azure", "alibaba", "none"),
+                                              DEFAULT_NODE_MTBF_S)
 """Each platform's default node MTBF: :data:`DEFAULT_NODE_MTBF_S` for all of them (one story)."""
 
 

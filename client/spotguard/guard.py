@@ -15,8 +15,8 @@ notices, and when one of them stops this process the signal adds nothing: its no
 deadline, is already held and a cancel from the platform clears it. The daemon's ``status`` also
 lists the notices it recently signalled for, cancelled ones included, so a signal whose notice was
 withdrawn before the guard handled it (announced, then cancelled 50 ms later) adds nothing either.
-Only a ``daemon_signal`` that no recent daemon notice explains (Slurm ``--signal=USR1``, ``scancel --signal``) becomes a local notice, and
-every other signal (SIGTERM from a kubelet or ``docker stop``) always does.
+Only a ``daemon_signal`` that no recent daemon notice explains (Slurm ``--signal=USR1``, ``scancel
+--signal``) becomes a local notice, and every other signal (SIGTERM from a kubelet or ``docker stop``) always does.
 
 The signal handlers only append to a list; a background thread (and every read of :attr:`notice`)
 turns that into a notice. Nothing else happens in a handler: no I/O, no locks, no ``sys.exit``,

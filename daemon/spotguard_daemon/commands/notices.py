@@ -23,6 +23,8 @@ from spotguard_daemon.commands.common import fail, request, settings_or_exit
 
 __all__ = ["notices", "human_timeline"]
 
+MAX_IDS = 64
+"""Ids one ``withdraw`` request carries (the protocol's bound)."""
 _OUTCOMES = {None: "undecided", "saved": "saved in time", "no_room": "no room to save",
              "missed_deadline": "MISSED THE DEADLINE", "no_client": "NO CLIENT", "cancelled": "cancelled"}
 _DETAILS = (("pid", "pid {}"), ("pids", "pids {}"), ("step", "step {}"), ("job", "job {}"),
@@ -100,6 +102,8 @@ def cancel(ids: tuple[str, ...], every: bool, config: str | None, timeout: float
     own user and root."""
     if bool(ids) == every:
         raise click.UsageError("give notice ids or --all (one of them)")
+    if len(ids) > MAX_IDS:
+        raise click.UsageError(f"at most {MAX_IDS} ids at once (or --all)")
     reply = _ask(config, WithdrawRequest(ids=list(ids), all=every), timeout)
     if not reply.ok:
         fail(1, reply.error)

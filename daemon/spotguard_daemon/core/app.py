@@ -339,8 +339,9 @@ class Daemon:
         """A manual notice (a drill, a scripted stop) has done its job once every registered client
         reported safe, or ``AIMED_GRACE_SECONDS`` after none of the clients it was aimed at (those
         registered when it was announced) is registered any more: withdraw it, so the identical
-        command relaunched on this node trains instead of stopping again at once. Platform notices stay: their machine is going
-        away regardless (past their deadline they are only overdue: see :mod:`.store`)."""
+        command relaunched on this node trains instead of stopping again at once. Platform notices
+        stay: their machine is going away regardless (past their deadline they are only overdue: see
+        :mod:`.store`)."""
         for notice in self.store.pending():
             if notice.source != manual_source.SOURCE:
                 continue

@@ -293,7 +293,8 @@ class RequestHandler:
         self.reap()  # a bounded slice: all of a small table, so a dead client is not reported
         safe = {n.id: sorted(self.store.safe_pids(n.id)) for n in self.store.pending()}
         overdue = [n.model_dump(mode="json") for n in self.store.pending() if self.store.overdue(n)]
-        data = {**self._info(), "notices": self._notices(), "overdue": overdue, "safe": safe, "mtbf": self._mtbf(),
+        data = {**self._info(), "notices": self._notices(), "overdue": overdue, "safe": safe,
+                "mtbf": self._mtbf(),
                 "clients": [c.public() for c in self.clients.values()], "timeline": self.timeline.current()}
         if getattr(_request, "history", 0):
             data["history"] = self.timeline.history(_request.history)

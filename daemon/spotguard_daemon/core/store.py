@@ -189,13 +189,16 @@ class NoticeStore:
         their deadline; say once of each other notice that it became overdue. Return the ids cancelled."""
         now = self._clock()
         ended = {i: "its deadline passed" if self._manual_ended(e.notice, now) else "expired"
-                 for i, e in self._entries.items() if self._manual_ended(e.notice, now) or self._is_stale(e.notice)}
+                 for i, e in self._entries.items()
+                 if self._manual_ended(e.notice, now) or self._is_stale(e.notice)}
         for notice_id, reason in ended.items():
             self._remove(notice_id, reason)
         if ended:
             self._persist()
         for notice in self.pending():
-            if notice.id not in self._overdue_said and self.overdue(notice):
+            if notice.id in self._overdue_said or notice.source == MANUAL_SOURCE:
+                continue  # a manual notice ends at its deadline instead
+            if self.overdue(notice):
                 self._overdue_said.add(notice.id)
                 log.warning("notice %s passed its deadline %s and this node is still alive: jobs that "
                             "start from now on are not stopped by it (kept visible as overdue until its "

@@ -24,8 +24,9 @@ import httpx
 import pytest
 import zmq
 from spotguard.cadence import DEFAULT_MTBF_SOURCE, DEFAULT_NODE_MTBF_S
-from spotguard.protocol import (Kind, NotifyRequest, RegisterRequest, SafeRequest, StatusRequest,
-                                UnregisterRequest)
+from spotguard.protocol import (CommitRequest, Kind, NotifyRequest, RegisterRequest, SafeRequest,
+                                StatusRequest, UnregisterRequest)
+from test_durable_e2e import commit_dir
 
 from spotguard_daemon.commands.notices import human_timeline
 from spotguard_daemon.core.peers import may_operate
@@ -75,7 +76,7 @@ time.sleep(120)
 
 
 def test_manual_notices_end_with_their_deadline_or_job_and_a_stop_without_clients_is_no_notice(daemon_factory):
-    daemon = daemon_factory(env={"SPOTGUARD_DELIVERY__SIGNAL": "none"})
+    daemon = daemon_factory(env={"SPOTGUARD_DELIVERY__SIGNAL": "none", "SPOTGUARD_STORAGE__BANDWIDTH_MBPS": "1"})
     me = os.getpid()
 
     # a drill with nobody registered; a job that registers later is told of it, reports safe: the
@@ -128,12 +129,17 @@ def test_manual_notices_end_with_their_deadline_or_job_and_a_stop_without_client
     assert may_operate(Peer(uid=os.geteuid(), pid=me)) and may_operate(Peer(uid=0, pid=me))
     assert not may_operate(Peer(uid=os.geteuid() + 4242, pid=me)) and not may_operate(Peer())
 
-    # item 3: a daemon stopped with no client registered records no notice, and the streak holds
+    # item 3: a daemon stopped with no client registered records no notice, and the streak holds;
+    # the upload in flight (2 MB at 1 MB/s) still becomes durable before it exits
     before, count = streak(daemon), len(history(daemon))
-    assert daemon.stop(signal.SIGTERM, timeout=10) == 0
-    assert "no client is registered, so no notice is raised" in daemon.output()
+    ckpt = commit_dir(daemon.checkpoint_root, 7, {"w.bin": os.urandom(2 << 20)})
+    assert daemon.request(CommitRequest(pid=me, job_id="job", path=str(ckpt), step=7)).ok
+    assert daemon.stop(signal.SIGTERM, timeout=25) == 0
+    assert "no client is registered, so no notice is raised (uploads in flight get up to" in daemon.output()
+    assert "no client to wait for and every commit durable; stopping" in daemon.output()
     daemon.start()
     assert len(history(daemon)) == count and streak(daemon) == before
+    assert daemon.request(StatusRequest()).data["uploads"]["durable"]["job"]["step"] == 7
     assert not any(line.startswith("signal:") for line in history(daemon))
 
 

@@ -15,7 +15,8 @@ plus the request, heartbeat and housekeeping loops, then tell systemd ``READY=1`
 SIGTERM/SIGINT means the node is going or only the daemon is (:meth:`Daemon.node_stops`, setting
 ``signal.means``). A node stop with clients registered raises a ``signal`` notice due in
 ``signal.grace`` seconds (with none registered there is nobody to warn: it raises nothing, so a
-stopped daemon never records a NO CLIENT notice nor feeds the no-client alert); the
+stopped daemon never records a NO CLIENT notice nor feeds the no-client alert; it still finishes
+the uploads in flight within the grace); the
 daemon keeps serving until every registered client reported safe for it (or unregistered, or died) or the grace passed, then exits 0. A daemon stop (a
 ``systemctl restart`` for an upgrade) raises nothing: training goes on, pending notices stay in the
 state file for the next run, clients reconnect to it. A second signal exits at once.
@@ -36,6 +37,7 @@ import logging
 import os
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -130,6 +132,7 @@ class Daemon:
         self._acked: set[str] = set()
         self._signal_notice: Notice | None = None
         self._node_going = False
+        self._drain_until = utcnow()
         self._force = False
         self._restoring = False
         self._settle_soon = False
@@ -151,7 +154,7 @@ class Daemon:
                 "platform": self.platform, "started_at": self.started_at.isoformat(),
                 "pub_endpoint": self.server.pub_endpoint,
                 "request_endpoint": self.server.request_endpoint, "metrics": metrics,
-                "draining": self._signal_notice is not None, "uploads": self.queue.status(),
+                "draining": self._node_going, "uploads": self.queue.status(),
                 "signalled": self.delivery.recent() if hasattr(self, "delivery") else {}}
 
     # ------------------------------------------------------------------ run
@@ -420,7 +423,7 @@ class Daemon:
             loop.add_signal_handler(signum, self._on_signal, signum)
 
     def _on_signal(self, signum: int) -> None:
-        if self._signal_notice is not None or self._force:
+        if self._node_going or self._force:
             log.warning("second signal: exiting now")
             self._force = True
             self._changed.set()
@@ -431,15 +434,16 @@ class Daemon:
             self.stop()
             return
         self._node_going = True
+        grace = self.settings.signal.grace
+        self._drain_until = utcnow() + timedelta(seconds=grace)
         if not self.handler.clients:  # nobody to warn: no notice, so no NO CLIENT outcome, no alert
-            log.warning("%s: stopping; no client is registered, so no notice is raised",
-                        signal_source.signal_name(signum))
-            self.stop()
-            return
-        notice = signal_source.signal_notice(signum, grace=self.settings.signal.grace,
-                                             platform=self.platform)
-        self._signal_notice = notice
-        self.store.add(notice, ephemeral=True)
+            log.warning("%s: stopping; no client is registered, so no notice is raised%s",
+                        signal_source.signal_name(signum),
+                        "" if self.queue.idle() else f" (uploads in flight get up to {grace:g} s)")
+        else:
+            notice = signal_source.signal_notice(signum, grace=grace, platform=self.platform)
+            self._signal_notice = notice
+            self.store.add(notice, ephemeral=True)
         self._stop.set()
 
     def node_stops(self) -> bool:
@@ -457,12 +461,15 @@ class Daemon:
         self._changed.set()
 
     async def _until_done(self) -> None:
+        """After a node stop: serve until the clients of its notice (if any) are safe and the uploads
+        durable, within ``signal.grace``."""
         await self._stop.wait()
         notice = self._signal_notice
-        while notice is not None and not self._force:
-            left = notice.seconds_left() or 0.0
-            if self._all_safe(notice.id) and self.queue.idle():
-                log.info("every registered client is safe%s; stopping",
+        while self._node_going and not self._force:
+            left = (self._drain_until - utcnow()).total_seconds()
+            if (notice is None or self._all_safe(notice.id)) and self.queue.idle():
+                log.info("%s%s; stopping", "no client to wait for" if notice is None else
+                         "every registered client is safe",
                          "" if self.queue.store is None else " and every commit durable")
                 return
             if left <= 0:

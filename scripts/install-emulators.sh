@@ -23,7 +23,11 @@ fi
 if [[ -x "${prefix}/node_modules/.bin/azurite-blob" ]]; then
     echo "azurite already installed: ${prefix}/node_modules/.bin/azurite-blob"
 else
-    command -v npm >/dev/null || { echo "npm not found: install Node.js >= 18 for Azurite" >&2; exit 1; }
+    if ! command -v npm >/dev/null; then
+        echo "WARNING: npm not found: Azurite is not installed and the Azure tests WILL SKIP; run" \
+             "scripts/install-system-packages.sh as root (it installs nodejs and npm from Debian)" >&2
+        exit 0
+    fi
     mkdir -p "${prefix}"
     echo "installing azurite@${azurite_version} into ${prefix}"
     npm install --prefix "${prefix}" --no-audit --no-fund --loglevel=error "azurite@${azurite_version}"

@@ -7,13 +7,16 @@
 #   slurm-wlm, munge   a real one-node Slurm cluster (tests/slurm/, benchmarks/bench_slurm.py)
 #   iproute2     `ip netns` and veth pairs for two-node jobs (tests/multinode/, benchmarks/bench_multinode.py)
 #   bindfs       a real FUSE mount, refused as a checkpoint root (tests/client/test_checkpoint_fuse_root.py)
+#   nodejs, npm  Node.js for the Azure emulator Azurite (scripts/install-emulators.sh, tests/storage/);
+#                skipped when `node` and `npm` are already there (e.g. NodeSource's nodejs, npm included)
 #
+# The README and docs/development.md list the same packages (tests/test_docs.py checks it).
 # Without root, missing packages are reported loudly and the tests that need them skip.
 set -euo pipefail
 
 declare -A command_of=([prometheus]=promtool [podman]=podman [runc]=runc [catatonit]=catatonit
                        [mmdebstrap]=mmdebstrap [slurm-wlm]=slurmctld [munge]=munged
-                       [iproute2]=ip [bindfs]=bindfs)
+                       [iproute2]=ip [bindfs]=bindfs [nodejs]=node [npm]=npm)
 missing=()
 for package in "${!command_of[@]}"; do
     PATH="$PATH:/usr/sbin:/usr/libexec/podman" command -v "${command_of[$package]}" >/dev/null \

@@ -4,6 +4,7 @@ repository's own files)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ def test_the_site_builds_strict_without_a_warning(tmp_path):
         (ROOT / "examples" / "train_plain.py").read_bytes()
     api = (site / "reference" / "api" / "index.html").read_text()
     assert 'id="spotguard.run.Run"' in api and ":class:" not in api  # Sphinx roles shown as code
+    table = api[api.index('id="spotguard.run.Run"'):api.index('id="spotguard.run.Run.steps"')]
+    assert "<code>agree_at_heartbeat</code>" in table and "peer rank ends the process" in table
 
 
 def site_linking(tmp_path: Path, target: str) -> Path:
@@ -57,3 +60,46 @@ def test_a_link_to_a_missing_repository_file_fails_the_strict_build(tmp_path):
     out = build(site_linking(tmp_path, "../gone.py"), tmp_path / "site")
     assert out.returncode != 0
     assert "index.md links to ../gone.py, which is not in the repository" in out.stderr
+
+
+def _listed(text: str) -> set[str]:
+    """The package names of a prose list such as ``a, b, c and d``."""
+    return {word.strip("`# \n") for word in re.split(r",|\band\b", text) if word.strip("`# \n")}
+
+
+def test_the_readme_the_development_guide_and_the_install_script_list_the_same_packages():
+    script = (ROOT / "scripts" / "install-system-packages.sh").read_text()
+    packages = set(re.findall(r"\[([\w-]+)\]=", re.search(r"command_of=\((.*?)\)", script, re.S)[1]))
+    assert {"nodejs", "npm", "prometheus", "slurm-wlm"} <= packages  # Azurite needs Node.js
+    readme = re.search(r"the Debian packages (.*?) itself", (ROOT / "README.md").read_text(), re.S)[1]
+    guide = re.search(r"`scripts/install-system-packages.sh`:\s*(.*?);",
+                      (ROOT / "docs" / "development.md").read_text(), re.S)[1]
+    assert _listed(readme) == packages and _listed(guide) == packages, (readme, guide)
+    test_run = (ROOT / "scripts" / "test").read_text()
+    assert test_run.index("install-system-packages.sh") < test_run.index("install-emulators.sh")
+
+
+def test_the_site_needs_only_the_docs_extra_and_its_output_is_ignored():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[>=<]", dep)[0] for dep in extras["docs"]}
+    assert names == {"mkdocs", "mkdocs-material", "mkdocstrings[python]"}
+    assert "spotguard[docs]" in extras["test"]
+    assert "/site/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_the_api_reference_documents_every_parameter_of_run_checkpointer_guard_and_the_callbacks():
+    """Each parameter has a ``:param NAME:`` in its class's docstring, which mkdocstrings renders
+    as the page's parameter table (the site test builds it). Read from the source, not imported."""
+    import ast
+
+    for path, name in (("run.py", "Run"), ("checkpoint/manager.py", "Checkpointer"),
+                       ("guard.py", "Guard"), ("integrations/lightning.py", "SpotguardCallback"),
+                       ("integrations/huggingface.py", "SpotguardTrainerCallback")):
+        tree = ast.parse((ROOT / "client" / "spotguard" / path).read_text())
+        cls = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == name)
+        init = next(node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+        params = {arg.arg for arg in init.args.args + init.args.kwonlyargs} - {"self"}
+        documented = set(re.findall(r":param (\w+):", ast.get_docstring(cls) or ""))
+        assert documented == params, (name, params - documented, documented - params)

@@ -11,8 +11,14 @@ from spotguard import rng
 from spotguard._optim import hookable
 from spotguard.cadence import job_nodes
 
-__all__ = ["RngState", "build_state", "count_steps", "default_group", "distributed", "is_spotguard_loader",
-           "loader_entry", "local_rank", "make_cadence", "rank", "state_bytes"]
+__all__ = ["RngState", "SAVE_EVERY_ENV", "build_state", "cadence_source", "count_steps",
+           "default_group", "distributed", "is_spotguard_loader", "loader_entry", "local_rank",
+           "make_cadence", "rank", "state_bytes"]
+
+SAVE_EVERY_ENV = "SPOTGUARD_SAVE_EVERY"
+"""Steps between periodic saves of a ``Run`` given neither ``save_every`` nor ``cadence`` (the
+default cadence otherwise): ``spotguard drill`` sets it so that its launches commit early. What the
+code gives wins."""
 
 
 class RngState:
@@ -41,7 +47,27 @@ def make_cadence(save_every: int | None, cadence: Any) -> Any:
 
     if cadence is not None and save_every is not None:
         raise ValueError("give save_every or cadence, not both")
+    if cadence is None and save_every is None:
+        save_every = env_save_every()
     return cadence or Cadence(every_steps=save_every, nodes=job_nodes())
+
+
+def env_save_every() -> int | None:
+    """``$SPOTGUARD_SAVE_EVERY`` as steps, None when unset; ValueError naming it when invalid."""
+    raw = os.environ.get(SAVE_EVERY_ENV, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+        raise ValueError(f"${SAVE_EVERY_ENV} must be a number of steps >= 1, got {raw!r}")
+    return int(raw)
+
+
+def cadence_source(save_every: int | None, cadence: Any) -> str:
+    """Where a Run's cadence comes from, for its record: ``cadence``, ``save_every`` (the code's),
+    ``env`` ($SPOTGUARD_SAVE_EVERY) or ``default`` (Young/Daly at the default MTBF)."""
+    if cadence is not None or save_every is not None:
+        return "cadence" if cadence is not None else "save_every"
+    return "env" if env_save_every() is not None else "default"
 
 
 def build_state(model: Any, optimizer: Any, scheduler: Any, sampler: Any,

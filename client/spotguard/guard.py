@@ -102,7 +102,28 @@ GRACE_ENV = "SPOTGUARD_SIGNAL__GRACE"
 
 
 class Guard:
-    """Watches for interruption notices in a background thread; see the module docstring."""
+    """Watches for interruption notices in a background thread; see the module docstring.
+
+    :param job_id: The job this process belongs to, as registered with the daemon.
+    :param rank: This process's rank (default: the distributed rank, else ``$RANK``, else 0).
+    :param daemon: Listen to the daemon; False: signals only.
+    :param pub_endpoint: The daemon's event socket (default: from the settings and environment).
+    :param request_endpoint: The daemon's request socket (default: from the settings and
+        environment).
+    :param signal_deadlines: Seconds from each stop signal to the kill (None: no deadline); the
+        signals handled.
+    :param stop_on_advisory: Stop on advisory notices too (an AWS rebalance recommendation).
+    :param checkpoint_on_advisory: Raise :attr:`checkpoint_requested` on an advisory notice.
+    :param force_exit: Arm the forced-exit watchdog on a stop (exit 76 when the loop does not end
+        in time).
+    :param force_exit_margin: Seconds before the deadline at which the watchdog ends the process.
+    :param force_exit_timeout: Seconds after a notice without a deadline at which it does.
+    :param request_timeout: Seconds a request to the daemon may take.
+    :param daemon_signal: The daemon's delivery signal, meaning "ask the daemon" (None: none).
+    :param progress_interval: Seconds between rank 0's progress reports (default
+        ``$SPOTGUARD_PROGRESS_SECONDS``, else 5).
+    :param nodes: Nodes the job spans, reported to the daemon for its MTBF.
+    """
 
     def __init__(
         self,

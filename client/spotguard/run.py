@@ -92,7 +92,7 @@ from spotguard._heartbeat import Heartbeats
 from spotguard._record import Recorder
 from spotguard._run_parts import RngState as _RngState  # noqa: F401 (tests import it here)
 from spotguard._run_parts import (build_state, count_steps, default_group, is_spotguard_loader, loader_entry,
-                                  make_cadence, rank, state_bytes)
+                                  cadence_source, make_cadence, rank, state_bytes)
 from spotguard._run_start import load_latest, restore_from_store
 from spotguard._run_stop import Stopping, save_fits  # noqa: F401 (save_fits is public here)
 from spotguard._stall import LocalHangs
@@ -115,7 +115,47 @@ agreement, the agreement's own timeout (which logs and records the cause) comes 
 
 
 class Run(Stopping):
-    """A resumable training run over ``root``; see the module docstring for the contract."""
+    """A resumable training run over ``root``; see the module docstring for the contract.
+
+    :param root: The checkpoint directory (created if missing; one per job).
+    :param model: The model (its ``state_dict`` is saved and loaded in place); a DDP or FSDP
+        wrapper may be given as is.
+    :param optimizer: The optimizer; its steps also tell which step a ``break`` left mid-way.
+    :param scheduler: The learning-rate scheduler.
+    :param sampler: A sampler with ``state_dict``, e.g. :class:`~spotguard.sampler.ResumableSampler`.
+    :param loader: A :class:`spotguard.DataLoader` (or torchdata's ``StatefulDataLoader``): its
+        position is saved, so a resumed run draws the batches it would have drawn.
+    :param state: Further named objects to save and restore (anything with ``state_dict``, tensors,
+        mappings of plain values).
+    :param job_id: The job's id in the daemon and the durable store; default ``$SPOTGUARD_JOB_ID``,
+        else one derived from the command line and working directory.
+    :param keep: Committed checkpoints kept in ``root`` (older ones are deleted).
+    :param save_every: Save every this many steps; default: ``cadence``, else
+        ``$SPOTGUARD_SAVE_EVERY``, else Young/Daly from the measured save cost and the MTBF.
+    :param cadence: A :class:`~spotguard.cadence.Cadence` that decides when to save (not with
+        ``save_every``).
+    :param save_margin: Seconds kept free between an emergency save's expected end and the
+        notice's deadline; a save that does not fit is skipped.
+    :param stop_lead: Seconds before the latest safe stop at which a far-off notice stops the loop.
+    :param exit_on_stop: Raise ``SystemExit(75)`` on a stop (default); False ends the iteration
+        and sets :attr:`stopped`.
+    :param daemon: Listen to the node's daemon (notices, commit reports, learned MTBF); False:
+        signals only.
+    :param signal_deadlines: Seconds from each stop signal to the kill (None: no deadline).
+    :param process_group: The ``torch.distributed`` group the ranks agree in; default the world
+        group when distributed runs.
+    :param on_commit: Called with each :class:`~spotguard.checkpoint.CommitInfo` once a save is
+        committed.
+    :param guard: A :class:`~spotguard.guard.Guard` to use instead of building one (``daemon`` and
+        ``signal_deadlines`` are then its own).
+    :param durable: URL of the durable store a fresh node restores from; default
+        ``$SPOTGUARD_STORAGE__URL``, else the daemon's.
+    :param peer_timeout: Seconds after which a lost peer rank ends the process with 77 (None: off).
+    :param abandon_between_steps: On a notice outside a step (an evaluation), exit 75 right after
+        the emergency save beside that work, rather than at its next heartbeat, step or boundary.
+    :param agree_at_heartbeat: With several ranks, agree on notices at :meth:`heartbeat` calls
+        (every rank must make the same calls).
+    """
 
     def __init__(
         self,
@@ -162,6 +202,7 @@ class Run(Stopping):
                                    probe=LocalHangs(self, peer_timeout, rank()).probe)
                           if peer_timeout and self.agreement.enabled else None)
         self.cadence = make_cadence(save_every, cadence)
+        self._cadence_source = cadence_source(save_every, cadence)
         self._user_on_commit = on_commit
         job_id = job_id or os.environ.get(_jobid.ENV, "")
         derived = not job_id
@@ -179,7 +220,7 @@ class Run(Stopping):
         self._save_kinds: dict[int, str] = {}
         self._save_reached: dict[int, datetime] = {}
         """Step saved -> when the loop reached it, for the daemon's goodput (the commit comes later)."""
-        self._fixed_cadence = save_every is not None
+        self._fixed_cadence = self._cadence_source in ("save_every", "env")  # a fixed step count
         self._due_latched = False
         self.step = self.start_step = 0
         self.stopped = False
@@ -214,7 +255,9 @@ class Run(Stopping):
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,
                           skipped=self.checkpointer.skipped, total=total, entries=sorted(self.state),
-                          loaded_digest=getattr(self.resumed_from, "digest", None))
+                          loaded_digest=getattr(self.resumed_from, "digest", None),
+                          cadence=self._cadence_source,
+                          daemon=getattr(self.guard, "_link", None) is not None)
         if self.step >= total:
             log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
             return  # a completed job relaunched under a pending notice must exit 0, not 75

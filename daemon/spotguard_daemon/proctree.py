@@ -14,8 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["catches", "descendants", "descends", "owner_uid", "parent_of", "process_start_time",
-           "stat_fields"]
+__all__ = ["catches", "descendants", "descends", "mp_helper", "owner_uid", "parent_of",
+           "process_start_time", "stat_fields"]
+
+MP_HELPERS = {"from multiprocessing.forkserver import main": "forkserver",
+              "from multiprocessing.resource_tracker import main": "resource tracker"}
+"""How the ``-c`` program of Python's multiprocessing helpers starts, and what each one is."""
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -26,6 +30,33 @@ def stat_fields(pid: int) -> list[str] | None:
     except (OSError, IndexError):
         return None
     return fields if len(fields) > 2 else None
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _mp_program(pid: int) -> str | None:
+    argv = _argv(pid)
+    for flag, program in zip(argv, argv[1:]):
+        if flag == "-c":
+            return next((kind for start, kind in MP_HELPERS.items()
+                         if program.lstrip().startswith(start)), None)
+    return None
+
+
+def mp_helper(pid: int) -> str | None:
+    """``"forkserver"`` or ``"resource tracker"`` when ``pid`` is one of the helper processes that
+    Python's multiprocessing starts for a process (a data loader's forkserver, the tracker of its
+    shared memory), read from its ``/proc`` command line; else None. A worker the forkserver
+    forked carries the server's command line but has the server as its parent: it is no helper."""
+    kind = _mp_program(pid)
+    if kind == "forkserver" and _mp_program(parent_of(pid) or 0) == "forkserver":
+        return None
+    return kind
 
 
 def parent_of(pid: int) -> int | None:

@@ -72,6 +72,29 @@ def test_fresh_then_resume_after_the_last_committed_step(tmp_path):
     assert torch.equal(model.weight, model2.weight) and not torch.equal(model.weight, weights)
 
 
+def test_spotguard_save_every_sets_the_default_cadence_only_and_the_record_says_whose(tmp_path, monkeypatch):
+    """``spotguard drill`` gives its launches $SPOTGUARD_SAVE_EVERY: a Run given no cadence saves
+    at that many steps, one given save_every keeps its own; the record's start says which, and
+    whether the run listens to the daemon. A bad value is refused naming the variable."""
+    from spotguard._record import read
+
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setenv("SPOTGUARD_RECORD", str(record))
+    monkeypatch.setenv("SPOTGUARD_SAVE_EVERY", "3")
+    for root, save_every in (("env", None), ("own", 4)):
+        model, optimizer = parts()
+        with Run(tmp_path / root, model=model, optimizer=optimizer, save_every=save_every,
+                 daemon=False) as run:
+            train(run, 9, model, optimizer)
+    events = list(read(record))
+    starts = [(e["cadence"], e["daemon"]) for e in events if e["event"] == "start"]
+    assert starts == [("env", False), ("save_every", False)]
+    assert [e["step"] for e in events if e["event"] == "commit" and e.get("kind") == "periodic"] == [3, 6, 9, 4, 8]
+    monkeypatch.setenv("SPOTGUARD_SAVE_EVERY", "0")
+    with pytest.raises(ValueError, match=r"\$SPOTGUARD_SAVE_EVERY must be a number of steps >= 1, got '0'"):
+        Run(tmp_path / "bad", model=parts()[0], daemon=False)
+
+
 def test_signal_stops_at_the_next_boundary_with_exit_75_and_finally_runs(tmp_path):
     model, optimizer = parts()
     previous = signal.getsignal(signal.SIGTERM)

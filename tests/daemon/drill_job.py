@@ -1,6 +1,6 @@
 """A small training job for ``spotguard drill``'s tests: correct, or broken on purpose.
 
-    python drill_job.py --ckpt-dir DIR [--steps N] [--save-every N] [--noise]
+    python drill_job.py --ckpt-dir DIR [--steps N] [--save-every N (0: Run's default cadence)] [--noise]
                         [--broken weights-only|restart|global-rng-loader|no-optimizer|no-scheduler|no-loader]
 
 The correct job: a shuffled DataLoader over ``spotguard.ResumableSampler`` (advanced each step),
@@ -69,7 +69,7 @@ def main() -> None:
             yield from loader
             epoch += 1
 
-    with spotguard.Run(args.ckpt_dir, state=state, save_every=args.save_every) as run:
+    with spotguard.Run(args.ckpt_dir, state=state, save_every=args.save_every or None) as run:
         stream = None
         for _ in run.steps(args.steps):
             stream = stream or batches()  # the iterator is created after the checkpoint is loaded

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from spotguard.protocol import Notice
 
 SPOTGUARD = str(Path(sys.executable).parent / "spotguard")
 
@@ -63,16 +64,49 @@ def test_print_config_shows_effective_settings_with_secrets_redacted(tmp_path):
     assert settings["delivery"]["webhook_secret"] == "**********" and "hunter2" not in result.stdout
 
 
-def test_status_exits_1_when_no_daemon_answers(sock_dir):
-    result = run("status", "--timeout", "0.3", env={"SPOTGUARD_RUNTIME_DIR": str(sock_dir)})
+def test_status_exits_1_when_no_daemon_answers_and_says_how_to_start_one(sock_dir):
+    result = run("status", "--timeout", "300ms", env={"SPOTGUARD_RUNTIME_DIR": str(sock_dir)})
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "no daemon answered" in result.stderr
+    assert "within 0.3 s; start one with `spotguard daemon`" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("args, said", [
+    (["run", "--max-restart", "3", "--", "true"], "no such option: --max-restart (did you mean --max-restarts?)"),
+    (["drill", "--preemption=3", "--", "true"], "no such option: --preemption (did you mean --preemptions?)"),
+    (["status", "--jsn"], "Did you mean '--json'?"),
+    (["notify", "--deadline", "2x"], "'2x' is not a duration: seconds, or a number with a unit (90s, 2m, 1h)"),
+    (["notify", "--deadline", "8d"], "'8d' is 691200 s: give a duration between 0 s and 604800 s"),
+])
+def test_a_mistyped_option_or_duration_is_one_line_that_says_what_was_meant(args, said):
+    result = run(*args)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert said in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("2m", 120), ("2min", 120),
+                                           ("1h", 3600), ("1.5h", 5400), ("1h30m", 5400),
+                                           ("500ms", 0.5), ("1d", 86400), (" 1 h ", 3600)])
+def test_durations_take_units(text, seconds):
+    from spotguard_daemon.commands.common import seconds as parse
+
+    assert parse(text) == seconds
+    for bad in ("", "x", "1h30", "2x", "-1", "nan", "inf", "1e3", "1 2"):
+        with pytest.raises(ValueError):
+            parse(bad)
+
+
+
+def test_the_cadence_takes_its_durations_with_units_too():
+    result = run("cadence", "--checkpoint-seconds", "30s", "--mtbf-hours", "3", "--step-seconds", "500ms")
+    assert result.returncode == 0, result.stderr
+    assert "checkpoint cost  C = 30.0 s" in result.stdout and "floor(T / 0.5 s)" in result.stdout
 
 
 def test_notify_and_status_against_a_running_daemon(daemon_factory):
     daemon = daemon_factory()
     env = {"SPOTGUARD_RUNTIME_DIR": str(daemon.runtime_dir)}
-    notified = run("notify", "--kind", "preempt", "--deadline", "90", "--detail", "drill", env=env)
+    notified = run("notify", "--kind", "preempt", "--deadline", "2m", "--detail", "drill", env=env)
     assert notified.returncode == 0, notified.stderr
     notice_id = notified.stdout.strip()
     assert notice_id.startswith("manual:preempt:")
@@ -80,6 +114,7 @@ def test_notify_and_status_against_a_running_daemon(daemon_factory):
     assert human.returncode == 0 and notice_id in human.stdout and "preempt" in human.stdout
     data = json.loads(run("status", "--json", env=env).stdout)
     assert [n["id"] for n in data["notices"]] == [notice_id]
+    assert 100 < Notice.model_validate(data["notices"][0]).seconds_left() <= 120  # 2m
     assert data["platform"] == "none" and data["metrics"].startswith("http://127.0.0.1:")
 
 

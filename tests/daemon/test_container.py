@@ -229,6 +229,9 @@ def sidecar_pod(image: str, ckpt: Path) -> dict:
     spec["volumes"] = [{"name": "checkpoints", "hostPath": {"path": str(ckpt), "type": "Directory"}},
                        *(v for v in spec["volumes"] if v["name"] != "checkpoints")]
     spec["restartPolicy"] = "Never"
+    spec.pop("shareProcessNamespace")  # podman's `pod stop` ends the shared namespace's pid 1 (its infra
+    # container) with the others, which kills every process left in it: Kubernetes keeps its pause
+    # container until the last one exits
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"sg-test-{uuid.uuid4().hex[:8]}"},
             "spec": spec}
 

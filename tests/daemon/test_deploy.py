@@ -196,3 +196,22 @@ def test_the_multinode_job_runs_one_pod_per_node_each_with_its_daemon_and_one_jo
     assert "emptyDir" in volumes[root]  # the node's own disk, never a shared volume
     ignored = [r["onExitCodes"]["values"] for r in spec["podFailurePolicy"]["rules"] if "onExitCodes" in r]
     assert ignored == [[75, 76, 77]]
+
+
+@pytest.mark.parametrize("name", ["training-job.yaml", "multinode-job.yaml"])
+def test_the_sidecar_manifests_reach_the_daemon_over_ipc_as_proven_clients(name):
+    """tcp:// proves no client (never signalled, no goodput): the sidecar and the trainer share the
+    daemon's runtime directory in one volume, one uid (the pod's) and one PID namespace."""
+    spec = pod_spec(name, "Job")
+    assert spec["shareProcessNamespace"] is True and spec["securityContext"]["runAsUser"] == 10001
+    (sidecar,), (trainer,) = spec["initContainers"], spec["containers"]
+    for container in (sidecar, trainer):
+        env = env_of(container)
+        assert not any(str(v).startswith("tcp://") for v in env.values()), container["name"]
+        assert "SPOTGUARD_DELIVERY__SIGNAL" not in env and "runAsUser" not in container["securityContext"]
+    runtime = env_of(sidecar)["SPOTGUARD_RUNTIME_DIR"]
+    assert env_of(trainer)["SPOTGUARD_RUNTIME_DIR"] == runtime
+    mounts = [{m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (sidecar, trainer)]
+    parent = Path(runtime).parent.as_posix()
+    assert mounts[0][parent] == mounts[1][parent]
+    assert "emptyDir" in {v["name"]: v for v in spec["volumes"]}[mounts[0][parent]]

@@ -19,12 +19,12 @@ import spotguard
 from spotguard._record import Recorder, read, read_new
 from spotguard.cadence import DEFAULT_NODE_MTBF_S
 from spotguard.checkpoint import CheckpointCorruptError
-from spotguard_daemon.commands.drill_checks import Launch, judge, losses, save_figures, verdict
+from spotguard_daemon.commands.drill_checks import KINDS, Launch, judge, losses, save_figures, verdict
 from spotguard_daemon.commands.drill_report import CHAR_W, Live, write_report
 
 
 def recorded(tmp_path, index, *, resumed=None, steps=(), commits=(), stop=None, finish=None,
-             kind=None, load_error=None, skipped=(), extra=(), loaded=None):
+             kind=None, load_error=None, skipped=(), extra=(), loaded=None, cadence=None, daemon=None):
     """A Launch whose events went through a real Recorder file and back; ``extra``: (event,
     fields) emitted after the start."""
     path = tmp_path / f"{index}.jsonl"
@@ -32,7 +32,7 @@ def recorded(tmp_path, index, *, resumed=None, steps=(), commits=(), stop=None, 
     if load_error:
         rec.emit("load_failed", error=load_error)
     rec.start(root=tmp_path / "ckpt", world_size=1, resumed_from=resumed, skipped=list(skipped),
-              total=100, entries=["model", "rng"], loaded_digest=loaded)
+              total=100, entries=["model", "rng"], loaded_digest=loaded, cadence=cadence, daemon=daemon)
     for event, fields in extra:
         rec.emit(event, **fields)
     for step in steps:
@@ -232,7 +232,11 @@ def test_picture_table_log_and_report_agree_legend_inside_round_ticks(tmp_path, 
     width = float(svg.documentElement.getAttribute("width"))
     texts = svg.getElementsByTagName("text")
     legend = [t for t in texts if t.getAttribute("class") == "legend"]
-    assert len(legend) == 8
+    assert [t.firstChild.data for t in legend] == [  # only what occurred: no emergency save,
+        "reference run", "drilled launches, saves", "daemon notice with room to save",  # no
+        "SIGKILL, no warning", "x  process killed"]  # short notice, no SIGTERM
+    colours = [r.getAttribute("fill") for r in svg.getElementsByTagName("rect")[1:]]
+    assert len(colours) == 5 and len(set(colours)) == 5, colours  # one colour per kind and mark
     for text in legend:
         assert float(text.getAttribute("x")) + CHAR_W * len(text.firstChild.data) <= width
     for axis, top in (("tick-x", 39.3), ("tick-y", 100)):
@@ -278,3 +282,95 @@ def test_a_newer_durable_checkpoint_not_restored_fails_the_resume_check(tmp_path
     assert set(problems) == {"resume"}
     assert ("launch 2 did not restore the newer checkpoint the durable store held (step 30) and "
             "went on from local step 20: ResponseStreamingError") in problems["resume"]
+
+
+def test_pass_rests_on_every_kind_landing_once_not_on_every_one_planned(tmp_path):
+    """Seven of eight planned preemptions took effect, every kind at least once: PASSED, the one
+    that did not land named; with a kind that never landed it stays INCONCLUSIVE."""
+    kinds = ["sigkill", "notice", "sigterm", "short-notice", "sigkill", "notice", "sigterm"]
+    launches = []
+    for i, kind in enumerate(kinds):
+        at = 10 * (i + 1)
+        launches.append(recorded(tmp_path, i + 1, resumed=at - 10 or None, steps=(at,),
+                                 commits=((at, "periodic"),), kind=kind,
+                                 stop=at if kind in ("notice", "sigterm") else None))
+        if kind == "short-notice":  # the drill's kill at the deadline ended it
+            launches[-1].killed, launches[-1].status = True, -9
+    last = recorded(tmp_path, 8, resumed=70, steps=(100,), finish="abc")
+    last.skipped = "no room left for a short-notice after step 95"
+    checks = judge([*launches, last], None, 8)
+    assert verdict(checks) == "PASSED", failed(checks)
+    took = next(c for c in checks if c.name == "preemptions")
+    assert "7 of 8 preemption(s) took effect" in took.detail and "every kind at least once" in took.detail
+    assert "not landed: launch 8: no room left" in took.detail
+    no_short = [launch for launch in launches if launch.kind != "short-notice"]
+    checks = judge([*no_short, last], None, 8)
+    assert verdict(checks) == "INCONCLUSIVE" and "(none of kind short-notice)" in failed(checks)["preemptions"]
+
+
+@pytest.mark.parametrize("cadence, advice", [
+    ("save_every", "the job sets its own cadence (Run(save_every=...) or cadence=), which wins over "
+                   "the drill's $SPOTGUARD_SAVE_EVERY: for the drill pass save_every=12"),
+    ("save_steps", "TrainingArguments(save_steps=...): for the drill pass save_steps=12"),
+    ("default", "save sooner: Run(save_every=12)"),
+])
+def test_checks_that_rest_on_nothing_are_not_judged_and_the_advice_names_the_argument(
+        tmp_path, capsys, cadence, advice):
+    """The job committed nothing before its end, so the preemption could not take effect: the
+    checks about resuming found nothing wrong but are shown as not judged, never passed."""
+    only = recorded(tmp_path, 1, steps=(50, 100), finish="abc", cadence=cadence)
+    only.preempted_at, only.preempted_step, only.kind = only.events[-1]["t"], 50, "sigterm"
+    reference = recorded(tmp_path, 0, steps=(100,), finish="abc")
+    checks = judge([only], reference, 4, save_every=12)
+    assert verdict(checks) == "INCONCLUSIVE" and advice in failed(checks)["preemptions"]
+    unjudged = {c.name for c in checks if not c.judged}
+    assert {"resume", "loads", "saves on warning", "identical"} <= unjudged
+    assert all(c.ok for c in checks if not c.judged)
+    write_report(tmp_path, ["job"], [only], reference, checks, Live(tty=False))
+    out = capsys.readouterr().out
+    assert "- resume: not judged: no relaunch resumed from a checkpoint" in out
+    assert "- saves on warning: not judged: no warned preemption" in out
+    assert "\u2714 resume" not in out and "ok resume" not in out
+
+
+def test_a_notice_to_a_job_that_does_not_listen_to_the_daemon_is_named_not_the_loop(tmp_path):
+    deaf = recorded(tmp_path, 1, steps=(20, 35), commits=((20, "periodic"),), kind="notice",
+                    daemon=False)
+    deaf.killed, deaf.status = True, -9
+    after = recorded(tmp_path, 2, resumed=20, steps=(100,), finish="abc", daemon=False)
+    problem = failed(judge([deaf, after], None))["saves on warning"]
+    assert "lost 15 step(s) to a daemon notice" in problem
+    assert "does not listen to the daemon (its record says Run(daemon=False))" in problem
+    assert "reached promptly" not in problem
+
+
+def test_the_drill_plans_only_the_preemptions_that_fit_and_stops_on_a_failed_reference(tmp_path):
+    from spotguard_daemon.commands.drill import Drill, DrillError
+
+    run = Drill(["job"], tmp_path, 8, 3, 60.0, Live(tty=False))
+    try:
+        first = Launch(1, run.kinds[0])
+        run._fit(first, 60)  # room for 30: the 8 stand
+        assert len(run.kinds) == 8 and len(run.slots) == 8
+        run.fitted, run.kinds = False, ["sigkill"] * 8
+        run._fit(Launch(1, "sigkill"), 11)  # room for 5: every kind once, the running one first
+        assert run.kinds[0] == "sigkill" and sorted(run.kinds[:4]) == sorted(KINDS)
+        assert len(run.kinds) == 5 and len(run.slots) == 5 and run.slots == sorted(run.slots)
+
+        failing = Launch(0, label="reference", status=2, log=tmp_path / "reference.log")
+        failing.log.write_text("python: can't open file '/x/train.py': [Errno 2] No such file\n")
+        with pytest.raises(DrillError, match=r"the reference run \(the command, uninterrupted\) "
+                           r"exited with status 2 before it started a spotguard run \(no start "
+                           r"event\): \"python: can't open file '/x/train.py'.*nothing was drilled"):
+            run._reference_ran(failing)
+        measured = recorded(tmp_path, 0, steps=(10, 100), commits=((100, "periodic"),), finish="x")
+        for event, t in zip(measured.of("progress"), (100.0, 109.0)):
+            event["t"] = t  # 0.1 s a step; a save costs 0.03 s
+        run.kinds = ["notice"] * 8
+        run._reference_ran(measured)
+        assert run.save_every == 100 // (2 * 9)  # about two saves per preemption
+        measured.of("commit")[0]["blocking_s"] = 3.0  # 30 steps a save: one save per preemption
+        run._reference_ran(measured)
+        assert run.save_every == 100 // 9
+    finally:
+        run.close()

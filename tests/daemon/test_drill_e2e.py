@@ -51,10 +51,16 @@ def job(*args: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_example_job_passes_every_kind_of_preemption(tmp_path):
+    """On Run's default cadence, which would not save within the job's 150 steps: the drill gives
+    its launches $SPOTGUARD_SAVE_EVERY from the reference's length, and every kind lands."""
     done = drill(tmp_path, "-n", "4", "--seed", "7", job=[
         sys.executable, str(ROOT / "examples" / "train_plain.py"), "--steps", "150",
-        "--save-every", "10", "--step-sleep", "0.02", "--ckpt-dir", "ckpt"])
+        "--step-sleep", "0.02", "--ckpt-dir", "ckpt"])
     report = passed_every_kind(tmp_path, done)
+    reference = list(read(tmp_path / "report" / "reference.record.jsonl"))
+    assert [e["step"] for e in reference if e["event"] == "commit"] == [150], "the default cadence saved"
+    start = next(e for e in read(tmp_path / "report" / "launch-01.record.jsonl") if e["event"] == "start")
+    assert start["cadence"] == "env" and start["daemon"] is True
     warned = [row for row in report["preemptions"] if row["kind"] in ("notice", "sigterm")]
     assert all(row["steps_lost"] == 0 for row in warned)
     assert (tmp_path / "report" / "reference-checkpoints").is_dir()  # moved aside, not deleted
@@ -137,3 +143,23 @@ def test_an_unknown_option_or_no_command_is_a_usage_error_and_nothing_runs(tmp_p
     assert done.returncode == 2
     assert done.stderr.strip() == f"spotguard: spotguard drill: {error}"
     assert not report.exists()  # the drill never started
+
+
+@pytest.mark.timeout(120)
+def test_it_stops_at_once_when_the_reference_fails_or_the_checkpoint_directory_is_not_empty(tmp_path):
+    (tmp_path / "a").mkdir()
+    missing = drill(tmp_path / "a", job=[sys.executable, str(tmp_path / "no_such_train.py")])
+    assert missing.returncode == 1 and "launch 1" not in missing.stdout, missing.stdout
+    said = missing.stderr.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("spotguard drill: failed: the reference run (the "
+                                                 "command, uninterrupted) exited with status 2 before"), said
+    assert "No such file or directory" in said[0] and said[0].endswith("nothing was drilled")
+
+    # What Run records when its checkpoint directory holds step 3 (torch's start-up spared): the
+    # drill stops the reference at its start, never waiting for its end.
+    resumed = ("import time; from spotguard._record import Recorder; Recorder().start(root='ckpt', "
+               "world_size=1, resumed_from=3, skipped=[], total=100); time.sleep(60)")
+    held = drill(tmp_path, job=[sys.executable, "-c", resumed])
+    assert held.returncode == 1 and "launch 1" not in held.stdout, held.stdout
+    assert ("failed: ckpt already holds checkpoints: the reference run resumed from step 3. Point "
+            "the job at an empty checkpoint directory") in held.stderr

@@ -9,6 +9,7 @@ entropy, as atomics-based GPU reductions do; ``--broken`` leaves one object out 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -26,8 +27,12 @@ def test_a_job_shorter_than_a_save_is_inconclusive_never_passed(tmp_path):
         "--steps", "8", "--save-every", "50", "--step-sleep", "0.01"))
     assert done.returncode == 3, done.stdout + done.stderr
     assert "spotguard drill: INCONCLUSIVE" in done.stdout and "PASSED" not in done.stdout
-    assert "INCONCLUSIVE (preemptions): 0 of 2 preemption(s) took effect" in done.stderr
+    assert "leave room for 1 of the 2 preemptions asked" in done.stdout  # planned what fits
+    assert "INCONCLUSIVE (preemptions): 0 of 1 preemption(s) took effect" in done.stderr
     assert "Make the job run longer" in done.stderr
+    assert re.search(r"the job sets its own cadence \(Run\(save_every=\.\.\.\) or cadence=\), which "
+                     r"wins over the drill's \$SPOTGUARD_SAVE_EVERY: for the drill pass save_every=[1-8]\)",
+                     done.stderr), done.stderr  # the argument, with a number that fits the 8 steps
     report = report_of(tmp_path)
     assert report["verdict"] == "INCONCLUSIVE" and not report["passed"]
     assert report["effective_preemptions"] == 0 and len(report["launches"]) == 1

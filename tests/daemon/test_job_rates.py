@@ -18,11 +18,12 @@ from pydantic import ValidationError
 from spotguard import cadence as cad
 from spotguard.protocol import (CadenceRequest, JobRate, Kind, NotifyRequest, ProgressRequest, RegisterRequest,
                                 SafeRequest, StatusRequest)
-from spotguard_daemon.core.goodput import GoodputLedger, JobRecord
+from spotguard_daemon.core.goodput import MAX_INTERRUPTIONS, GoodputLedger, JobRecord
 from spotguard_daemon.core.goodput_store import VERSION, ProgressObject, _encode, _validated
 from spotguard_daemon.core.job_rates import MAX_GAUGED, JobRates
 from spotguard_daemon.core.settings import SettingsError, load_settings
 
+from _runs import Runs
 from test_goodput_fresh_node import wait_for
 from test_goodput_ledger import Clock, at
 
@@ -121,10 +122,16 @@ def test_many_interruptions_in_little_time_stop_at_the_floor_and_huge_figures_st
     for pid in range(2, 50):
         clock.now += 1
         ledger.restarted("j", 0, pid=pid)
+        ledger.progress("j", 1, at(clock.now), pid)  # the run trained: its restart is an interruption
     rates = JobRates(ledger, platform="aws", node_mtbf_hours=1.0, min_mtbf_seconds=120)
     assert rates.rate("j").mtbf_s == 120 and rates.rate("j").interruptions == 48
+    for pid in range(50, 60):  # runs that never trained: a register claim alone counts nothing
+        ledger.restarted("j", 0, pid=pid)
+    assert rates.rate("j").interruptions == 49
     ledger.record("j").running = 1e300  # a state file's figure: clamped into the protocol's bounds
-    assert JobRate.model_validate(rates.rate("j").model_dump()).running_s < 1e300
+    ledger.record("j").interruptions = 2**60
+    back = JobRate.model_validate(rates.rate("j").model_dump())
+    assert back.running_s < 1e300 and back.interruptions == MAX_INTERRUPTIONS
 
 
 def test_gauges_cover_the_most_recent_jobs_only():
@@ -147,12 +154,17 @@ def test_gauges_cover_the_most_recent_jobs_only():
 def test_a_real_daemon_answers_progress_and_cadence_with_the_job_rate(daemon_factory):
     daemon = daemon_factory(env={"SPOTGUARD_CADENCE__NODE_MTBF_HOURS": "2",
                                  "SPOTGUARD_CADENCE__MIN_MTBF_SECONDS": "30"})
-    pid = os.getpid()
-    assert daemon.request(RegisterRequest(pid=pid, job_id="r")).ok
-    reply = daemon.request(ProgressRequest(pid=pid, job_id="r", step=1, at=datetime.now(timezone.utc), nodes=2))
-    rate = JobRate.model_validate(reply.data["rate"])
-    assert rate.prior_mtbf_s == HOUR and rate.nodes == 2 and rate.interruptions == 0 and rate.floor_s == 30
-    assert daemon.request(RegisterRequest(pid=pid, job_id="r", resumed_from_step=1)).ok
+    runs = Runs()
+    try:
+        pid = runs.next()
+        assert daemon.request(RegisterRequest(pid=pid, job_id="r")).ok
+        reply = daemon.request(ProgressRequest(pid=pid, job_id="r", step=1, at=datetime.now(timezone.utc),
+                                               nodes=2))
+        rate = JobRate.model_validate(reply.data["rate"])
+        assert rate.prior_mtbf_s == HOUR and rate.nodes == 2 and rate.interruptions == 0 and rate.floor_s == 30
+        assert daemon.request(RegisterRequest(pid=runs.next(), job_id="r", resumed_from_step=1)).ok
+    finally:
+        runs.end()
     known = JobRate.model_validate(daemon.request(CadenceRequest(job_id="r")).data["rate"])
     assert known.interruptions == 1 and known.mtbf_s == pytest.approx(cad.learned_mtbf(HOUR, 1, known.running_s))
     assert daemon.request(CadenceRequest(job_id="nobody")).data == {"rate": None}
@@ -186,20 +198,24 @@ def test_cadence_command_with_job_refuses_other_mtbf_sources_and_says_when_no_da
 @pytest.mark.slow
 def test_a_restart_after_a_drill_is_no_interruption_one_after_a_preemption_is(daemon_factory):
     daemon = daemon_factory()
-    pid = os.getpid()  # registered: the daemon's delivery signals this process (SIGUSR1), ignored here
-    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    runs = Runs()  # each run a process of its own: the notices' SIGUSR1 ends it, as a stop would
     try:
-        _drill_then_preempt(daemon, pid)
+        _drill_then_preempt(daemon, runs)
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        runs.end()
 
 
-def _drill_then_preempt(daemon, pid: int) -> None:
+def _drill_then_preempt(daemon, runs: Runs) -> None:
+    pid = runs.next()
 
     def stop_and_resume(kind: Kind, step: int) -> int:
+        nonlocal pid
         notice = daemon.request(NotifyRequest(kind=kind, deadline_seconds=30)).data["notice"]["id"]
         assert daemon.request(SafeRequest(pid=pid, notice_ids=[notice])).ok
+        pid = runs.next()
         assert daemon.request(RegisterRequest(pid=pid, job_id="d", resumed_from_step=step)).ok
+        assert daemon.request(ProgressRequest(pid=pid, job_id="d", step=step + 1,
+                                              at=datetime.now(timezone.utc))).ok
         return daemon.request(CadenceRequest(job_id="d")).data["rate"]["interruptions"]
 
     assert daemon.request(RegisterRequest(pid=pid, job_id="d")).ok

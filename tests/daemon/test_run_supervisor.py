@@ -365,3 +365,52 @@ def test_over_tcp_it_says_at_start_that_the_job_is_not_signalled_and_registers_n
     assert len(line) == 1 and "sends SIGUSR1 to none of them" in line[0], run.stderr()
     assert "ipc:// on a volume shared with it (SPOTGUARD_RUNTIME_DIR)" in line[0]
     assert "started one" not in run.stderr()
+
+
+MP_HELPERS_JOB = """\
+import multiprocessing, os, sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("forkserver")
+    lock = ctx.Lock()  # a named semaphore: the resource tracker starts
+    worker = ctx.Process(target=os.getpid)
+    worker.start()
+    worker.join()
+    from multiprocessing import forkserver, resource_tracker
+    Path(sys.argv[1]).write_text(f"{forkserver._forkserver._forkserver_pid} "
+                                 f"{resource_tracker._resource_tracker._pid}")
+    os._exit(0)  # at once: both helpers are still running when the supervisor looks
+"""
+
+
+def test_a_loaders_forkserver_and_resource_tracker_are_not_reported_as_leftovers(tmp_path):
+    """The job's multiprocessing helpers outlive it by a moment (they end when its pipes close):
+    they are not the job's leftovers. A forked worker is told from the server by its parent."""
+    from spotguard_daemon.proctree import mp_helper, stat_fields
+
+    job, pids = tmp_path / "job.py", tmp_path / "helpers"
+    job.write_text(MP_HELPERS_JOB)
+    done = subprocess.run([*RUN, "--no-daemon", "--", sys.executable, str(job), str(pids)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SPOTGUARD_RUNTIME_DIR": str(tmp_path)})
+    assert done.returncode == 0 and pids.read_text(), done.stderr
+    assert "left" not in done.stderr and "could not end" not in done.stderr, done.stderr
+    assert not [pid for pid in map(int, pids.read_text().split())
+                if (fields := stat_fields(pid)) and fields[0] not in "ZX"]  # ended (init reaps)
+
+    import multiprocessing
+    from multiprocessing import forkserver, resource_tracker
+
+    ctx = multiprocessing.get_context("forkserver")
+    queue = ctx.SimpleQueue()
+    worker = ctx.Process(target=queue.put, args=("ready",))
+    worker.start()
+    try:
+        assert queue.get() == "ready"
+        assert mp_helper(forkserver._forkserver._forkserver_pid) == "forkserver"
+        assert mp_helper(resource_tracker._resource_tracker._pid) == "resource tracker"
+        assert mp_helper(worker.pid) is None and mp_helper(os.getpid()) is None
+    finally:
+        worker.join()
+        forkserver._forkserver._stop()

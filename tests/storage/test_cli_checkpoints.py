@@ -36,9 +36,12 @@ def test_list_marks_latest_and_shows_sizes(populated, moto):
     assert lines[2].startswith("*") and " 20 " in lines[2] and "4,116" in lines[2]
 
 
-def test_list_of_an_unknown_job_fails(populated, moto):
+def test_list_of_an_unknown_job_fails_naming_the_jobs_there_and_without_job_lists_them(populated, moto):
     result = invoke("list", "--store", populated.url, "--job", "nope", endpoint=moto.url)
-    assert result.exit_code == 1 and "no durable checkpoint" in result.output
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().endswith("job 'nope' has no durable checkpoint; jobs there: run")
+    jobs = invoke("list", "--store", populated.url, endpoint=moto.url)
+    assert jobs.exit_code == 0 and jobs.output.splitlines() == ["run  latest step 20"], jobs.output
 
 
 def test_verify_passes_then_names_a_corrupt_file(populated, moto):
@@ -82,3 +85,8 @@ def test_default_store_comes_from_settings(tmp_path, make_ckpt):
     result = CliRunner().invoke(checkpoints, ["list", "--job", "j"],
                                 env={"SPOTGUARD_STORAGE__URL": f"file://{tmp_path}/durable"})
     assert result.exit_code == 0 and "*          3" in result.output
+    empty = CliRunner().invoke(checkpoints, ["list", "--store", f"file://{tmp_path}/none"])
+    assert empty.exit_code == 0 and "no job has a durable checkpoint" in empty.output
+    absent = CliRunner().invoke(checkpoints, ["restore", "--store", f"file://{tmp_path}/none", "--job",
+                                              "j", "--dest", str(tmp_path / "d")])
+    assert absent.exit_code == 1 and "the store holds no job" in absent.output

@@ -67,8 +67,11 @@ def test_a_crafted_node_part_is_refused_and_nothing_global_is_written(durable, m
         manifest["files"] = {k.replace("rank-1", "rank-0"): v for k, v in manifest["files"].items()}
         os.rename(bad / "rank-1", bad / "rank-0")
         (bad / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ManifestError):
+    if lie == "digests":  # another save's digests: another incarnation, never mixed with node 0's
         durable.upload(bad, "job")
+    else:
+        with pytest.raises(ManifestError):
+            durable.upload(bad, "job")
     assert durable.list("job") == [] and durable.latest("job") is None
 
 
@@ -108,3 +111,30 @@ def test_a_fresh_node_downloads_the_replicated_state_once_for_all_its_ranks(make
     assert len(gets) == len(set(gets)) == 3, gets  # two tree.json objects and the one replicated object
     assert (restored / "rank-1" / "model.bin").stat().st_nlink == 1
     assert (restored / "rank-1" / "model.bin").stat().st_mode & 0o777 == 0o600
+
+
+def test_only_the_canonical_part_key_counts(durable, make_ckpt, tmp_path):
+    """``node-00.json`` is not node 0: a part under it is ignored, never replaces ``node-0.json``."""
+    durable.upload(node_part(make_ckpt, tmp_path / "a", 10, 0, [0]), "job")
+    store = durable.store
+    store.put_bytes("jobs/job/parts/step-0000000010/node-00.json", b"{}")
+    store.put_bytes("jobs/job/parts/step-0000000010/node-01.json", b"not json")
+    durable.upload(node_part(make_ckpt, tmp_path / "b", 10, 1, [1]), "job")
+    assert durable.list("job") == [10] and durable.latest("job") == 10
+
+
+def test_a_relaunch_supersedes_the_parts_of_an_earlier_incarnation(durable, make_ckpt, tmp_path):
+    """A leftover part of the same step from a launch with another node count neither mixes in nor
+    makes the relaunch's uploads fail; the relaunch's own set completes and becomes ``latest``."""
+    for k in range(3):  # the first launch: 3 nodes; its node 2's part is left behind
+        if k != 1:
+            durable.upload(node_part(make_ckpt, tmp_path / f"old{k}", 10, k, [k], nodes=3), "job")
+    assert durable.latest("job") is None
+    durable.upload(node_part(make_ckpt, tmp_path / "new1", 10, 1, [1, 2], nodes=2,
+                             digests=DIGESTS[:2] + ["e" * 64]), "job")  # the relaunch: 2 nodes
+    assert durable.latest("job") is None  # node 0 of the relaunch not yet: old node-0 is not mixed in
+    durable.upload(node_part(make_ckpt, tmp_path / "new0", 10, 0, [0], nodes=2,
+                             digests=DIGESTS[:2] + ["e" * 64]), "job")
+    assert durable.latest("job") == 10
+    manifest = durable.manifest("job", 10)
+    assert manifest["durable"]["nodes"] == 2 and manifest["world_size"] == 3

@@ -83,6 +83,19 @@ class Checkpointer:
 
     Memory: one staging copy of the state's tensors, kept for the Checkpointer's life (pinned with
     CUDA), allocated in the background by :meth:`load_latest`/:meth:`prepare` (see :mod:`.staging`).
+
+    :param root: The checkpoint directory (created if missing).
+    :param keep: Committed checkpoints kept; older ones are deleted after each commit.
+    :param job_id: The job's id, written in each manifest and reported to the daemon.
+    :param pin_memory: Pin the staging copy in page-locked memory (default: when CUDA is used).
+    :param process_group: The ``torch.distributed`` group whose ranks save together.
+    :param on_commit: Called with each :class:`CommitInfo` once a save is committed.
+    :param verify: Check every file's sha256 on load.
+    :param background_nice: Niceness of the background save threads (None: unchanged).
+    :param background_cpu_share: The most of one CPU a background save may use (None: no cap).
+    :param large_tensor_bytes: Tensors of this many bytes or more get a file each.
+    :param per_rank: Entries saved by every rank (the rest by rank 0 only).
+    :param timeout: Seconds any wait for the other ranks may take.
     """
 
     def __init__(self, root: str | Path, *, keep: int = 3, job_id: str = "", pin_memory: bool | None = None,

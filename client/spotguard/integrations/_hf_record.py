@@ -55,7 +55,7 @@ class TrainerRecord:
     def begin(self, args: Any, state: Any) -> None:
         self.record.start(root=os.path.abspath(args.output_dir), world_size=args.world_size,
                           resumed_from=state.global_step or None, skipped=[], total=state.max_steps,
-                          entries=ENTRIES)
+                          entries=ENTRIES, cadence="save_steps")
 
     def saved(self, state: Any, path: Any, seconds: float | None, kwargs: Mapping[str, Any],
               kind: str = "periodic") -> None:

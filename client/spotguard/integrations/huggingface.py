@@ -156,6 +156,18 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
     ``status``). ``agree_in_evaluation`` (several ranks): the ranks agree on a notice at the
     prediction steps of an evaluation inside ``train()``; every rank must then evaluate the same
     number of batches (Accelerate's ``even_batches`` does); off: a notice waits for the next step end.
+
+    :param job_id: The job's id in the daemon and the durable store.
+    :param daemon: Listen to the node's daemon; False: signals only.
+    :param save_margin: Seconds kept free between the save's end and the deadline.
+    :param stop_lead: Seconds before the latest safe stop at which a far-off notice stops.
+    :param peer_timeout: Seconds after which a lost peer rank ends the process with 77 (None: off).
+    :param signal_deadlines: Seconds from each stop signal to the kill (None: no deadline).
+    :param guard: A :class:`~spotguard.Guard` to use (the caller closes it).
+    :param durable: Commit a copy of each save in spotguard's layout for the daemon to upload (None:
+        when a durable store is known).
+    :param agree_in_evaluation: With several ranks, agree on a notice during an evaluation inside
+        ``train()``.
     """
 
     def __init__(self, *, job_id: str = "", daemon: bool = True, save_margin: float = 2.0,

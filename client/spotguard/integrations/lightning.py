@@ -117,6 +117,25 @@ class SpotguardCallback(pl.Callback):
     from). The :class:`Run` is built in ``on_fit_start``
     (after Lightning started ``torch.distributed``, so every rank agrees on stops and saves) and
     is available as :attr:`run` from then on.
+
+    :param root: The checkpoint directory (``Run``'s).
+    :param keep: Committed checkpoints kept.
+    :param save_every: Save every this many steps (else ``cadence``, else ``$SPOTGUARD_SAVE_EVERY``,
+        else Young/Daly).
+    :param cadence: A :class:`~spotguard.cadence.Cadence` that decides when to save.
+    :param job_id: The job's id in the daemon and the durable store (default: derived).
+    :param save_margin: Seconds kept free between an emergency save's end and the deadline.
+    :param stop_lead: Seconds before the latest safe stop at which a far-off notice stops.
+    :param peer_timeout: Seconds after which a lost peer rank ends the process with 77 (None: off).
+    :param daemon: Listen to the node's daemon; False: signals only.
+    :param signal_deadlines: Seconds from each stop signal to the kill (None: no deadline).
+    :param on_commit: Called with each commit's :class:`~spotguard.checkpoint.CommitInfo`.
+    :param guard: A :class:`~spotguard.guard.Guard` to use instead of building one.
+    :param durable: URL of the durable store a fresh node restores from.
+    :param agree_in_validation: With several ranks, agree on a notice at each validation batch's
+        end, as ``Run(agree_at_heartbeat=True)``; every rank must then run the same number of
+        validation batches inside ``fit`` (Lightning's ``DistributedSampler`` does). Turn it off
+        for a validation whose batches differ between ranks: a notice then waits for the next step.
     """
 
     def __init__(
@@ -137,10 +156,6 @@ class SpotguardCallback(pl.Callback):
         durable: str | None = None,
         agree_in_validation: bool = True,
     ) -> None:
-        """``agree_in_validation`` (several ranks): the ranks agree on a notice at each validation
-        batch's end, as ``Run(agree_at_heartbeat=True)``; every rank must then run the same number
-        of validation batches inside ``fit`` (Lightning's ``DistributedSampler`` does). Turn it
-        off for a validation whose batches differ between ranks: a notice then waits for the next step."""
         self.root = root
         self._run_kwargs = dict(keep=keep, save_every=save_every, cadence=cadence, job_id=job_id,
                                 save_margin=save_margin, stop_lead=stop_lead, peer_timeout=peer_timeout,

@@ -3,8 +3,15 @@
 Each node commits its own ranks' parts under a node-local manifest with a ``node`` section (see
 :mod:`spotguard.checkpoint.nodes`); its daemon uploads the objects, then the part manifest at
 ``jobs/<job>/parts/step-N/node-<k>.json``, then lists that step's parts. Whoever finds the set
-complete (every node ``0 .. nodes-1``, agreeing on step, digests and world size, their ranks
-covering the world once) writes the global manifest and the pointer. Two daemons finishing together
+complete (every node ``0 .. nodes-1`` of one incarnation, their ranks covering the world once)
+writes the global manifest and the pointer.
+
+Incarnations: a part's incarnation is what every node of one save agrees on and a relaunch's save of
+the same step does not (:func:`incarnation`: step, job, world size, node count and every rank's
+digest). Only parts of the uploader's incarnation are assembled; a leftover part of an earlier
+launch (another node count, other digests) is superseded, never mixed in nor fatal, and the new
+launch's part of that node overwrites it. Only the canonical key ``node-<k>.json`` counts
+(``node-00.json`` is not node 0). Two daemons finishing together
 write the same bytes (nothing in the global manifest depends on the writer or the time), so the race
 is harmless; a set that is not complete writes nothing, so ``manifests/`` never names a missing part.
 """
@@ -20,7 +27,7 @@ from spotguard.storage.base import IntegrityError, Store
 
 __all__ = ["PART", "part_key", "parts_prefix", "assemble"]
 
-PART = re.compile(r"^jobs/([^/]+)/parts/step-(\d{10})/node-(\d{1,6})\.json$")
+PART = re.compile(r"^jobs/([^/]+)/parts/step-(\d{10})/node-(0|[1-9]\d{0,5})\.json$")
 _SAME = ("step", "world_size", "digest", "job_id")
 
 
@@ -49,11 +56,19 @@ def node_of(manifest: dict[str, Any], where: str) -> dict[str, Any]:
     return node
 
 
+def incarnation(part: dict[str, Any]) -> str:
+    """The save a (checked) part belongs to: what all nodes of that save agree on."""
+    same = [part.get(f) for f in _SAME] + [part["node"]["nodes"], part["node"]["digests"]]
+    return json.dumps(same, sort_keys=True)
+
+
 def assemble(store: Store, job: str, step: int, max_bytes: int,
-             loads: Callable[[bytes], Any]) -> dict[str, Any] | None:
-    """The global manifest of ``step`` once every node's part is in the store, else None. Raises
-    :class:`ManifestError` when the parts disagree or one is malformed (nothing is written then)."""
-    found: dict[int, dict[str, Any]] = {}
+             loads: Callable[[bytes], Any], own: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The global manifest of ``step`` once every node's part of ``own``'s incarnation (the part
+    the caller uploaded; default: the newest uploaded part's) is in the store, else None. Raises
+    :class:`ManifestError` when a part is malformed or the parts of one incarnation do not cover
+    the world's ranks once (nothing is written then)."""
+    parts: dict[int, dict[str, Any]] = {}
     for key in store.list(parts_prefix(job, step)):
         m = PART.match(key)
         if not m or m.group(1) != job:
@@ -64,29 +79,36 @@ def assemble(store: Store, job: str, step: int, max_bytes: int,
             raise ManifestError(f"{key}: implausible part manifest: {exc}") from exc
         if node_of(part, key)["index"] != int(m.group(3)) or part["step"] != step:
             raise ManifestError(f"{key}: its node or step differs from its key")
-        found[int(m.group(3))] = part
-    if not found:
+        parts[int(m.group(3))] = part
+    if not parts:
         return None
-    first = found[min(found)]
-    nodes = first["node"]["nodes"]
+    if own is None:
+        own = max(parts.values(), key=lambda p: _uploaded(p))
+    wanted = incarnation(own)
+    found = {k: p for k, p in parts.items() if incarnation(p) == wanted}
+    nodes = own["node"]["nodes"]
     if set(found) != set(range(nodes)):
-        return None if set(found) < set(range(nodes)) else _disagree(job, step, "node count")
+        return None  # this incarnation's other parts are still to come (others' are superseded)
+    first = found[0]  # whichever node completes the set writes the same bytes
     ranks: list[int] = []
     files: dict[str, dict] = {}
     for k in range(nodes):
         part = found[k]
-        if any(part.get(f) != first.get(f) for f in _SAME) or part["node"]["nodes"] != nodes \
-                or part["node"]["digests"] != first["node"]["digests"]:
-            return _disagree(job, step, f"node {k}'s step, digests or world size")
         ranks += part["node"]["ranks"]
         files.update(part["files"])
     if sorted(ranks) != list(range(first["world_size"])):
         return _disagree(job, step, "ranks (not every rank exactly once)")
     meta = {k: v for k, v in first.items() if k not in ("node", "durable", "files")}
-    uploaded = max(float(p.get("durable", {}).get("uploaded", 0)) for p in found.values())
+    uploaded = max(_uploaded(p) for p in found.values())
     durable = {"version": 1, "name": step_name(step), "objects": first.get("durable", {}).get("objects"),
                "uploaded": uploaded, "nodes": nodes}
     return {**meta, "files": dict(sorted(files.items())), "durable": durable}
+
+
+def _uploaded(part: dict[str, Any]) -> float:
+    durable = part.get("durable")
+    value = durable.get("uploaded", 0) if isinstance(durable, dict) else 0
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _disagree(job: str, step: int, what: str) -> None:

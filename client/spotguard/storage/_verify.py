@@ -32,6 +32,12 @@ from spotguard.storage.base import IntegrityError, StoreError
 __all__ = ["VerifyingReader"]
 
 
+def file_digest(path: Path, algorithm: str) -> bytes:
+    """The ``algorithm`` (hashlib's name) digest of the local file ``path``, read once."""
+    with open(path, "rb") as src:
+        return hashlib.file_digest(src, algorithm).digest()
+
+
 class VerifyingReader(io.RawIOBase):
     """A read-once view of ``path`` that raises :class:`IntegrityError` unless its first ``size``
     bytes hash to ``sha256``. ``window`` > 0 makes it seekable back by up to that many bytes."""

@@ -145,6 +145,23 @@ class AzureStore:
         with _translate(f"{self.url}: head {key}"):
             return self._container.get_blob_client(self._name(key)).exists()
 
+    def holds(self, key: str, path: Path, sha256: str, size: int) -> bool:
+        """The blob's size and Content-MD5 (the service's own for a blob put in one request; a
+        blob committed from blocks has none unless its writer set one) against the local file's."""
+        import azure.core.exceptions as aex
+
+        from spotguard.storage._verify import file_digest
+
+        try:
+            with _translate(f"{self.url}: head {key}"):
+                props = self._container.get_blob_client(self._name(key)).get_blob_properties()
+        except (NotFound, aex.ResourceNotFoundError):
+            return False
+        md5 = props.content_settings.content_md5
+        if props.size != size or not md5:
+            return False
+        return bytes(md5) == file_digest(path, "md5")
+
     def list(self, prefix: str) -> Iterator[str]:
         base = f"{self.prefix}/" if self.prefix else ""
         with _translate(f"{self.url}: list {prefix}"):

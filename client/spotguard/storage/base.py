@@ -123,6 +123,13 @@ class Store(Protocol):
 
     def exists(self, key: str) -> bool: ...
 
+    def holds(self, key: str, path: Path, sha256: str, size: int) -> bool:
+        """True only when the store proves that ``key`` holds the bytes of the local file ``path``
+        (``size`` bytes hashing to ``sha256``) by a checksum it computed or checked itself: S3's
+        ``ChecksumSHA256``, GCS's MD5, Azure's Content-MD5, the file store's bytes hashed. False when
+        the object is absent, of another size, or nothing proves its content (then it is sent
+        again: a content address names the bytes, it does not prove them)."""
+
     def list(self, prefix: str) -> Iterator[str]:
         """Every key starting with ``prefix``, in no promised order."""
 

@@ -9,8 +9,10 @@ Layout under the store's prefix (object stores have no rename, so order is the c
     jobs/<job>/parts/step-0000000100/node-<k>.json  a node's part (node-local roots, see :mod:`._parts`)
     jobs/<job>/progress.json                     the daemon's goodput record of the job (not a checkpoint)
 
-:meth:`Durable.upload` writes the pending note, then every object the store lacks (bytes uploaded
-follow bytes changed), then the manifest, then the pointer. A reader that starts from the pointer or
+:meth:`Durable.upload` writes the pending note, then every object the store does not prove it holds
+(``Store.holds``: the store's own checksum of the object matches the local file's; an object merely
+present under the address is not trusted, see docs/storage.md on shared buckets), then the manifest,
+then the pointer: ``latest`` never names a step whose objects were not verified. A reader that starts from the pointer or
 a manifest therefore never sees a torn checkpoint: objects without a manifest are invisible, and the
 pending note keeps :meth:`Durable.prune` from collecting them while the upload runs. Integrity is end
 to end: the SDK checks each transfer (CRC32/CRC32C/MD5), new objects are hashed while they are
@@ -170,7 +172,7 @@ class Durable:
             key = _parts.part_key(job_id, manifest["step"], manifest["node"]["index"])
         body = json.dumps({**manifest, "durable": durable}, indent=1).encode()
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
-        if "node" not in manifest or self._complete(job_id, manifest["step"]):
+        if "node" not in manifest or self._complete(job_id, manifest["step"], json.loads(body)):
             self._advance_pointer(job_id, manifest["step"])
         total = sum(size for _, size in by_hash.values())
         info = DurableInfo(job_id, manifest["step"], key, len(manifest["files"]), len(sent),
@@ -181,11 +183,11 @@ class Durable:
             self.cleanup(info)
         return info
 
-    def _complete(self, job_id: str, step: int) -> bool:
-        """Write the global manifest of ``step`` if every node's part is in the store (see
-        :mod:`._parts`); True once it is there."""
+    def _complete(self, job_id: str, step: int, own: dict[str, Any] | None = None) -> bool:
+        """Write the global manifest of ``step`` if every node's part of ``own``'s incarnation (the
+        part this node uploaded) is in the store (see :mod:`._parts`); True once it is there."""
         manifest = _retrying(lambda: _parts.assemble(self.store, _job(job_id), step, MAX_MANIFEST_BYTES,
-                                                     _loads), self.attempts, f"parts of step {step}")
+                                                     _loads, own), self.attempts, f"parts of step {step}")
         if manifest is None:
             log.info("durable %s step %d: this node's part is in the store; waiting for the other nodes'",
                      job_id, step)
@@ -210,7 +212,7 @@ class Durable:
 
         def one(sha: str) -> None:
             rel, size = by_hash[sha]
-            if not self.store.exists(object_key(sha)):
+            if not self._proven(ckpt / rel, sha, size):
                 sent.append(self._send_one(ckpt / rel, sha, size, interrupt))
             with lock:
                 done[0] += size
@@ -220,6 +222,15 @@ class Durable:
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="spotguard-upload") as pool:
             list(pool.map(one, sorted(by_hash, key=lambda h: -by_hash[h][1])))
         return sent
+
+    def _proven(self, path: Path, sha: str, size: int) -> bool:
+        """Whether the store proves it holds ``path``'s bytes under their address (``Store.holds``):
+        only then is the object reused. A store without ``holds`` proves nothing."""
+        holds = getattr(self.store, "holds", None)
+        if holds is None:
+            return False
+        key = object_key(sha)
+        return _retrying(lambda: holds(key, path, sha, size), self.attempts, key)
 
     def _send_one(self, path: Path, sha: str, size: int,
                   interrupt: Callable[[int], None] | None = None) -> int:
@@ -239,6 +250,11 @@ class Durable:
             _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
 
     # -- reading ---------------------------------------------------------------------------------
+
+    def jobs(self) -> list[str]:
+        """The jobs with at least one manifest in the store, sorted."""
+        return sorted({found.group(1) for key in self.store.list("jobs/")
+                       if (found := _MANIFEST.match(key))})
 
     def list(self, job_id: str) -> list[int]:
         """Steps with a manifest, oldest first."""

@@ -130,6 +130,19 @@ class FileStore:
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
+    def holds(self, key: str, path: Path, sha256: str, size: int) -> bool:
+        """The object's size, then its bytes hashed (a local read: the store is a directory)."""
+        import hashlib
+
+        what = f"{self.url}: read {key}"
+        try:
+            with self._reading(key, what, size) as src:
+                if os.fstat(src.fileno()).st_size != size:
+                    return False
+                return hashlib.file_digest(src, "sha256").hexdigest() == sha256
+        except (NotFound, IntegrityError):
+            return False
+
     def list(self, prefix: str) -> Iterator[str]:
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames.sort()

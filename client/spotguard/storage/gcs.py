@@ -156,6 +156,19 @@ class GcsStore:
         with _translate(f"{self.url}: head {key}"):
             return self._blob(key).exists(retry=self._retry, timeout=self._timeout)
 
+    def holds(self, key: str, path: Path, sha256: str, size: int) -> bool:
+        """The object's size and GCS's own MD5 of it (a composite object has none: not proven)
+        against the local file's."""
+        import base64
+
+        from spotguard.storage._verify import file_digest
+
+        with _translate(f"{self.url}: head {key}"):
+            blob = self._bucket.get_blob(join_key(self.prefix, key), retry=self._retry, timeout=self._timeout)
+        if blob is None or blob.size != size or not blob.md5_hash:
+            return False
+        return base64.b64decode(blob.md5_hash) == file_digest(path, "md5")
+
     def list(self, prefix: str) -> Iterator[str]:
         base = f"{self.prefix}/" if self.prefix else ""
         with _translate(f"{self.url}: list {prefix}"):

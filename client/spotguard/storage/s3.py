@@ -21,6 +21,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -183,6 +184,25 @@ class S3Store:
             return True
         except NotFound:
             return False
+
+    def holds(self, key: str, path: Path, sha256: str, size: int) -> bool:
+        """The size, and S3's own ``ChecksumSHA256`` of the whole object (one sent in one request:
+        S3 checked the bytes against it), else its ETag where that is the MD5 S3 computed of the
+        bytes (one request, not SSE-KMS) against the local file's. A multipart object's checksum and
+        ETag are of its parts, not its bytes: never proven, sent again."""
+        from spotguard.storage._verify import file_digest
+
+        try:
+            with _translate(f"{self.url}: head {key}"):
+                head = self._client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
+        except NotFound:
+            return False
+        if head.get("ContentLength") != size:
+            return False
+        if head.get("ChecksumSHA256"):
+            return head["ChecksumSHA256"] == _b64(bytes.fromhex(sha256))
+        etag = str(head.get("ETag", "")).strip('"')
+        return re.fullmatch(r"[0-9a-fA-F]{32}", etag) is not None and bytes.fromhex(etag) == file_digest(path, "md5")
 
     def list(self, prefix: str) -> Iterator[str]:
         base = f"{self.prefix}/" if self.prefix else ""

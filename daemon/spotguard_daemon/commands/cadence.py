@@ -19,14 +19,23 @@ from spotguard import cadence as _cadence
 __all__ = ["cadence"]
 
 
-def _number(name: str, raw: str | None, *, integer: bool = False) -> float | int | None:
-    """Parse ``raw`` as a finite number > 0 (an integer >= 1 if ``integer``), else exit 2."""
+def _number(name: str, raw: str | None, *, integer: bool = False,
+            duration: bool = False) -> float | int | None:
+    """Parse ``raw`` as a finite number > 0 (an integer >= 1 if ``integer``; with ``duration``
+    also seconds with a unit, ``90s``, ``2m``, ``1h``), else exit 2."""
+    from spotguard_daemon.commands.common import seconds
+
     if raw is None:
         return None
     try:
         value = int(raw) if integer else float(raw)
     except ValueError:
         value = None
+    if value is None and duration:
+        try:
+            value = seconds(raw)
+        except ValueError:
+            value = None
     if value is None or not math.isfinite(value) or value <= 0:
         kind = "an integer >= 1" if integer else "a finite number > 0"
         _fail(f"--{name} must be {kind}, got {raw!r}")
@@ -69,7 +78,7 @@ def _node_mtbf(mtbf_hours: float | None, platform: str | None) -> tuple[float, s
 
 @click.command("cadence")
 @click.option("--checkpoint-seconds", "checkpoint", required=True, metavar="C",
-              help="Seconds one checkpoint costs (blocking + persist).")
+              help="Seconds one checkpoint costs (blocking + persist); or 90s, 2m.")
 @click.option("--mtbf-hours", "mtbf_hours", metavar="H", help="Measured MTBF of one node, hours.")
 @click.option("--platform", metavar="|".join(sorted(_cadence.NODE_MTBF_S)),
               help="Use this platform's default node MTBF (6 h on every platform) instead of --mtbf-hours.")
@@ -82,8 +91,8 @@ def _node_mtbf(mtbf_hours: float | None, platform: str | None) -> tuple[float, s
 def cadence(checkpoint: str, mtbf_hours: str | None, platform: str | None, nodes: str,
             step: str | None, job: str | None, config: str | None) -> None:
     """Compute the optimum checkpoint interval (Young 1974, Daly 2006), step by step."""
-    c = _number("checkpoint-seconds", checkpoint)
-    step_s = _number("step-seconds", step)
+    c = _number("checkpoint-seconds", checkpoint, duration=True)
+    step_s = _number("step-seconds", step, duration=True)
     if job is not None:
         if mtbf_hours is not None or platform is not None or nodes != "1":
             _fail("give --job or --mtbf-hours/--platform/--nodes, not both")
@@ -104,13 +113,13 @@ def _learned(job: str, config: str | None) -> tuple[float, list[str]]:
     from spotguard._paths import untrusted
     from spotguard.protocol import CadenceRequest, JobRate
 
-    from spotguard_daemon.commands.common import fail, request, settings_or_exit
+    from spotguard_daemon.commands.common import fail, no_daemon, request, settings_or_exit
 
     endpoint = settings_or_exit(config).request_endpoint
     distrust = untrusted(endpoint)
     reply = None if distrust else request(endpoint, CadenceRequest(job_id=job), 2.0)
     if reply is None:
-        fail(1, distrust or f"no daemon answered on {endpoint} within 2 s")
+        fail(1, distrust or no_daemon(endpoint, 2.0))
     if not reply.ok or reply.data.get("rate") is None:
         fail(1, reply.error or f"the daemon knows nothing of job {job!r} (it learns a job from the "
                                "progress its rank 0 reports)")

@@ -1,7 +1,8 @@
 """``spotguard checkpoints``: list, verify and restore durable checkpoints from the command line.
 
 The store is ``--store URL`` or, when absent, the configured ``storage.url`` (settings file and
-``SPOTGUARD_STORAGE__*`` environment, as for the daemon). Exit statuses: 0 success; 1 the store
+``SPOTGUARD_STORAGE__*`` environment, as for the daemon). ``list`` without ``--job`` lists the jobs
+in the store; a job with no durable checkpoint is named in one line with the jobs that exist. Exit statuses: 0 success; 1 the store
 failed, the checkpoint is unsound or absent (one line on stderr); 2 invalid settings or usage.
 Credentials come from each cloud SDK's standard chain and are never printed.
 """
@@ -39,14 +40,15 @@ def _durable(store_url: str | None, endpoint_url: str | None, config: str | None
     return Durable(store, concurrency=options.concurrency)
 
 
-def _store_command(func: Callable[..., None]) -> Callable[..., None]:
+def _store_command(func: Callable[..., None], job_required: bool = True) -> Callable[..., None]:
     """Common options, and every storage error turned into one line with exit status 1."""
 
     @click.option("--store", "store_url", metavar="URL", help="file://, s3://, gs:// or az:// URL "
                   "(default: the configured storage.url).")
     @click.option("--endpoint-url", metavar="URL", help="S3-compatible endpoint or emulator.")
     @click.option("--config", metavar="PATH", help="TOML settings file.")
-    @click.option("--job", required=True, help="Job id the checkpoints were uploaded under.")
+    @click.option("--job", required=job_required, help="Job id the checkpoints were uploaded under"
+                  + ("." if job_required else " (default: list the jobs in the store)."))
     @functools.wraps(func)
     def wrapper(store_url: str | None, endpoint_url: str | None, config: str | None, **kwargs: Any) -> None:
         from spotguard.storage import StoreError
@@ -65,12 +67,20 @@ def checkpoints() -> None:
 
 
 @checkpoints.command("list")
-@_store_command
-def list_(durable: Any, job: str) -> None:
-    """Every durable checkpoint of JOB, oldest first; '*' marks the one 'latest' names."""
+@functools.partial(_store_command, job_required=False)
+def list_(durable: Any, job: str | None) -> None:
+    """Every durable checkpoint of JOB, oldest first; '*' marks the one 'latest' names. Without
+    --job, the jobs in the store, each with its latest step."""
+    if job is None:
+        jobs = durable.jobs()
+        if not jobs:
+            click.echo(f"{durable.store.url}: no job has a durable checkpoint")
+        for name in jobs:
+            click.echo(f"{name}  latest step {durable.latest(name)}")
+        return
     steps, latest = durable.list(job), durable.latest(job)
     if not steps:
-        raise click.ClickException(f"{durable.store.url}: job {job!r} has no durable checkpoint")
+        raise _absent(durable, job)
     click.echo(f"{'':1} {'STEP':>10}  {'FILES':>5}  {'BYTES':>14}  CREATED")
     for step in steps:
         click.echo(_row(durable, job, step, step == latest))
@@ -110,8 +120,16 @@ def verify(durable: Any, job: str, step: int | None, quick: bool) -> None:
 def _step_or_latest(durable: Any, job: str, step: int | None) -> int:
     step = durable.latest(job) if step is None else step
     if step is None:
-        raise click.ClickException(f"{durable.store.url}: job {job!r} has no durable checkpoint")
+        raise _absent(durable, job)
     return step
+
+
+def _absent(durable: Any, job: str) -> click.ClickException:
+    """Job ``job`` has no durable checkpoint: one line that names the jobs that do."""
+    jobs = durable.jobs()
+    there = (f"jobs there: {', '.join(jobs)}" if jobs else "the store holds no job")
+    return click.ClickException(f"{durable.store.url}: job {job!r} has no durable checkpoint; "
+                                f"{there}")
 
 
 @checkpoints.command("restore")
@@ -121,5 +139,7 @@ def _step_or_latest(durable: Any, job: str, step: int | None) -> int:
               help="Checkpoint root to restore into; 'latest' there is updated.")
 def restore(durable: Any, job: str, step: int | None, dest: Path) -> None:
     """Download a checkpoint, verify every file, and commit it under DEST like a local save."""
+    if not durable.list(job):
+        raise _absent(durable, job)
     path = durable.restore(job, dest, step)
     click.echo(f"restored {job} into {path}")

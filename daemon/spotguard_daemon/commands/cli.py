@@ -21,7 +21,8 @@ import click
 from spotguard import __version__
 from spotguard._paths import untrusted
 from spotguard.protocol import Kind
-from spotguard_daemon.commands.common import fail, request, settings_or_exit
+from spotguard_daemon.commands.common import (Duration, fail, no_daemon, printable, request,
+                                              settings_or_exit)
 from spotguard_daemon.core.settings import Settings, redacted
 
 __all__ = ["main"]
@@ -109,7 +110,8 @@ def _announce_root(settings: Settings) -> None:
 @main.command()
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status reply as JSON.")
-@click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon.")
+@click.option("--timeout", default=2.0, show_default=True, type=Duration(0.001),
+              help="How long to wait for the daemon (seconds, or 500ms, 1m).")
 def status(config: str | None, as_json: bool, timeout: float) -> None:
     """Show the daemon's pending notices and clients; exit 1 when it does not answer or its socket
     directory could have been made by another user (with
@@ -122,14 +124,14 @@ def status(config: str | None, as_json: bool, timeout: float) -> None:
     distrust = untrusted(endpoint)  # another user's directory: a fake daemon
     reply = None if distrust else request(endpoint, StatusRequest(), timeout)
     if reply is None:
-        error = distrust or f"no daemon answered on {endpoint} within {timeout:g} s"
+        error = distrust or no_daemon(endpoint, timeout)
         if as_json:
             click.echo(json.dumps({"ok": False, "error": error, "endpoint": endpoint}))
         fail(1, error)
     if as_json:
         click.echo(json.dumps(redact_data(reply.data), indent=2))
     else:
-        click.echo(_human_status(reply.data))
+        click.echo(printable(_human_status(reply.data)))
 
 
 def _human_uploads(uploads: dict[str, Any]) -> list[str]:
@@ -196,10 +198,12 @@ def _human_status(data: dict[str, Any]) -> str:
 @config_option
 @click.option("--kind", default="drill", show_default=True,
               type=click.Choice([kind.value for kind in Kind]), help="Kind of the notice.")
-@click.option("--deadline", type=click.FloatRange(0, 7 * 24 * 3600), metavar="SECONDS",
-              help="Seconds from now until the interruption (none: no deadline).")
+@click.option("--deadline", type=Duration(0, 7 * 24 * 3600), metavar="DURATION",
+              help="Time from now until the interruption: seconds, or 90s, 2m, 1h (none: no "
+                   "deadline).")
 @click.option("--detail", default="", help="Free text shown to the clients.")
-@click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon.")
+@click.option("--timeout", default=2.0, show_default=True, type=Duration(0.001),
+              help="How long to wait for the daemon (seconds, or 500ms, 1m).")
 def notify(config: str | None, kind: str, deadline: float | None, detail: str, timeout: float) -> None:
     """Inject a manual notice (a drill, or a scripted stop) into the daemon."""
     from spotguard.protocol import NotifyRequest
@@ -210,7 +214,7 @@ def notify(config: str | None, kind: str, deadline: float | None, detail: str, t
     reply = request(endpoint, NotifyRequest(kind=Kind(kind), deadline_seconds=deadline,
                                             detail=detail), timeout)
     if reply is None:
-        fail(1, f"no daemon answered on {endpoint} within {timeout:g} s")
+        fail(1, no_daemon(endpoint, timeout))
     if not reply.ok:
         fail(1, f"the daemon refused: {reply.error}")
     click.echo(reply.data["notice"]["id"])

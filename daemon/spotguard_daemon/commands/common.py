@@ -1,6 +1,7 @@
 """What the ``spotguard`` commands share: a failure as one line and an exit status, the settings
-or exit 2, one request to a daemon over the client's protocol, and a body run with SIGINT and
-SIGTERM stopping it like Ctrl-C.
+or exit 2, one request to a daemon over the client's protocol (and what to say when none answers),
+durations with units (:class:`Duration`: ``90``, ``90s``, ``2m``, ``1h30m``), and a body run with
+SIGINT and SIGTERM stopping it like Ctrl-C.
 
 A leaf of the commands: each command imports it, never :mod:`~spotguard_daemon.commands.cli` (the
 group, which imports every command). A command talks to a daemon only here, through
@@ -12,6 +13,7 @@ Exceptions: none escape; :func:`fail` exits.
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -22,7 +24,69 @@ import click
 
 from spotguard_daemon.core.settings import Settings, SettingsError, load_settings
 
-__all__ = ["daemon_status", "fail", "guarded", "request", "settings_or_exit"]
+__all__ = ["Duration", "daemon_status", "fail", "guarded", "no_daemon", "printable", "request",
+           "seconds", "settings_or_exit"]
+
+_CONTROL = {c: ascii(chr(c))[1:-1] for c in [*range(0x00, 0x20), *range(0x7f, 0xa0), 0x200e, 0x200f,
+                                          *range(0x202a, 0x202f), *range(0x2066, 0x206a)] if c != 0x0a}
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal, line breaks kept: every other control character (an escape
+    sequence's ESC, a bell, a carriage return, bidi overrides) shown as ``\\xNN``/``\\uNNNN``.
+    For whatever a client or a store wrote (job ids, details) before it is printed."""
+    return text.translate(_CONTROL)
+
+
+START_DAEMON = ("start one with `spotguard daemon` (in a terminal of its own), or "
+                "`systemctl enable --now spotguard` where the unit is installed")
+"""How to start a daemon, for every command that found none."""
+
+
+def no_daemon(endpoint: str, timeout: float) -> str:
+    """The line a command that needs a daemon says when none answered on ``endpoint``."""
+    return f"no daemon answered on {endpoint} within {timeout:g} s; {START_DAEMON}"
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_PART = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|min|s|m|h|d)?\s*")
+
+
+def seconds(text: str) -> float:
+    """``text`` as seconds: a number (seconds) or numbers with units, ``500ms``, ``90s``, ``2m``,
+    ``1.5h``, ``1h30m``, ``1d``; ValueError otherwise (a bare number only alone)."""
+    total, at, parts, bare = 0.0, 0, 0, False
+    text = text.lower()
+    while at < len(text):
+        part = _PART.match(text, at)
+        if part is None or part.end() == at:
+            raise ValueError(text)
+        total += float(part.group(1)) * _UNITS[part.group(2) or "s"]
+        bare, parts, at = bare or part.group(2) is None, parts + 1, part.end()
+    if parts == 0 or (bare and parts > 1):
+        raise ValueError(text)
+    return total
+
+
+class Duration(click.ParamType):
+    """A click option's duration in seconds (:func:`seconds`), from ``low`` to ``high``."""
+
+    name = "duration"
+
+    def __init__(self, low: float = 0.0, high: float | None = None) -> None:
+        self.low, self.high = low, high
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            result = float(value) if isinstance(value, (int, float)) else seconds(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a duration: seconds, or a number with a unit (90s, 2m, "
+                      "1h)", param, ctx)
+        if result < self.low or (self.high is not None and result > self.high):
+            upper = f" and {self.high:g} s" if self.high is not None else ""
+            self.fail(f"{value!r} is {result:g} s: give a duration between {self.low:g} s{upper}",
+                      param, ctx)
+        return result
 
 
 def fail(status: int, message: str) -> NoReturn:

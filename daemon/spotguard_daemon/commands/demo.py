@@ -1,6 +1,6 @@
 """``spotguard demo``: the README's first command. A training job rides out a preemption, locally.
 
-No cloud account, no root, about 15 s on 2 cores. In a private workspace:
+No cloud account, no root, 15-40 s on 2 cores (more when the machine is loaded). In a private workspace:
 
 1. *node 1*: a daemon (``--platform none``, durable store ``file://<workspace>/durable``) starts;
 2. the example job (:mod:`spotguard_examples.train_plain`) starts beside it; its first checkpoint
@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import click
 
-from spotguard_daemon.commands.common import guarded
+from spotguard_daemon.commands.common import Duration, guarded
 
 __all__ = ["DemoError", "Timeline", "demo", "verdict"]
 
@@ -322,7 +322,7 @@ def _restore(store_url: str, job_dir: Path) -> int:
 @click.command("demo")
 @click.option("--steps", default=200, show_default=True, type=click.IntRange(20, 1_000_000),
               help="Optimizer steps of the example job.")
-@click.option("--step-sleep", default=0.02, show_default=True, type=click.FloatRange(0, 10),
+@click.option("--step-sleep", default=0.02, show_default=True, type=Duration(0, 10),
               help="Extra seconds per step, so that the notice lands mid-run.")
 @click.option("--keep", is_flag=True, help="Keep the workspace (logs, checkpoints, durable store).")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),

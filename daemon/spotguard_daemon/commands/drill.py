@@ -3,15 +3,18 @@
 The command runs as given, twice over:
 
 1. an uninterrupted *reference run* (``--no-reference`` skips it), without a daemon; its
-   checkpoint directory is then moved into the report directory, so that the drill starts fresh;
+   checkpoint directory is then moved into the report directory, so that the drill starts fresh.
+   The drill stops there, in one line, when the reference fails (a missing script: its log's last
+   line is shown) or resumed (its checkpoint directory was not empty);
 2. the *drill*: the same command under ``--preemptions`` interruptions, of four kinds in turn
    (shuffled): ``notice`` (a daemon notice whose deadline leaves room to save and makes the job
    stop now), ``short-notice`` (a deadline too close to save: the last commit must stand),
    ``sigterm`` (no daemon, as Kubernetes or RunPod stop a pod) and ``sigkill`` (no warning at
-   all, as on vast.ai). When and how: from the reference's measured step time and save cost
-   (else the first launch's), the preemptions are spread over the steps after the first commit
-   and early enough to land before the job ends; none is delivered before a step is committed
-   (nothing to resume from). Signals go to the command's process group and to every descendant
+   all, as on vast.ai). So that commits come early, the drilled launches get
+   ``$SPOTGUARD_SAVE_EVERY`` (:data:`spotguard._run_parts.SAVE_EVERY_ENV`), steps between saves
+   from the reference's length, which a ``Run`` given no cadence of its own follows (a job that
+   sets its own is told which argument to pass). When and how, and only as many preemptions as
+   fit the job's measured length: :mod:`spotguard_daemon.commands.drill_plan`. Signals go to the command's process group and to every descendant
    seen, each checked to still be the process seen (:mod:`spotguard_daemon.commands.drill_tree`).
    Whatever survives a deadline is killed. The identical command is relaunched after each until
    it ends.
@@ -44,7 +47,6 @@ started is stopped on every path.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import shutil
@@ -60,8 +62,10 @@ import click
 
 from spotguard._audit import ELASTIC_ENV
 from spotguard._record import RecordError, read_new
-from spotguard_daemon.commands.common import guarded
-from spotguard_daemon.commands.drill_checks import Launch, judge, reproducible, save_figures, SPREAD_FACTOR
+from spotguard._run_parts import SAVE_EVERY_ENV
+from spotguard_daemon.commands.common import Duration, guarded
+from spotguard_daemon.commands.drill_checks import KINDS, Launch, judge, reproducible, SPREAD_FACTOR
+from spotguard_daemon.commands.drill_plan import Planning
 from spotguard_daemon.commands.drill_report import Live, write_report
 from spotguard_daemon.commands.drill_resize import PROMISE, nproc, resize_checks, with_nproc
 from spotguard_daemon.commands.drill_spread import distance, entry_of, final_loss, loss_distance
@@ -70,14 +74,6 @@ from spotguard_daemon.commands.supervise import LaunchError, command_after_optio
 
 __all__ = ["drill", "KINDS", "EXIT_INCONCLUSIVE"]
 
-KINDS = ("notice", "short-notice", "sigterm", "sigkill")
-SAVE_MARGIN_S = 2.0
-"""``Run``'s default ``save_margin``: an emergency save is taken only when it fits this far before
-the deadline."""
-SHORT_S = 1.0
-"""Deadline of a notice too close to save (under the library's margin)."""
-SIGTERM_GRACE_S = 30.0
-"""Seconds between SIGTERM and SIGKILL: Kubernetes' default ``terminationGracePeriodSeconds``."""
 POLL_S = 0.05
 STOP_S = 10.0
 """Seconds a launch gets after SIGTERM before SIGKILL, when the drill stops it."""
@@ -88,7 +84,7 @@ class DrillError(RuntimeError):
     """The drill itself could not go on (a daemon did not start, a launch ran past its time)."""
 
 
-class Drill:
+class Drill(Planning):
     """The launches of one drill; :meth:`close` stops whatever still runs."""
 
     def __init__(self, argv: list[str], report: Path, preemptions: int, seed: int | None,
@@ -114,6 +110,15 @@ class Drill:
         self.measured: Launch | None = None
         """The run whose step time and save cost plan the preemptions: the reference, else the
         first launch."""
+        self.save_every: int | None = None
+        """Steps between saves the drilled launches are given (``$SPOTGUARD_SAVE_EVERY``), from
+        the reference's length; None without a measured reference."""
+        self.fitted = False
+        """Whether the plan was fitted to the job's length (:meth:`_fit`)."""
+        self.first: int | None = None
+        """The first committed step the preemptions are spread after (set at the first plan)."""
+        self.delivered = 0
+        """Preemptions delivered before the running launch."""
         self.problems: list[str] = []
 
     # ------------------------------------------------------------------ phases
@@ -123,6 +128,8 @@ class Drill:
         self.live.phase(f"{name} run: the command, never interrupted, no daemon")
         launch = Launch(0, label=name)
         self.run_launch(launch, None, name)
+        if name == "reference":
+            self._reference_ran(launch)
         start = launch.first("start")
         if start and self.root is None:
             self.root = Path(start["root"])
@@ -130,6 +137,22 @@ class Drill:
         if start and start.get("resumed_from") is None:
             self.move_aside(launch, f"{name}-checkpoints")
         return launch
+
+    def _reference_ran(self, launch: Launch) -> None:
+        """Stop the drill (DrillError) when the reference failed: nothing after it would mean
+        anything. Else choose the drilled launches' steps between saves: about two saves per
+        preemption asked, so that the first commit comes early, and no closer than one save's cost
+        in steps."""
+        if launch.status != 0 or launch.first("finish") is None:
+            how = (f"exited with status {launch.status}" if launch.status != 0 else
+                   "exited 0 without finishing a spotguard run")
+            if not launch.started:
+                how += " before it started a spotguard run (no start event)"
+            said = _last_line(launch.log)
+            raise DrillError(f"the reference run (the command, uninterrupted) {how}"
+                             + (f": {said!r}" if said else "") + f"; see {launch.log}. Fix the "
+                             "command first: nothing was drilled")
+        self.save_every = self.every(launch)
 
     def move_aside(self, launch: Launch, name: str) -> None:
         """Move the launch's checkpoint root into the report directory, once it is shown to be the
@@ -169,7 +192,7 @@ class Drill:
         self.live.phase(f"drill: {len(self.kinds)} preemptions (--seed {self.seed} repeats them)")
         launches: list[Launch] = []
         while True:
-            done = sum(launch.preempted for launch in launches)
+            done = self.delivered = sum(launch.preempted for launch in launches)
             launch = Launch(len(launches) + 1, self.kinds[done] if done < len(self.kinds) else None)
             if self.sizes:
                 launch.ranks = self.sizes[(launch.index - 1) % 2]
@@ -215,6 +238,8 @@ class Drill:
         runtime = self.sockets / (f"d{launch.index}" if daemon else "none")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
         env.update(SPOTGUARD_RECORD=str(record), SPOTGUARD_RUNTIME_DIR=str(runtime))
+        if self.save_every and launch.index > 0:
+            env[SAVE_EVERY_ENV] = str(self.save_every)
         if self.sizes:
             env[ELASTIC_ENV] = "1"
         launch.t_launch = time.time()
@@ -239,6 +264,7 @@ class Drill:
         while True:
             running = proc.poll() is None
             offset = self._read(launch, record, offset)
+            self._refuse_resumed(launch)
             if not running:
                 return
             self.tree.note(proc.pid)
@@ -252,6 +278,19 @@ class Drill:
                 self._kill(proc, signal.SIGKILL)
             self.live.bar(launch)
             time.sleep(POLL_S)
+
+    def _refuse_resumed(self, launch: Launch) -> None:
+        """The drill's first run (the reference, else launch 1) resumed: its checkpoint directory
+        was not empty, and the drill must see the whole run. DrillError at once, in one line."""
+        start = launch.first("start") or {}
+        if launch.index > 1 or launch.label not in (None, "reference") or (
+                launch.index == 1 and self.measured is not None):
+            return
+        if start.get("resumed_from") is not None:
+            raise DrillError(f"{start.get('root')} already holds checkpoints: the "
+                             f"{self.live.name(launch)} run resumed from step "
+                             f"{start['resumed_from']}. Point the job at an empty checkpoint "
+                             "directory, or move that one away: nothing was drilled")
 
     def _read(self, launch: Launch, record: Path, offset: int) -> int:
         """Take the launch's new record events; a malformed line is said once and left out."""
@@ -268,69 +307,6 @@ class Drill:
                 self.problems.append(text)
                 self.live.line(f"{self.live.name(launch)}: malformed record line left out: {text}")
         return offset
-
-    # ------------------------------------------------------------------ when and how
-
-    def _rates(self, launch: Launch) -> tuple[float | None, float]:
-        """Seconds per step and per save, measured on the reference (else this launch so far). The
-        step time is the mean over the recorded progress, stalls included (a loader's workers
-        starting, a save), the larger of the reference's and this launch's so far: a median
-        would promise steps a slower relaunch does not make before its end."""
-        runs = [self.measured] if self.measured is not None else [launch]
-        save = save_figures(runs)["save_cost_s"] or save_figures([launch])["save_cost_s"] or 0.0
-        rates = [rate for rate in (_mean_step_s(runs[0]), _mean_step_s(launch)) if rate]
-        return max(rates, default=None), save
-
-    def deadline(self, kind: str, save_s: float, step_s: float) -> float:
-        """Seconds from delivery to the kill: for ``notice`` room for the job's emergency save
-        (twice the measured cost), the library's margin and two steps, so that the job stops at
-        once and saves; for ``sigterm`` Kubernetes' default grace; ``short-notice`` less than the
-        margin; ``sigkill`` 0."""
-        if kind in ("short-notice", "sigkill", "sigterm"):
-            return {"short-notice": SHORT_S, "sigkill": 0.0, "sigterm": SIGTERM_GRACE_S}[kind]
-        return round(max(3.0, SAVE_MARGIN_S + 2 * save_s + 2 * step_s + 1.0), 1)
-
-    @staticmethod
-    def landing(kind: str, save_s: float, step_s: float) -> float:
-        """Seconds from delivery until the preemption has surely stopped the job: the kill for
-        ``short-notice`` and ``sigkill``; for ``notice`` and ``sigterm`` the job's stop at its next
-        step and its save, well before the kill."""
-        if kind in ("short-notice", "sigkill"):
-            return SHORT_S if kind == "short-notice" else 0.0
-        return 0.5 + 2 * save_s + 2 * step_s
-
-    def _due(self, launch: Launch) -> bool:
-        """Whether the launch reached its target step; never before a step after 0 is committed (a
-        preemption then has nothing to resume from)."""
-        start = launch.first("start")
-        committed = bool(launch.of("commit")) or launch.resumed_from > 0
-        if start is None or not start.get("total") or launch.skipped or not committed:
-            return False
-        if launch.target is None and not self._plan(launch, start["total"]):
-            return False
-        return launch.reached >= launch.target
-
-    def _plan(self, launch: Launch, total: int) -> bool:
-        """Choose the launch's deadline and target step: in this preemption's slot of the steps from
-        just after the first commit to the last one from which it still lands before step
-        ``total``. False while the step time is unknown, or when no such step is left (then
-        ``launch.skipped`` says so, and it is never delivered)."""
-        step_s, save_s = self._rates(launch)
-        if step_s is None:
-            return False
-        first = min([c["step"] for c in (self.measured or launch).of("commit")]
-                    or [c["step"] for c in launch.of("commit")] or [launch.resumed_from])
-        launch.deadline = self.deadline(launch.kind, save_s, step_s)
-        last = total - math.ceil((self.landing(launch.kind, save_s, step_s) + 0.5) / step_s) - 2
-        slot = self.slots.pop(0) if self.slots else 0.5
-        target = max(max(first, launch.resumed_from) + 1, first + 1 + int(slot * max(0, last - first - 1)))
-        if target > last:
-            launch.skipped = (f"no room left for a {launch.kind} after step {target - 1} (it would "
-                              f"not land before the job's end at step {total})")
-            self.live.line(f"{self.live.name(launch)}: {launch.skipped}")
-            return False
-        launch.target = target
-        return True
 
     def _preempt(self, launch: Launch, proc: subprocess.Popen, endpoint: str | None) -> float | None:
         """Deliver the preemption; return the monotonic time of the kill that follows, if any."""
@@ -386,12 +362,13 @@ class Drill:
         shutil.rmtree(self.sockets, ignore_errors=True)
 
 
-def _mean_step_s(launch: Launch) -> float | None:
-    """Seconds per step between the launch's first and last progress events (None before two)."""
-    marks = launch.of("progress")
-    if len(marks) < 2 or marks[-1]["step"] <= marks[0]["step"]:
-        return None
-    return (marks[-1]["t"] - marks[0]["t"]) / (marks[-1]["step"] - marks[0]["step"])
+def _last_line(log: Path | None) -> str:
+    """The last non-empty line of a launch's log (at most 300 characters), or ''."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except (OSError, AttributeError):
+        return ""
+    return lines[-1].strip()[:300] if lines else ""
 
 
 def _loss_spread(last: Launch, reference: Launch, second: Launch) -> dict:
@@ -437,8 +414,9 @@ def _notify(endpoint: str | None, deadline: float) -> None:
 @click.option("--report-dir", type=click.Path(file_okay=False, path_type=Path),
               help="New or empty directory of yours, writable by no one else, for the report, "
                    "logs and records (default ./spotguard-drill-<time>).")
-@click.option("--launch-timeout", default=3600.0, show_default=True, type=click.FloatRange(1),
-              help="Seconds one launch may run before the drill kills it and fails.")
+@click.option("--launch-timeout", default=3600.0, show_default=True, type=Duration(1),
+              help="How long one launch may run before the drill kills it and fails (seconds, "
+                   "or 30m, 2h).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print report.json on the last line of stdout too (for CI).")
 @click.option("--resize", type=click.IntRange(1, 4096), metavar="N",
@@ -451,8 +429,9 @@ def drill(preemptions: int, no_reference: bool, seed: int | None, report_dir: Pa
     """Run COMMAND under random preemptions and prove it resumes exactly (spotguard drill -- CMD).
 
     \b
-    Exit status: 0 PASSED, 1 FAILED, 2 usage error, 3 INCONCLUSIVE (too few
-    preemptions took effect: make the job longer or save sooner), 130 interrupted.
+    Exit status: 0 PASSED, 1 FAILED (or the reference run failed), 2 usage error,
+    3 INCONCLUSIVE (a kind of preemption never took effect: what to change is
+    printed), 130 interrupted.
     """
     command = tuple(command_after_options(command, "spotguard drill [OPTIONS] -- COMMAND [ARGS]..."))
     try:
@@ -477,7 +456,8 @@ def drill(preemptions: int, no_reference: bool, seed: int | None, report_dir: Pa
         launches = run.drill()
         layout = _layout(launches, reference)  # before spread() moves the checkpoints aside
         spread = run.spread(launches, reference) if reference else None
-        checks = judge(launches, reference, preemptions, spread, layout)
+        checks = judge(launches, reference, len(run.kinds), spread, layout,
+                       save_every=run.save_every or run.every(launches[0]))
         checks += resize_checks(launches) if resized else []
         return write_report(report, list(command), launches, reference, checks, live,
                             spread=spread, problems=run.problems, as_json=as_json, resize=resized)

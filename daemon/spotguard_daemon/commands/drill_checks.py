@@ -9,7 +9,12 @@ save cost the records measured.
 
 A preemption counts only when it took effect (:func:`ineffective`): the record shows the job's
 stop after it, or the drill's SIGKILL landed, and the next launch resumed from a committed step
-after 0. Fewer than asked makes the verdict INCONCLUSIVE (:func:`verdict`), never PASSED.
+after 0. The verdict rests on what took effect: PASSED once every kind did at least once (or all
+those asked did); else INCONCLUSIVE (:func:`verdict`), never PASSED, with the argument that makes
+commits come earlier named. A check that would pass on nothing (resumes when no relaunch resumed,
+saves on warning when no warned preemption took effect) is shown as not judged, never as passed.
+A notice that could not reach the job because it does not listen to the daemon (its record says
+``Run(daemon=False)``) is named as the cause, not the loop.
 
 A job that is not reproducible run to run (:func:`reproducible`: the reference and the first
 launch, not yet preempted, committed different states at the same step) cannot be judged by
@@ -27,12 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spotguard._run_parts import SAVE_EVERY_ENV
 from spotguard.cadence import DEFAULT_NODE_MTBF_S, expected_waste, young_interval
 from spotguard_daemon.commands.drill_marks import progress_checks
 
 __all__ = ["Check", "Launch", "judge", "verdict", "ineffective", "reproducible", "losses",
-           "save_figures", "step_seconds", "SPREAD_FACTOR", "DETERMINISM"]
+           "save_figures", "step_seconds", "KINDS", "SPREAD_FACTOR", "DETERMINISM"]
 
+KINDS = ("notice", "short-notice", "sigterm", "sigkill")
+"""The drill's kinds of preemption."""
+RESUMING = ("resume", "loads", "step", "rng streams", "epoch", "lr", "data", "identical")
+"""Checks about resuming: they rest on nothing until a relaunch resumed from a committed step."""
 WARNED = ("notice", "sigterm")
 """Preemption kinds that leave room to save: they must lose no step."""
 SPREAD_FACTOR = 10.0
@@ -126,6 +136,9 @@ class Check:
     inconclusive: bool = False
     """A failure of this check leaves the verdict INCONCLUSIVE, not FAILED: the drill could not
     prove enough, the job did nothing wrong."""
+    judged: bool = True
+    """False for a check that found nothing wrong but rests on nothing (no relaunch resumed, no
+    warned preemption took effect): shown as not judged, never as passed."""
 
 
 def verdict(checks: list[Check]) -> str:
@@ -137,26 +150,54 @@ def verdict(checks: list[Check]) -> str:
 
 
 def judge(launches: list[Launch], reference: Launch | None, asked: int | None = None,
-          spread: dict[str, Any] | None = None, layout: dict[str, Any] | None = None) -> list[Check]:
+          spread: dict[str, Any] | None = None, layout: dict[str, Any] | None = None, *,
+          save_every: int | None = None) -> list[Check]:
     """The drill's verdict, check by check; a failed check's ``detail`` says what to fix.
-    ``asked``: the preemptions asked for (default: those delivered); ``spread``: the distances the
+    ``asked``: the preemptions planned (default: those delivered); ``spread``: the distances the
     drill measured for a nondeterministic job (see :func:`reproducible`); ``layout``: the
-    ``ddp_layout`` entry of the job's last checkpoint, when it has one."""
+    ``ddp_layout`` entry of the job's last checkpoint, when it has one; ``save_every``: the steps
+    between saves the drill gave the launches (``$SPOTGUARD_SAVE_EVERY``), for the advice."""
     checks = [_started(launches), _fresh(launches[0]), _resumes(launches), _loads(launches),
               _warned(launches), _finished(launches[-1]), _data(launches, reference)]
     checks += [Check(*found) for found in progress_checks(launches, reference)]
-    checks.append(_took_effect(launches, asked))
+    checks.append(_took_effect(launches, asked, save_every))
     if reference is not None:
         same, step = reproducible(launches, reference)
         checks.append(_identical(launches, reference, layout) if same is not False
                       else _within_spread(launches, step, spread, layout))
-    return [check for check in checks if check is not None]
+    return _unjudged(launches, [check for check in checks if check is not None])
 
+
+def _unjudged(launches: list[Launch], checks: list[Check]) -> list[Check]:
+    """Mark the passing checks that rest on nothing as not judged (see :attr:`Check.judged`)."""
+    resumed = any(launch.started and launch.resumed_from > 0 for launch in launches[1:])
+    warned = any(launch.kind in WARNED and ineffective(launch, after) is None
+                 for launch, after in zip(launches, launches[1:]) if launch.preempted)
+    for check in checks:
+        if not check.ok:
+            continue
+        if check.name in RESUMING and not resumed:
+            check.judged, check.detail = False, "not judged: no relaunch resumed from a checkpoint"
+        elif check.name == "saves on warning" and not warned:
+            check.judged, check.detail = False, ("not judged: no warned preemption (notice, "
+                                                 "sigterm) took effect")
+    return checks
+
+
+def _deaf(launch: Launch) -> bool:
+    """The launch does not listen to the daemon: its record's start says so (Run(daemon=False))."""
+    return (launch.first("start") or {}).get("daemon") is False
+
+
+DEAF = ("the job does not listen to the daemon (its record says Run(daemon=False)), so the "
+        "notice never reached it")
 
 def ineffective(launch: Launch, after: Launch | None) -> str | None:
     """Why a delivered preemption did not take effect, or None when it did (see the module
     docstring)."""
     if not launch.landed:
+        if launch.kind in ("notice", "short-notice") and _deaf(launch):
+            return DEAF
         if launch.first("finish") is not None:
             return f"the job finished at step {launch.reached} before it stopped"
         return f"the job exited with status {launch.status} on its own, not stopped by it"
@@ -167,26 +208,47 @@ def ineffective(launch: Launch, after: Launch | None) -> str | None:
     return None
 
 
-def _took_effect(launches: list[Launch], asked: int | None) -> Check:
+def _took_effect(launches: list[Launch], asked: int | None, save_every: int | None = None) -> Check:
+    """Passes once every kind took effect at least once, or every preemption planned did."""
     preempted = [launch for launch in launches if launch.preempted]
     asked = len(preempted) if asked is None else asked
     why = [(launch, ineffective(launch, after)) for launch, after in
            zip(launches, [*launches[1:], None]) if launch.preempted]
     done = sum(reason is None for _, reason in why)
+    kinds = {launch.kind for launch, reason in why if reason is None}
     detail = (f"{done} of {asked} preemption(s) took effect (the record shows the stop or the kill "
               "landed, and a later launch resumed from a committed step after 0)")
-    if done >= asked and asked > 0:
-        return Check("preemptions", True, detail)
     misses = [f"launch {launch.index}'s {launch.kind} at step {launch.preempted_step}: {reason}"
               for launch, reason in why if reason]
     misses += [f"launch {launch.index}: {launch.skipped}" for launch in launches if launch.skipped]
+    if (done >= asked or set(KINDS) <= kinds) and done > 0:
+        every = ", every kind at least once" if set(KINDS) <= kinds else ""
+        return Check("preemptions", True, detail + every + ("; not landed: " + "; ".join(misses)
+                                                            if misses else ""))
     if len(preempted) < asked:
         misses.append(f"{asked - len(preempted)} never delivered: the job ended, or committed no "
                       "step to resume from, before their turn")
-    return Check("preemptions", False, detail + "; " + "; ".join(misses) + ". Make the job run "
-                 "longer (more steps) or save sooner (a first commit well before the end), or ask "
-                 "for fewer preemptions (-n)", inconclusive=True)
+    missing = [kind for kind in KINDS if kind not in kinds]
+    return Check("preemptions", False, detail + f" (none of kind {', '.join(missing)}); "
+                 + "; ".join(misses) + ". " + _sooner(launches, save_every), inconclusive=True)
 
+
+def _sooner(launches: list[Launch], save_every: int | None) -> str:
+    """What makes commits come early enough, from where the job's cadence came (its record)."""
+    source = (launches[-1].first("start") or {}).get("cadence")
+    steps = save_every or "N"
+    if source in ("save_every", "cadence"):
+        how = (f"the job sets its own cadence (Run(save_every=...) or cadence=), which wins over "
+               f"the drill's ${SAVE_EVERY_ENV}: for the drill pass save_every={steps}")
+    elif source == "save_steps":
+        how = (f"the HF Trainer saves every TrainingArguments(save_steps=...): for the drill pass "
+               f"save_steps={steps}")
+    elif source == "env":
+        how = f"the drill gave the job ${SAVE_EVERY_ENV}={steps} and it was not enough"
+    else:
+        how = f"save sooner: Run(save_every={steps})"
+    return (f"Make the job run longer (more steps), or make its first commit come earlier ({how}),"
+            " or ask for fewer preemptions (-n)")
 
 def reproducible(launches: list[Launch], reference: Launch) -> tuple[bool | None, int | None]:
     """Whether the job is reproducible run to run: the reference and the first launch (the same
@@ -294,9 +356,13 @@ def _warned(launches: list[Launch]) -> Check:
         if launch.preempted and launch.kind in WARNED and after.resumed_from < launch.reached:
             lost = launch.reached - after.resumed_from
             how = "a daemon notice with room to save" if launch.kind == "notice" else "SIGTERM"
+            cause = (f"{DEAF}: the drill killed it at the deadline. A job that must hear daemon "
+                     "notices keeps Run's default daemon=True" if launch.kind == "notice"
+                     and _deaf(launch) else "the job did not save before exiting (is "
+                     "spotguard.Run's loop reached promptly, and does the job let it handle "
+                     "SIGTERM?)")
             return Check("saves on warning", False, f"launch {launch.index} lost {lost} step(s) to "
-                         f"{how}: the job did not save before exiting (is spotguard.Run's loop "
-                         "reached promptly, and does the job let it handle SIGTERM?)")
+                         f"{how}: {cause}")
     return Check("saves on warning", True, "warned preemptions lost no step")
 
 

@@ -4,8 +4,9 @@
 The live timeline prints one line per event that matters (launch, resume, emergency save, stop,
 preemption, exit) and, on a terminal only, redraws a progress bar on the line below; piped output
 gets the lines alone. The picture is a small SVG written here, with no plotting dependency: its
-axes carry round ticks (1, 2 or 5 times a power of ten) and its legend is sized to its longest
-entry, inside the canvas. Every step shown (log, table, checks, report, picture) is the one the
+axes carry round ticks (1, 2 or 5 times a power of ten), each kind of preemption and each mark has
+a colour of its own, and its legend lists only what the picture shows, sized to its longest entry,
+inside the canvas. A check that rests on nothing is marked as not judged (``-``), never passed. Every step shown (log, table, checks, report, picture) is the one the
 record showed: a preemption's step is the launch's at delivery. Files are written through a private
 temporary file renamed into place (:func:`~spotguard_daemon.commands.drill_tree.write_private`).
 """
@@ -34,6 +35,8 @@ EXIT = {"PASSED": 0, "FAILED": 1, "INCONCLUSIVE": 3}
 CHAR_W = 7.0
 """Width allowed per character of the 11 px sans-serif text (wider than any such font's average)."""
 COLOURS = {"notice": "#1f77b4", "short-notice": "#9467bd", "sigterm": "#ff7f0e", "sigkill": "#d62728"}
+"""One colour per kind of preemption, none shared with a mark below."""
+REFERENCE, SAVES, EMERGENCY, KILLED = "#aaaaaa", "#2ca02c", "#e377c2", "#000000"
 BAR = 30
 
 
@@ -158,7 +161,8 @@ def summary(data: dict[str, Any], report: Path) -> list[str]:
                      f"{_num(save['save_interval_s'])} s; Young's optimum at a "
                      f"{save['mtbf_s'] / 3600:.3g} h MTBF ({save.get('mtbf_source') or 'default'}): "
                      f"every {save['young_interval_s']:.0f} s")
-    lines += [f"  {ok if c['ok'] else bad} {c['name']}: {c['detail']}" for c in data["checks"]]
+    lines += [f"  {(ok if c.get('judged', True) else '-') if c['ok'] else bad} {c['name']}: "
+              f"{c['detail']}" for c in data["checks"]]
     lines.append(f"  report: {report / 'report.json'}  picture: {report / 'timeline.svg'}")
     return lines
 
@@ -193,10 +197,14 @@ def _tick(value: float) -> str:
     return f"{value:g}"
 
 
-def _legend_items() -> list[tuple[str, str]]:
-    return ([("#aaaaaa", "reference run"), ("#2ca02c", "drilled launches, saves"),
-             ("#ff7f0e", "emergency save")] + [(COLOURS[k], DESCRIBE[k]) for k in COLOURS]
-            + [("#d62728", "x  process killed")])
+def _legend_items(launches: list[Launch], reference: Launch | None) -> list[tuple[str, str]]:
+    """The legend's entries: only what the picture shows (the kinds that occurred, in order)."""
+    kinds = {launch.kind for launch in launches if launch.preempted}
+    emergency = any(c.get("kind") == "emergency" for launch in launches for c in launch.of("commit"))
+    return ([(REFERENCE, "reference run")] * (reference is not None)
+            + [(SAVES, "drilled launches, saves")] + [(EMERGENCY, "emergency save")] * emergency
+            + [(COLOURS[k], DESCRIBE[k]) for k in COLOURS if k in kinds]
+            + [(KILLED, "x  process killed")] * any(launch.killed for launch in launches))
 
 
 def svg(launches: list[Launch], reference: Launch | None, width: int = 860, height: int = 380) -> str:
@@ -210,7 +218,8 @@ def svg(launches: list[Launch], reference: Launch | None, width: int = 860, heig
                  for launch in launches + ([reference] if reference else [])] + [1])
     t_ticks, s_ticks = round_ticks(span), round_ticks(total)
     t1, s1 = t_ticks[-1], s_ticks[-1]
-    legend_w = 14 + CHAR_W * max(len(text) for _, text in _legend_items())
+    legend = _legend_items(launches, reference)
+    legend_w = 14 + CHAR_W * max(len(text) for _, text in legend)
     left, top, right, bottom = 60, 20, width - 20 - legend_w, height - 40
 
     def x(t: float) -> float:
@@ -232,11 +241,11 @@ def svg(launches: list[Launch], reference: Launch | None, width: int = 860, heig
               for s in s_ticks]
     if reference is not None:
         shift = reference.t_launch - t0
-        parts.append(_path(reference, lambda t: x(t - shift), y, "#aaaaaa"))
+        parts.append(_path(reference, lambda t: x(t - shift), y, REFERENCE))
     for launch in launches:
-        parts.append(_path(launch, x, y, "#2ca02c"))
+        parts.append(_path(launch, x, y, SAVES))
         parts += [f'<circle cx="{x(c["t"]):.1f}" cy="{y(c["step"]):.1f}" r="3" fill="'
-                  f'{"#ff7f0e" if c.get("kind") == "emergency" else "#2ca02c"}"/>' for c in launch.of("commit")]
+                  f'{EMERGENCY if c.get("kind") == "emergency" else SAVES}"/>' for c in launch.of("commit")]
         if launch.preempted:
             colour, px = COLOURS[launch.kind], x(launch.preempted_at)
             parts.append(f'<line x1="{px:.1f}" y1="{top}" x2="{px:.1f}" y2="{bottom}" stroke="{colour}" '
@@ -245,8 +254,8 @@ def svg(launches: list[Launch], reference: Launch | None, width: int = 860, heig
         if launch.killed:
             cx, cy = x(launch.t_end), y(launch.reached)
             parts.append(f'<path d="M{cx - 5:.1f},{cy - 5:.1f}L{cx + 5:.1f},{cy + 5:.1f}M{cx - 5:.1f},'
-                         f'{cy + 5:.1f}L{cx + 5:.1f},{cy - 5:.1f}" stroke="#d62728" stroke-width="2"/>')
-    parts += _legend(right + 12, top)
+                         f'{cy + 5:.1f}L{cx + 5:.1f},{cy - 5:.1f}" stroke="{KILLED}" stroke-width="2"/>')
+    parts += _legend(legend, right + 12, top)
     return "\n".join(parts + ["</svg>"]) + "\n"
 
 
@@ -260,7 +269,7 @@ def _path(launch: Launch, x: Any, y: Any, colour: str) -> str:
     return f'<polyline points="{d}" fill="none" stroke="{colour}" stroke-width="1.5"/>'
 
 
-def _legend(lx: float, ly: int) -> list[str]:
+def _legend(items: list[tuple[str, str]], lx: float, ly: int) -> list[str]:
     return [f'<rect x="{lx:.1f}" y="{ly + 16 * i}" width="10" height="10" fill="{colour}"/>'
             f'<text class="legend" x="{lx + 14:.1f}" y="{ly + 16 * i + 9}">{escape(text)}</text>'
-            for i, (colour, text) in enumerate(_legend_items())]
+            for i, (colour, text) in enumerate(items)]

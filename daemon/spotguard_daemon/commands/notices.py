@@ -19,7 +19,8 @@ import click
 from spotguard._paths import untrusted
 from spotguard.protocol import MAX_HISTORY, StatusRequest, WithdrawRequest
 
-from spotguard_daemon.commands.common import fail, request, settings_or_exit
+from spotguard_daemon.commands.common import (Duration, fail, no_daemon, printable, request,
+                                              settings_or_exit)
 
 __all__ = ["notices", "human_timeline"]
 
@@ -54,7 +55,8 @@ def human_timeline(line: dict[str, Any]) -> list[str]:
 
 _config = click.option("--config", metavar="PATH", help="TOML settings file "
                        "(default /etc/spotguard/spotguard.toml when present).")
-_timeout = click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon.")
+_timeout = click.option("--timeout", default=2.0, show_default=True, type=Duration(0.001),
+                        help="How long to wait for the daemon (seconds, or 500ms, 1m).")
 
 
 def _ask(config: str | None, message: Any, timeout: float) -> Any:
@@ -63,7 +65,7 @@ def _ask(config: str | None, message: Any, timeout: float) -> Any:
     distrust = untrusted(endpoint)
     reply = None if distrust else request(endpoint, message, timeout)
     if reply is None:
-        fail(1, distrust or f"no daemon answered on {endpoint} within {timeout:g} s")
+        fail(1, distrust or no_daemon(endpoint, timeout))
     return reply
 
 
@@ -88,7 +90,7 @@ def notices(ctx: click.Context, config: str | None, count: int, as_json: bool, t
     if not history:
         click.echo("no terminating notice recorded")
     for line in history:
-        click.echo("\n".join(human_timeline(line)))
+        click.echo(printable("\n".join(human_timeline(line))))
 
 
 @notices.command()
@@ -106,10 +108,10 @@ def cancel(ids: tuple[str, ...], every: bool, config: str | None, timeout: float
         raise click.UsageError(f"at most {MAX_IDS} ids at once (or --all)")
     reply = _ask(config, WithdrawRequest(ids=list(ids), all=every), timeout)
     if not reply.ok:
-        fail(1, reply.error)
+        fail(1, printable(reply.error))
     for notice_id in reply.data.get("cancelled", []):
-        click.echo(f"cancelled {notice_id}")
+        click.echo(printable(f"cancelled {notice_id}"))
     if every and not reply.data.get("cancelled"):
         click.echo("no notice was pending")
     if reply.data.get("unknown"):
-        fail(1, f"no pending notice {', '.join(reply.data['unknown'])} (see spotguard status)")
+        fail(1, printable(f"no pending notice {', '.join(reply.data['unknown'])} (see spotguard status)"))

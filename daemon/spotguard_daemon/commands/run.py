@@ -30,7 +30,8 @@ signal none of them), which it says at start. A socket directory another user co
 (:func:`spotguard._paths.untrusted`) is refused at start: one line, exit 1, nothing launched.
 What a launch leaves running after it exited (a background child) is ended before the next launch
 and at the end: the supervisor is a subreaper, so every process under the command stays its
-descendant. SIGTERM, SIGINT and SIGHUP to the supervisor are
+descendant. Python's multiprocessing helpers (a data loader's forkserver and resource tracker) are
+given a few seconds to end by themselves and are not reported as leftovers. SIGTERM, SIGINT and SIGHUP to the supervisor are
 forwarded to the command's process group (a launcher passes them on to its workers) and end the
 relaunching; SIGUSR1 and SIGUSR2 are forwarded only. As PID 1 (a container's entry point) it reaps
 orphans too.
@@ -61,12 +62,13 @@ from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
 
-from spotguard_daemon.commands.common import daemon_status, settings_or_exit
+from spotguard_daemon.commands.common import Duration, daemon_status, settings_or_exit
 from spotguard_daemon.commands.run_summary import PREEMPTED, Launch, human, summary
 from spotguard_daemon.commands.supervise import (STOP_S, CommandNotFound, LaunchError, Registrar,
                                         become_subreaper, command_after_options,
                                         killpg, leftovers, reap, signal_each, spawn, start_daemon,
                                         stop)
+from spotguard_daemon.proctree import mp_helper
 
 __all__ = ["run", "Supervisor"]
 
@@ -74,6 +76,8 @@ ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals to the supervisor that are forwarded and end the relaunching."""
 FORWARDED = ENDING + (signal.SIGUSR1, signal.SIGUSR2)
 POLL_S, SCAN_S = 0.05, 0.5
+HELPER_S = 3.0
+"""Seconds a launch's multiprocessing helpers get to end by themselves after it exited."""
 GOING = "node going away"
 STUCK = 3
 """Preempted launches in a row without progress after which relaunching stops."""
@@ -269,13 +273,23 @@ class Supervisor:
         stop) before the next launch or the exit: SIGTERM to each process under the supervisor
         but the daemon it started (and, where it cannot be a subreaper, of the launch's process
         group), SIGKILL after STOP_S seconds. A subreaper's orphans are its own children, so their
-        pids cannot be reused before they are reaped here."""
+        pids cannot be reused before they are reaped here. Python's multiprocessing helpers (a
+        loader's forkserver and resource tracker, :func:`mp_helper`) end by themselves once the
+        job's pipes close: they get HELPER_S seconds to, and are not reported as the job's."""
         group = None if self.subreaper else launch.pid
         left = leftovers(group, [p.pid for p in self.others])
+        if any(mp_helper(pid) for pid in left):
+            until = time.monotonic() + HELPER_S
+            while any(mp_helper(pid) for pid in left) and time.monotonic() < until:
+                time.sleep(POLL_S)
+                reap(self.others)
+                left = leftovers(group, [p.pid for p in self.others])
         if not left:
             return
-        _say(f"launch {launch.index} left {len(left)} process(es) running after it exited (pids "
-             f"{', '.join(map(str, sorted(left)))}): ending them")
+        job_left = sorted(pid for pid in left if not mp_helper(pid))
+        if job_left:
+            _say(f"launch {launch.index} left {len(job_left)} process(es) running after it exited "
+                 f"(pids {', '.join(map(str, job_left))}): ending them")
         for signum in (signal.SIGTERM, signal.SIGKILL):
             signal_each(left, signum)  # by pid: the group's leader is reaped, its pgid may be reused
             until = time.monotonic() + STOP_S
@@ -379,15 +393,16 @@ def _refuse_untrusted(settings) -> None:
               help="Do not start a daemon when none answers (signals and exit statuses only).")
 @click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(0),
               help="Relaunches after a failure (a status other than 0, 75, 76, 77).")
-@click.option("--backoff", default=1.0, show_default=True, type=click.FloatRange(0),
-              help="Seconds before the first relaunch after a failure, or after a preemption "
-                   "without progress; doubled each time.")
-@click.option("--backoff-max", default=60.0, show_default=True, type=click.FloatRange(0),
-              help="Longest wait before a relaunch.")
+@click.option("--backoff", default=1.0, show_default=True, type=Duration(0),
+              help="Wait before the first relaunch after a failure, or after a preemption "
+                   "without progress (seconds, or 500ms, 1m); doubled each time.")
+@click.option("--backoff-max", default=60.0, show_default=True, type=Duration(0),
+              help="Longest wait before a relaunch (seconds, or 2m, 1h).")
 @click.option("--max-preemptions", default=1000, show_default=True, type=click.IntRange(0),
               help="Relaunches after a preemption (75, 76, 77) at most.")
-@click.option("--useful-seconds", default=600.0, show_default=True, type=click.FloatRange(0),
-              help="A pending platform notice due further away than this still gets a relaunch.")
+@click.option("--useful-seconds", default=600.0, show_default=True, type=Duration(0),
+              help="A pending platform notice due further away than this (seconds, or 10m) still "
+                   "gets a relaunch.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout too.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, ...],

@@ -48,11 +48,21 @@ class CommandNotFound(LaunchError):
 def command_after_options(command: tuple[str, ...], usage: str) -> list[str]:
     """The command given after a supervising CLI's options (``usage``: its synopsis); else
     ``click.UsageError``. Such a CLI leaves unknown options to the command, so click hands a
-    mistyped option of its own over as the command's first word: that is refused, never run."""
+    mistyped option of its own over as the command's first word: that is refused, never run, and
+    the closest option of the command is suggested (``--max-restart``: ``--max-restarts``)."""
+    import difflib
+
     import click
 
     if command and command[0].startswith("-") and command[0] != "--":
-        raise click.UsageError(f"no such option: {command[0]}")
+        given = command[0].split("=", 1)[0]
+        ctx = click.get_current_context(silent=True)
+        known = [name for param in (ctx.command.params if ctx else [])
+                 for name in getattr(param, "opts", []) + getattr(param, "secondary_opts", [])
+                 if name.startswith("-")]
+        close = difflib.get_close_matches(given, known, n=1)
+        raise click.UsageError(f"no such option: {given}"
+                               + (f" (did you mean {close[0]}?)" if close else ""))
     command = command[1:] if command and command[0] == "--" else command
     if not command:
         raise click.UsageError(f"no command given ({usage})")

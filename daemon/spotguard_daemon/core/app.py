@@ -403,15 +403,19 @@ class Daemon:
         watchdog = systemd.watchdog_interval()
         loop = asyncio.get_running_loop()
         next_ping = loop.time()
+        # The timeline before expire: a deadline decides the outcome, then a manual notice ends.
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("timeline", self.timeline.tick), ("expire", self.store.expire),
+            ("goodput flush", self.handler.ledger.flush),
+            ("goodput store", self.progress.tick), ("job rates", self.rates.snapshot),
+            ("reap", lambda: self.metrics.clients.set(self.handler.reap())),
+            ("acknowledge", self._acknowledge_ready), ("manual notices", self._complete_manual)]
         while True:
-            self.timeline.tick()  # before expire: a deadline decides the outcome, then a manual notice ends
-            self.store.expire()
-            self.handler.ledger.flush()
-            self.progress.tick()
-            self.rates.snapshot()
-            self.metrics.clients.set(self.handler.reap())
-            self._acknowledge_ready()
-            self._complete_manual()
+            for name, step in steps:  # one failing step never stops the others nor the watchdog
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - logged and counted, tried next pass
+                    self.tasks.failed(f"housekeeping: {name}", exc)
             if watchdog is not None and loop.time() >= next_ping:
                 systemd.notify("WATCHDOG=1")
                 next_ping = loop.time() + watchdog

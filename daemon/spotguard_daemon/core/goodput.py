@@ -28,13 +28,18 @@ past every step and commit this node saw: the job ran elsewhere since), and the 
 
 Interruptions and running time (for :mod:`.job_rates`, the MTBF a job's cadence plans with): each
 record counts the job's restarts (``interruptions``) and the training seconds between consecutive
-reports of one process (``running``), and :meth:`restarted` carries both into the new run's record,
-one interruption more (none when rank 0 last stopped for drill notices only: :meth:`stopped`). A
-job this node knows nothing of takes them from the store's copy
-(:meth:`GoodputLedger.adopt`, one more for the restart that brought it here).
+reports of one process (``running``), and :meth:`restarted` carries both into the new run's record.
+An interruption is counted from evidence only, never from a register's claim alone: the previous
+run trained (its process reported progress after its own start, ``JobRecord.ran``) and was not
+stopped for drill notices only (:meth:`stopped`); the caller (:mod:`.handlers`) also makes sure
+the previous process is gone and the new one is another process (a process registering again is no
+restart). A job this node knows nothing of takes the counts from the store's copy
+(:meth:`GoodputLedger.adopt`, once per run of the job here; one more for the restart that brought it
+here when the stored run trained).
 
-Bounds: at most ``MAX_JOBS`` jobs (the least recently updated are forgotten) and ``MAX_COMMITS``
-commit times per job. Persistence: ``<state_dir>/goodput.json`` (0600, atomic) is written at most every
+Bounds: at most ``MAX_JOBS`` jobs (the least recently updated are forgotten), ``MAX_COMMITS``
+commit times per job, at most ``MAX_INTERRUPTIONS`` interruptions and ``MAX_RUNNING`` seconds per job
+(every figure read, from the state file or the store, is checked against them). Persistence: ``<state_dir>/goodput.json`` (0600, atomic) is written at most every
 ``FLUSH_SECONDS`` while something changed (:meth:`GoodputLedger.flush`, called by the daemon's
 housekeeping) and at shutdown, so a daemon restarted between a job's stop and its relaunch still
 counts the loss; a daemon killed outright loses the last few seconds of reports.
@@ -70,6 +75,11 @@ MAX_STAMP_AGE = 3600.0
 its step was reached, so the bound is looser than a report's)."""
 FLUSH_SECONDS = 5.0
 STATE_VERSION = 1
+MAX_INTERRUPTIONS = 1_000_000
+"""A job's interruptions stop counting here (a million restarts is no real job's)."""
+MAX_RUNNING = 100 * 365 * 24 * 3600.0
+"""A job's running seconds stop counting here (a century)."""
+MAX_STEP = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,12 @@ class JobRecord:
     drilled: bool = False
     """The run stopped for a drill (rank 0 reported safe for drill notices only): its restart is
     not an interruption."""
+    ran: bool = True
+    """The run trained: its process reported progress after it started (a run started by
+    :meth:`GoodputLedger.restarted` has not until its first report). A restart after a run that
+    never trained is not an interruption."""
+    adopted: bool = False
+    """The store's counts were added to this run's record (:meth:`GoodputLedger.adopt`): never twice."""
 
     def newest(self) -> int:
         """The newest step this record saw reached or committed."""
@@ -139,8 +155,9 @@ class GoodputLedger:
         record = self._jobs.get(job) or JobRecord(step, when, pid=pid)
         same_run = record.pid == pid and step >= record.step
         trained = max(0.0, when - record.at) if same_run else 0.0
+        record.ran = record.ran or record.pid == pid
         record.step, record.at, record.pid, record.nodes = step, when, pid, nodes
-        record.running += trained
+        record.running = min(record.running + trained, MAX_RUNNING)
         for done, reached in record.reached.items():
             if done <= step and when < reached:
                 record.reached[done] = when
@@ -172,19 +189,24 @@ class GoodputLedger:
                      "elsewhere since", job, resumed_from, record.newest())
             record = None
         loss = None if record is None else restart_loss(job, record, resumed_from, now)
-        history = {} if record is None else {"interruptions": record.interruptions + (not record.drilled),
-                                             "running": record.running, "nodes": record.nodes}
-        self._touch(job, JobRecord(resumed_from, now, {resumed_from: now}, pid, **history))
+        history = {} if record is None else {
+            "interruptions": min(record.interruptions + interrupted(record), MAX_INTERRUPTIONS),
+            "running": record.running, "nodes": record.nodes, "adopted": record.adopted}
+        self._touch(job, JobRecord(resumed_from, now, {resumed_from: now}, pid, ran=False, **history))
         return loss
 
     def adopt(self, job: str, earlier: JobRecord) -> None:
         """Add the interruptions and running time of ``earlier`` (the job's record from the store,
-        read for a restart this node knew nothing of), plus that restart, to the job's record."""
+        read for a restart this node knew nothing of), plus that restart when ``earlier``'s run
+        trained, to the job's record: once per run here (a second recall of the same run adds
+        nothing)."""
         record = self._jobs.get(job)
-        if record is None:
+        if record is None or record.adopted:
             return
-        record.interruptions += earlier.interruptions + 1
-        record.running += earlier.running
+        record.adopted = True
+        record.interruptions = min(record.interruptions + earlier.interruptions + interrupted(earlier),
+                                   MAX_INTERRUPTIONS)
+        record.running = min(record.running + earlier.running, MAX_RUNNING)
         record.nodes = max(record.nodes, earlier.nodes)
         self._touch(job, record)
 
@@ -243,7 +265,8 @@ class GoodputLedger:
         self._dirty, self._written_at = False, now
         doc = {"version": STATE_VERSION, "jobs": [
             {"job": job, "step": r.step, "at": r.at, "reached": sorted(r.reached.items()), "pid": r.pid,
-             "interruptions": r.interruptions, "running": r.running, "nodes": r.nodes, "drilled": r.drilled}
+             "interruptions": r.interruptions, "running": r.running, "nodes": r.nodes, "drilled": r.drilled,
+             "ran": r.ran, "adopted": r.adopted}
             for job, r in self._jobs.items()]}
         try:
             write_private_atomic(self._path, json.dumps(doc).encode())
@@ -257,15 +280,44 @@ class GoodputLedger:
             doc = json.loads(self._path.read_bytes())
             if doc.get("version") != STATE_VERSION:
                 raise ValueError(f"version {doc.get('version')!r}, not {STATE_VERSION}")
-            for item in doc["jobs"][-self._max_jobs:]:
-                reached = {int(s): float(t) for s, t in item["reached"][-MAX_COMMITS:]}
-                self._jobs[str(item["job"])[:256]] = JobRecord(
-                    int(item["step"]), float(item["at"]), reached, int(item.get("pid", 0)),
-                    max(0, int(item.get("interruptions", 0))), _seconds(item.get("running", 0.0)),
-                    max(1, int(item.get("nodes", 1))), item.get("drilled") is True)
+            items = doc["jobs"][-self._max_jobs:]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("ignoring unreadable goodput state %s: %s", self._path, exc)
-            self._jobs.clear()
+            log.warning("ignoring unreadable goodput state %s: %s", self._path, str(exc)[:200])
+            return
+        bad = 0
+        for item in items:
+            try:
+                self._jobs[str(item["job"])[:256]] = _record_of(item)
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+                if not bad:
+                    log.warning("ignoring a job of the goodput state %s: %s", self._path, str(exc)[:200])
+                bad += 1
+        if bad > 1:
+            log.warning("ignored %d jobs of the goodput state %s in all", bad, self._path)
+
+
+def interrupted(record: JobRecord) -> int:
+    """1 when a restart after ``record``'s run is an interruption (the run trained, and did not stop
+    for drill notices only), else 0."""
+    return int(record.ran and not record.drilled)
+
+
+def _record_of(item: dict) -> JobRecord:
+    """One job's record from the state file, every figure checked against its bounds (ValueError)."""
+    reached = {_bounded(s, 0, MAX_STEP): _seconds(t) for s, t in item["reached"][-MAX_COMMITS:]}
+    return JobRecord(_bounded(item["step"], 0, MAX_STEP), _seconds(item["at"]), reached,
+                     _bounded(item.get("pid", 0), 0, 2**32),
+                     _bounded(item.get("interruptions", 0), 0, MAX_INTERRUPTIONS),
+                     min(_seconds(item.get("running", 0.0)), MAX_RUNNING),
+                     _bounded(item.get("nodes", 1), 1, 2**20), item.get("drilled") is True,
+                     item.get("ran", True) is not False, item.get("adopted") is True)
+
+
+def _bounded(value: object, low: int, high: int) -> int:
+    """An int from the state file within [low, high], else ValueError."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{str(value)[:32]!r} is not a whole number from {low} to {high}")
+    return value
 
 
 def _seconds(value: object) -> float:

@@ -60,7 +60,8 @@ from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError
 from spotguard.storage.durable import progress_key
 from spotguard.storage.file import make_private_dirs
 
-from spotguard_daemon.core.goodput import MAX_COMMITS, GoodputLedger, JobRecord, restart_loss
+from spotguard_daemon.core.goodput import (MAX_COMMITS, MAX_INTERRUPTIONS, MAX_RUNNING, GoodputLedger, JobRecord,
+                                           restart_loss)
 from spotguard_daemon.core.metrics import Metrics
 
 __all__ = ["DurableProgress", "NoProgress", "ProgressObject"]
@@ -76,9 +77,9 @@ MAX_RECALLS = 256
 MAX_STORE_JOBS = 32
 STORE_JOBS_WINDOW = 3600.0
 _Step = Annotated[int, Field(ge=0, lt=2**63)]
-MAX_RUNNING = 100 * 365 * 24 * 3600.0
-VERSION = 1
-"""This daemon's version of the object (:class:`ProgressObject`); raised with every field added."""
+VERSION = 2
+"""This daemon's version of the object (:class:`ProgressObject`); raised with every field added
+(2: ``ran``)."""
 
 
 class ProgressObject(BaseModel):
@@ -86,7 +87,7 @@ class ProgressObject(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    version: Literal[VERSION] = VERSION
+    version: Literal[1, 2] = VERSION
     job: str = Field(max_length=256)
     step: _Step
     """The newest step rank 0 reported (or resumed from)."""
@@ -95,15 +96,17 @@ class ProgressObject(BaseModel):
     reached: list[tuple[_Step, float]] = Field(default=[], max_length=MAX_COMMITS)
     """[step, time first known reached] of the steps committed (or resumed from) in that run."""
     written: float = Field(gt=0)
-    interruptions: _Step = 0
+    interruptions: int = Field(default=0, ge=0, le=MAX_INTERRUPTIONS)
     """Restarts of the job over all its runs (absent in objects of older daemons)."""
     running: float = Field(default=0.0, ge=0, le=MAX_RUNNING)
     """Seconds the job ran over all its runs."""
     nodes: int = Field(default=1, ge=1, le=2**20)
+    ran: bool = True
+    """The run trained (see ``JobRecord.ran``); version 2 on (older objects: assumed)."""
 
     def record(self) -> JobRecord:
         return JobRecord(self.step, self.at, dict(self.reached), interruptions=self.interruptions,
-                         running=self.running, nodes=self.nodes)
+                         running=self.running, nodes=self.nodes, ran=self.ran)
 
 
 class DurableProgress:
@@ -306,7 +309,8 @@ class NoProgress:
 def _encode(job: str, record: JobRecord) -> bytes:
     return ProgressObject(job=job, step=record.step, at=record.at, reached=sorted(record.reached.items()),
                           written=time.time(), interruptions=record.interruptions,
-                          running=min(record.running, MAX_RUNNING), nodes=record.nodes).model_dump_json().encode()
+                          running=min(record.running, MAX_RUNNING), nodes=record.nodes,
+                          ran=record.ran).model_dump_json().encode()
 
 
 def _validated(body: bytes, job: str, before: float) -> JobRecord:

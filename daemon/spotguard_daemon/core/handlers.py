@@ -40,7 +40,11 @@ tree may change after the check).
 
 Goodput: commits, ``progress`` reports and rank-0 restarts feed the
 :class:`~spotguard_daemon.core.goodput.GoodputLedger`, whose losses go to the metrics; a restart of a job
-the ledger does not know goes to ``recall`` (the durable store's copy, :mod:`.goodput_store`).
+the ledger does not know goes to ``recall`` (the durable store's copy, :mod:`.goodput_store`). A
+register is a restart at most once per registration (a client registers, restores, then registers
+again with the step), and only while the job's previous rank 0 is gone (a second process naming a
+running job is logged and counts nothing); the ledger then counts an interruption only when the
+previous run trained.
 The reply to ``progress`` carries the job's learned :class:`~spotguard.protocol.JobRate`
 (:mod:`.job_rates`), which ``cadence`` also answers for any job, to any peer; the ``register`` and
 ``status`` replies carry the node MTBF a job starts from (``mtbf``: ``node_prior_s``, ``source``);
@@ -254,11 +258,12 @@ class RequestHandler:
             return Reply(ok=False, error=f"register refused: {MAX_CLIENTS} clients are registered")
         if old is not None and old.proven and old.start_time == client.start_time:
             client.registered_at = old.registered_at  # the same process: reports since then stay valid
+            client.resumed = old.resumed
             if not request.job_id and request.rank == 0:  # spotguard run's registrar naming a client
                 client.rank, client.job_id = old.rank, old.job_id
         self.clients[client.key] = client
         if client.proven:  # an unproven peer could name any job: it must not count or reset its loss
-            self._count_restart(request, client.key)
+            self._count_restart(request, client)
         here = f" (pid {client.key} here)" if client.key != request.pid else ""
         log.info("client pid %d%s registered (rank %d, job %r, signal %s)", request.pid, here, client.rank,
                  client.job_id, "yes" if client.uid is not None else "no")
@@ -266,11 +271,20 @@ class RequestHandler:
         return Reply(ok=True, data={"notices": self._notices(), "signal": client.public()["signal"],
                                     "mtbf": self._mtbf(), "checkpoint_root": self._root and str(self._root)})
 
-    def _count_restart(self, request: RegisterRequest, key: int) -> None:
+    def _count_restart(self, request: RegisterRequest, client: Client) -> None:
         """Count a rank-0 resume and the committed steps it re-runs (see :mod:`.metrics`)."""
+        key = client.key
         if request.resumed_from_step is None or request.rank != 0:
             return
         job = request.job_id or DEFAULT_JOB
+        record = self.ledger.record(job)
+        previous = None if record is None or record.pid in (0, key) else self.clients.get(record.pid)
+        if client.resumed == job or (previous is not None and previous.alive()):
+            log.info("job %r: pid %d registered as rank 0 resumed from step %d while %s; not a restart",
+                     job, key, request.resumed_from_step, "its restart was counted already"
+                     if client.resumed == job else f"the job's rank 0 (pid {record.pid}) still runs")
+            return
+        client.resumed = job
         known = self._known_step(job)
         newest = max(self._newest.get(job, -1), -1 if known is None else known)
         self.metrics.resumed(newest - request.resumed_from_step if newest >= 0 else 0)
@@ -314,8 +328,9 @@ class RequestHandler:
             if kinds:  # a restart after a drill is no interruption (the learned MTBF, .job_rates)
                 self.ledger.stopped(client.job_id or DEFAULT_JOB, drill=kinds == {Kind.DRILL})
         unknown = self.store.mark_safe_all(ids, key)
-        self.timeline.safe([i for i in ids if i not in unknown], key, request,
-                           (client.job_id if client is not None else "") or DEFAULT_JOB)
+        if current_peer.get().uid is not None:  # an unproven peer proves no hold on any notice
+            self.timeline.safe([i for i in ids if i not in unknown], key, request,
+                               (client.job_id if client is not None else "") or DEFAULT_JOB)
         self._on_change()
         return Reply(ok=True, data={"unknown": unknown})
 
@@ -324,7 +339,8 @@ class RequestHandler:
         key = key_of(request.pid, current_peer.get())
         if not may_act_for(current_peer.get(), request.pid, self.clients.get(key)):
             return Reply(ok=False, error=f"ack refused: pid {request.pid} is not the sender's")
-        self.timeline.ack(request.notice_ids, key, request.at)
+        if current_peer.get().uid is not None:  # as in _safe: proven peers only
+            self.timeline.ack(request.notice_ids, key, request.at)
         return Reply(ok=True)
 
     def _commit(self, request: CommitRequest) -> Reply:

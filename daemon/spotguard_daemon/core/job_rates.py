@@ -18,14 +18,18 @@ by the scrape thread.
 
 What counts: every registered restart from a checkpoint is one interruption, whatever ended the run
 before it (a preemption, a kill, a crash), except a stop for drill notices only (rank 0 reported safe
-for them: ``spotguard drill``, ``spotguard notify``). A job relaunched by hand after a deliberate stop
+for them: ``spotguard drill``, ``spotguard notify``), and only on evidence (the previous run trained
+and its process is gone: :mod:`.goodput`, :mod:`.handlers`). A job relaunched by hand after a deliberate stop
 counts one too; a daemon without a durable store starts a job that moved to this node afresh.
 
-Exceptions: none; a figure outside the protocol's bounds is clamped into them.
+Exceptions: none; a figure outside the protocol's bounds is clamped into them (the interruptions
+at ``goodput.MAX_INTERRUPTIONS``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Iterable
 
 from prometheus_client.core import GaugeMetricFamily
@@ -33,9 +37,11 @@ from prometheus_client.registry import Collector
 from spotguard.cadence import DEFAULT_MTBF_SOURCE, NODE_MTBF_S, job_mtbf, learned_mtbf, node_mtbf
 from spotguard.protocol import MAX_MTBF, JobRate
 
-from spotguard_daemon.core.goodput import GoodputLedger, JobRecord
+from spotguard_daemon.core.goodput import MAX_INTERRUPTIONS, GoodputLedger, JobRecord
 
 __all__ = ["JobRates", "MAX_GAUGED"]
+
+log = logging.getLogger(__name__)
 
 MAX_GAUGED = 64
 """Jobs with a gauge: the most recently active ones (a job id is free text; the series stay few)."""
@@ -50,6 +56,7 @@ class JobRates(Collector):
         """``platform``: the detected one (the daemon sets it once detection ran)."""
         self.prior_weight, self.floor_s = prior_weight, min_mtbf_seconds
         self._gauged: tuple[JobRate, ...] = ()
+        self._failed: set[str] = set()
 
     @property
     def node_prior_s(self) -> float:
@@ -69,18 +76,30 @@ class JobRates(Collector):
         return None if record is None else self._estimate(job, record)
 
     def snapshot(self) -> None:
-        """Take the gauges' values (on the daemon's loop, which owns the ledger)."""
-        self._gauged = tuple(self._estimate(job, record) for job, record in self.ledger.recent(MAX_GAUGED))
+        """Take the gauges' values (on the daemon's loop, which owns the ledger); a job whose
+        estimate fails (a bug: every figure is clamped) is left out, logged once."""
+        gauged = []
+        for job, record in self.ledger.recent(MAX_GAUGED):
+            try:
+                gauged.append(self._estimate(job, record))
+            except ValueError as exc:
+                if job not in self._failed:
+                    log.error("no MTBF estimate for job %r: %s", job[:64], str(exc)[:200])
+                    if len(self._failed) < MAX_GAUGED:
+                        self._failed.add(job)
+        self._gauged = tuple(gauged)
 
     def _estimate(self, job: str, record: JobRecord) -> JobRate:
         nodes = max(1, min(record.nodes, 2**20))
         prior = min(job_mtbf(self.node_prior_s, nodes), MAX_MTBF)
-        running = min(record.running, MAX_MTBF)
-        mtbf = learned_mtbf(prior, record.interruptions, running, prior_weight=self.prior_weight,
+        running = min(record.running, MAX_MTBF) if record.running >= 0 else 0.0  # nan: 0
+        running = running if math.isfinite(running) else 0.0
+        interruptions = max(0, min(int(record.interruptions), MAX_INTERRUPTIONS))
+        mtbf = learned_mtbf(prior, interruptions, running, prior_weight=self.prior_weight,
                             floor_s=self.floor_s)
         return JobRate(job_id=job, mtbf_s=min(mtbf, MAX_MTBF), prior_mtbf_s=prior,
                        prior_weight=self.prior_weight, floor_s=min(self.floor_s, MAX_MTBF),
-                       interruptions=record.interruptions, running_s=running, nodes=nodes)
+                       interruptions=interruptions, running_s=running, nodes=nodes)
 
     def describe(self) -> list:
         return []  # values exist only at scrape time

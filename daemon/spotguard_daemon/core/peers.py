@@ -60,6 +60,8 @@ class Client:
     target: int | None = None
     """The process as this daemon sees it: ``pid``, or the peer's pid when a client in a child
     PID namespace (a container) registered itself under its own pid."""
+    resumed: str | None = None
+    """The job this registration was counted as a restart of (:mod:`.handlers`): never twice."""
 
     @classmethod
     def register(cls, pid: int, rank: int, job_id: str, peer: Peer) -> "Client":

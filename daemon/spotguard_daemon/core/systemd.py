@@ -8,7 +8,9 @@ often (we send it every half period); ``STOPPING=1`` says a stop is under way. W
 :func:`system_stopping` tells a node shutdown (``systemctl is-system-running`` prints ``stopping``)
 from a service stop or restart while the system keeps running (an upgrade).
 
-Exceptions: none; a send that fails is logged at debug level and ignored.
+Exceptions: none; a send that fails is logged at debug level and ignored. Sends never block: with
+the receiver's queue full (a notify socket nobody reads), the state is dropped rather than the
+daemon's loop stalled (a later ``WATCHDOG=1`` goes once there is room).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def notify(state: str) -> bool:
         address = "\0" + address[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.setblocking(False)  # a receiver that does not read must not stall the daemon's loop
             sock.connect(address)
             sock.sendall(state.encode())
     except OSError as exc:

@@ -8,7 +8,8 @@ logged (with its traceback the first time a cause is seen, in one line after tha
 ``spotguard_daemon_task_failures_total{task}``, and the loop is started again after a backoff that
 doubles from ``FIRST_BACKOFF`` to ``MAX_BACKOFF`` seconds and starts over once a run lasted
 ``HEALTHY_SECONDS``. One-shot tasks run under :meth:`Supervisor.once`: a failure is logged and
-counted, and nothing is retried.
+counted, and nothing is retried. A loop made of independent steps (housekeeping) reports a failing
+step with :meth:`Supervisor.failed` and goes on with the others.
 
 Exceptions: none; cancellation (the daemon's shutdown) ends a loop as usual.
 """
@@ -55,6 +56,10 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 - nothing may stop the daemon
                 self._failed(name, exc, "")
         self._start(guarded())
+
+    def failed(self, name: str, exc: BaseException) -> None:
+        """A step of a loop that goes on (housekeeping) failed: logged and counted like a task."""
+        self._failed(name, exc, "; going on")
 
     async def cancel_all(self) -> None:
         for task in list(self.tasks):

@@ -23,6 +23,10 @@ seen and none took part), or ``cancelled`` (withdrawn before any of that, with c
 operator: ``spotguard notices cancel``, whose reason is ``cancelled by operator``). A notice
 without a deadline cannot miss it.
 
+Bounds: ``MAX_STAGES`` stages and ``MAX_JOBS`` jobs waited for per timeline (further ones counted
+in ``jobs_left_out``), so a ``status`` reply stays far below the clients' 1 MiB limit; only proven
+(``ipc://``) clients write to a timeline (:mod:`.handlers`).
+
 A timeline stays open (``status`` shows it) until it has an outcome and, where a client committed,
 its ``durable`` stage, at most ``LINGER_SECONDS`` after its outcome; then it joins the history.
 Open timelines and the last :data:`~spotguard.protocol.MAX_HISTORY` closed ones are kept in
@@ -62,6 +66,9 @@ LINGER_SECONDS = 600.0
 ALIVE_SECONDS = 5.0
 MAX_STAGES = 512
 """Stages kept per timeline (a notice with thousands of clients keeps its first ones)."""
+MAX_JOBS = 32
+"""Jobs a timeline waits for a durable checkpoint of; the rest are counted (``jobs_left_out``)."""
+MAX_JOB_CHARS = 128
 REPLY_STAGES = 4096
 """Stages a history reply holds at most (older timelines are left out): it stays far below the
 clients' 1 MiB reply limit."""
@@ -157,7 +164,7 @@ class Timelines:
                 self._add(line, _SAVE_STAGE[report.save], at, pid=pid, step=report.step,
                           estimate_s=report.estimate_s, seconds_left=report.seconds_left)
                 if report.save in ("committed", "already") and report.step is not None:
-                    line["jobs"][job] = max(report.step, line["jobs"].get(job, -1))
+                    self._wait_for(line, job[:MAX_JOB_CHARS], report.step)
             self._add(line, "safe", now, pid=pid)
 
     def all_safe(self, notice_id: str) -> None:
@@ -257,6 +264,14 @@ class Timelines:
                 self._open[line["id"]] = line
                 return line
         return None
+
+    @staticmethod
+    def _wait_for(line: dict[str, Any], job: str, step: int) -> None:
+        """Wait for a durable ``step`` of ``job``: at most ``MAX_JOBS`` jobs, the rest counted."""
+        if job in line["jobs"] or len(line["jobs"]) < MAX_JOBS:
+            line["jobs"][job] = max(step, line["jobs"].get(job, -1))
+        else:
+            line["jobs_left_out"] = line.get("jobs_left_out", 0) + 1
 
     def _flagged(self, line: dict[str, Any], pid: int, at: datetime) -> None:
         if not any(s["stage"] == "flagged" and s.get("pid") == pid for s in line["stages"]):

@@ -96,6 +96,11 @@ class DaemonLink:
         """Ids of the notices passed to the sink; a heartbeat listing another one asks status."""
         self._refused: set[tuple[str, str]] = set()
         """(request type, error) already warned about: a refusal is loud once per cause."""
+        self.registered: dict[str, Any] = {}
+        """The data of the newest accepted ``register`` reply (``mtbf``: the daemon's node MTBF prior)."""
+        self.signalled: dict[str, tuple[float, float | None]] = {}
+        """From the newest ``status``: the notices the daemon recently signalled for, each with when
+        it signalled and when the notice was cancelled (None: pending), in epoch seconds."""
 
     @property
     def alive(self) -> bool:
@@ -113,13 +118,17 @@ class DaemonLink:
         reply = self.request(RegisterRequest(pid=os.getpid(), rank=self._rank, job_id=self._job_id))
         if reply is None or not reply.ok:
             return False
+        self.registered = reply.data
         self.refresh()
         return True
 
     def refresh(self) -> None:
         """Ask ``status`` and pass its pending notices to the sink (e.g. the notice behind a
-        signal that overtook its event)."""
-        for notice in _pending_notices(self.request(StatusRequest())):
+        signal that overtook its event); note the notices it recently signalled for."""
+        status = self.request(StatusRequest())
+        if status is not None and status.ok:
+            self.signalled = _signalled(status.data.get("signalled"))
+        for notice in _pending_notices(status):
             self._seen.add(notice.id)
             self._sink(notice)
 
@@ -241,6 +250,18 @@ def _pending_notices(status: Reply | None) -> list[Notice]:
         except ValueError as exc:
             log.warning("ignored an invalid pending notice in status: %s", exc)
     return notices
+
+
+def _signalled(raw: Any) -> dict[str, tuple[float, float | None]]:
+    """``status``'s ``signalled`` (an older daemon sends none); malformed entries are skipped."""
+    found = {}
+    for notice_id, times in (raw if isinstance(raw, dict) else {}).items():
+        try:
+            cancelled = times.get("cancelled_at")
+            found[str(notice_id)] = (float(times["at"]), None if cancelled is None else float(cancelled))
+        except (AttributeError, KeyError, TypeError, ValueError):
+            continue
+    return found
 
 
 def _absent(endpoint: str) -> bool:

@@ -13,8 +13,15 @@ restarts::
 Worked example: C = 30 s, M = 3 h gives Young 805 s and Daly 785 s: save about every 13 minutes.
 
 The waste curve is flat near its minimum: an MTBF wrong by a factor k moves T by sqrt(k) and raises
-the waste by (sqrt(k) + 1/sqrt(k)) / 2, i.e. only 25 % for k = 4. That is why the rough per-platform
-defaults in :data:`NODE_MTBF_S` are usable until you have measured your own figure.
+the waste by (sqrt(k) + 1/sqrt(k)) / 2, i.e. only 25 % for k = 4. That is why one rough default,
+:data:`DEFAULT_NODE_MTBF_S` (6 h), is usable until you have measured your own figure.
+
+One default, everywhere: ``spotguard.Run`` without a daemon, the daemon's prior on every platform
+(``none`` included: a platform the daemon cannot name is no evidence of a dedicated node, and Slurm
+preemption or a drill runs there), ``spotguard cadence`` and ``spotguard drill`` all assume
+:data:`DEFAULT_NODE_MTBF_S` unless told otherwise (``cadence.node_mtbf_hours``, ``--mtbf-hours``,
+``Cadence(mtbf_s=...)``). On dedicated (non-spot) GPU nodes set about 6000 h
+(:data:`DEDICATED_NODE_MTBF_S`).
 
 Learning the MTBF (:func:`learned_mtbf`): the daemon counts a job's interruptions ``n`` (restarts
 from a checkpoint, on any node) over its running time ``t`` and treats them as a Poisson process of
@@ -48,6 +55,8 @@ from typing import Any, Literal, Mapping
 __all__ = [
     "NODE_MTBF_S",
     "DEFAULT_NODE_MTBF_S",
+    "DEFAULT_MTBF_SOURCE",
+    "DEDICATED_NODE_MTBF_S",
     "young_interval",
     "daly_interval",
     "job_mtbf",
@@ -65,21 +74,20 @@ log = logging.getLogger(__name__)
 
 _HOUR = 3600.0
 DEFAULT_NODE_MTBF_S = 6 * _HOUR
-"""Conservative guess for one spot/preemptible GPU node when nothing better is known."""
+"""The node MTBF every part of spotguard assumes when none is given (see the module docstring): a
+deliberately pessimistic guess for one spot/preemptible GPU node, reclaimed far more often than the
+average instance; replace it with the MTBF you observe. Not a measured figure: AWS's Spot Instance
+Advisor buckets are monthly fractions over all sizes, Google once quoted 5-15 %/day for preemptible
+VMs (GPU Spot is reclaimed far more often), Azure shows eviction-rate buckets, Alibaba nothing."""
+DEFAULT_MTBF_SOURCE = "the default for one spot/preemptible node, a guess"
+"""How every planner names :data:`DEFAULT_NODE_MTBF_S` where it shows it."""
+DEDICATED_NODE_MTBF_S = 6000 * _HOUR
+"""Dedicated (non-spot) GPU nodes, measured: Meta's Llama 3 report (419 unexpected interruptions in
+54 days on 16,384 H100s = 2,048 8-GPU nodes, a job MTBF of about 3 h). Never assumed: set it."""
 
-NODE_MTBF_S: dict[str, float] = {
-    # Rough defaults, deliberately pessimistic, for GPU capacity (reclaimed far more often than the
-    # average instance); replace them with the MTBF you observe. None is a measured figure.
-    "aws": DEFAULT_NODE_MTBF_S,  # guess; the Spot Instance Advisor's buckets (<5 % .. >20 %) are
-    # monthly fractions averaged over all sizes and say little about GPU types at busy hours.
-    "gcp": DEFAULT_NODE_MTBF_S,  # guess; Google once quoted 5-15 %/day for preemptible VMs (an MTBF
-    # of days), but GPU Spot is reclaimed far more often, and legacy preemptible VMs end at 24 h.
-    "azure": DEFAULT_NODE_MTBF_S,  # guess; the portal shows eviction-rate buckets, not an MTBF.
-    "alibaba": DEFAULT_NODE_MTBF_S,  # guess; no public figure.
-    # Dedicated (non-spot) GPU nodes: about 6000 h, from Meta's Llama 3 report (419 unexpected
-    # interruptions in 54 days on 16,384 H100s = 2,048 8-GPU nodes, i.e. a job MTBF of about 3 h).
-    "none": 6000 * _HOUR,
-}
+NODE_MTBF_S: dict[str, float] = dict.fromkeys(("aws", "gcp", "azure", "alibaba", "none"),
+                                              DEFAULT_NODE_MTBF_S)
+"""Each platform's default node MTBF: :data:`DEFAULT_NODE_MTBF_S` for all of them (one story)."""
 
 
 DEFAULT_PRIOR_WEIGHT = 1.0

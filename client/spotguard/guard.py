@@ -12,9 +12,11 @@ A :class:`Guard` learns of an interruption in two ways, whichever comes first:
 One notice per event, whichever channel brought it: the daemon's signal fallback (``daemon_signal``,
 SIGUSR1) means "ask the daemon". While the daemon is reachable the guard asks it for its pending
 notices, and when one of them stops this process the signal adds nothing: its notice, with its real
-deadline, is already held and a cancel from the platform clears it. Only a ``daemon_signal`` that no
-daemon notice explains (Slurm ``--signal=USR1``, ``scancel --signal``) becomes a local notice, and
-every other signal (SIGTERM from a kubelet or ``docker stop``) always does.
+deadline, is already held and a cancel from the platform clears it. The daemon's ``status`` also
+lists the notices it recently signalled for, cancelled ones included, so a signal whose notice was
+withdrawn before the guard handled it (announced, then cancelled 50 ms later) adds nothing either.
+Only a ``daemon_signal`` that no recent daemon notice explains (Slurm ``--signal=USR1``, ``scancel
+--signal``) becomes a local notice, and every other signal (SIGTERM from a kubelet or ``docker stop``) always does.
 
 The signal handlers only append to a list; a background thread (and every read of :attr:`notice`)
 turns that into a notice. Nothing else happens in a handler: no I/O, no locks, no ``sys.exit``,
@@ -93,6 +95,8 @@ HANDLED_ENV = "SPOTGUARD_HANDLED_NOTICES"
 
 DEFAULT_SIGNAL_DEADLINES: Mapping[int, float | None] = {signal.SIGTERM: 30.0, signal.SIGUSR1: None}
 """SIGTERM: Kubernetes' default grace period is 30 s. SIGUSR1: a stop request with no deadline."""
+SIGNAL_SLACK_S = 30.0
+"""A daemon signal handled up to this long after its notice was cancelled is still the daemon's."""
 GRACE_ENV = "SPOTGUARD_SIGNAL__GRACE"
 """Seconds from SIGTERM to the kill, shared with the daemon's ``signal.grace`` setting."""
 
@@ -168,6 +172,7 @@ class Guard:
         self._signal_count = 0
         self._stopping = False
         self._unsent: dict[tuple[str, str], CommitRequest] = {}
+        self._commit_refusals: set[str] = set()
         self._resend_at = 0.0
         self._progress: tuple[int, datetime] | None = None
         self._progress_sent: tuple[int, datetime] | None = None
@@ -278,6 +283,17 @@ class Guard:
             known = (durable.get(job) or {}).get("step")
         return known
 
+    @property
+    def daemon_mtbf(self) -> tuple[float, str] | None:
+        """The node MTBF (seconds) the daemon's cadence prior assumes and where it comes from (a
+        setting, or :data:`spotguard.cadence.DEFAULT_MTBF_SOURCE`), from its register reply; None
+        without a daemon (or an older one). A job's is it divided by its nodes (``cadence.job_mtbf``)."""
+        mtbf = self._link.registered.get("mtbf") if self._link is not None else None
+        try:
+            return float(mtbf["node_prior_s"]), str(mtbf["source"])
+        except (KeyError, TypeError, ValueError):
+            return None
+
     def daemon_status(self) -> dict[str, Any] | None:
         """The daemon's ``status`` reply data (notices, clients, uploads), or None without a daemon."""
         if self._link is None or not self._link.alive:
@@ -301,12 +317,21 @@ class Guard:
                                 reached_at=reached_at)
         if self._link is None:
             return False
+        if "checkpoint_root" in self._link.registered and self._link.registered["checkpoint_root"] is None:
+            if not self._commit_refusals:  # the daemon watches no root: nobody asked for uploads
+                self._commit_refusals.add("")
+                log.info("the daemon watches no checkpoint root: checkpoints stay local (start it with "
+                         "--checkpoint-root DIR to make them durable)")
+            return False
         reply = self._link.request(message) if self._link.alive else None
         self._answered = self._answered or reply is not None
         if reply is None:
             self._keep_unsent(message)
-        elif not reply.ok:
-            log.warning("the daemon refused checkpoint %s: %s", message.path, reply.error)
+        elif not reply.ok:  # loud once per cause (a daemon without checkpoint_root refuses every one)
+            level = logging.DEBUG if reply.error in self._commit_refusals else logging.WARNING
+            if len(self._commit_refusals) < 100:
+                self._commit_refusals.add(reply.error)
+            log.log(level, "the daemon refused checkpoint %s: %s", message.path, reply.error)
         return reply is not None and reply.ok
 
     def report_progress(self, step: int) -> None:
@@ -469,7 +494,7 @@ class Guard:
                 self._link.refresh()
             while self._signals:
                 signum, at = self._signals.pop(0)
-                if signum == self._daemon_signal and self._daemon_explains():
+                if signum == self._daemon_signal and self._daemon_explains(at):
                     log.info("%s from the daemon: its notice is already held",
                              signal.Signals(signum).name)
                     continue
@@ -477,10 +502,16 @@ class Guard:
                 self._add_notice(_signal_notice(signum, at, self._signal_deadlines.get(signum),
                                                 self._signal_count))
 
-    def _daemon_explains(self) -> bool:
-        """True when the daemon answers and a notice it announced asks this process to stop."""
+    def _daemon_explains(self, at: float) -> bool:
+        """True when the daemon answers and a notice it announced asks this process to stop, or it
+        signalled for a notice while that was pending (up to ``SIGNAL_SLACK_S`` before ``at``, when the
+        signal was handled: a main thread in a long C call handles it late), even one cancelled since:
+        a notice the platform withdrew 50 ms after announcing it must not turn into a stop."""
         if not self.daemon_alive:
             return False
+        for signalled_at, cancelled_at in self._link.signalled.values():
+            if signalled_at - 1.0 <= at <= (cancelled_at or at) + SIGNAL_SLACK_S:
+                return True
         with self._lock:
             return any(n.platform != "local" and self._stops(n) for n in self._notices.values())
 

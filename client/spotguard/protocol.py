@@ -51,6 +51,7 @@ __all__ = [
     "SafeRequest",
     "CommitRequest",
     "NotifyRequest",
+    "WithdrawRequest",
     "ProgressRequest",
     "AckRequest",
     "CadenceRequest",
@@ -289,6 +290,15 @@ class NotifyRequest(_Message):
     detail: str = Field(default="", max_length=1024)
 
 
+class WithdrawRequest(_Message):
+    """Cancel pending notices by id, or all with ``all`` (``spotguard notices cancel``); the daemon
+    allows it to its own user and root only, proven by the kernel (``ipc://``)."""
+
+    type: Literal["withdraw"] = "withdraw"
+    ids: list[Annotated[str, Field(max_length=512)]] = Field(default_factory=list, max_length=64)
+    all: bool = False
+
+
 class ProgressRequest(_Message):
     """Rank 0 of a job reached ``step`` (steps completed) at ``at``; sent at most every few seconds.
 
@@ -346,7 +356,7 @@ class AckRequest(_Message):
 
 Request = Annotated[
     Union[RegisterRequest, UnregisterRequest, StatusRequest, SafeRequest, CommitRequest, NotifyRequest,
-          ProgressRequest, AckRequest, CadenceRequest],
+          ProgressRequest, AckRequest, CadenceRequest, WithdrawRequest],
     Field(discriminator="type"),
 ]
 

@@ -67,7 +67,7 @@ def test_huge_finite_mtbf_does_not_overflow():
 
 def test_platform_table_has_every_platform_and_rejects_unknown():
     assert set(cad.NODE_MTBF_S) == {"aws", "gcp", "azure", "alibaba", "none"}
-    assert all(v > HOUR for v in cad.NODE_MTBF_S.values())
+    assert set(cad.NODE_MTBF_S.values()) == {cad.DEFAULT_NODE_MTBF_S}  # one default, none included
     with pytest.raises(ValueError, match="unknown platform 'vast'"):
         cad.node_mtbf("vast")
 
@@ -192,7 +192,14 @@ def test_cli_divides_the_platform_default_by_nodes():
     result = _run("--checkpoint-seconds", "30", "--platform", "gcp", "--nodes", "8")
     assert result.exit_code == 0, result.output
     assert "21600 / 8 = 2700 s (45.0 min)" in result.output
-    assert "rough default for --platform gcp" in result.output
+    assert "--platform gcp: the default for one spot/preemptible node" in result.output
+
+
+def test_cli_shows_the_one_default_mtbf_the_daemon_and_drill_assume():
+    result = _run("--checkpoint-seconds", "30")
+    assert result.exit_code == 0, result.output
+    assert f"node MTBF          = 21600 s (6.0 h)  [{cad.DEFAULT_MTBF_SOURCE}, as the daemon and the drill " \
+        "assume; --mtbf-hours H sets yours]" in result.output
 
 
 def test_cli_warns_when_a_save_costs_more_than_twice_the_mtbf():

@@ -186,9 +186,7 @@ def test_a_node_stop_marks_the_open_notice_gone_and_the_history_survives_a_resta
     listed = json.loads(cli(again, "notices", "--json").stdout)
     by_id = {t["id"]: t for t in listed}
     assert "gone" in [s["stage"] for s in by_id[notice]["stages"]]  # then published again, restored
-    signal_notices = [t for t in listed if t["kind"] == "signal"]
-    assert signal_notices and signal_notices[0]["stages"][-1]["stage"] == "gone"
-    assert signal_notices[0]["outcome"] == "no_client"
+    assert not [t for t in listed if t["kind"] == "signal"]  # no client to warn: the stop raised none
     mode = (again.state_dir / "timelines.json").stat().st_mode & 0o777
     assert mode == 0o600
 

@@ -92,7 +92,7 @@ def test_status_json_without_a_daemon_prints_a_json_error(sock_dir):
 
 
 class Started:
-    """``spotguard daemon`` as README shows it (no --checkpoint-root), started in ``cwd``."""
+    """``spotguard daemon`` with no --checkpoint-root, started in ``cwd``."""
 
     def __init__(self, sock_dir: Path, tmp: Path, cwd: Path) -> None:
         self.endpoint = f"ipc://{sock_dir}/run/requests.sock"
@@ -123,38 +123,35 @@ class Started:
         return self.log.read_text()
 
 
-def test_the_readme_daemon_accepts_commits_below_its_start_directory(sock_dir, tmp_path, ask):
+def test_a_daemon_without_checkpoint_root_uploads_nothing_from_its_start_directory(sock_dir, tmp_path, ask, caplog):
+    """Issue 32, item 10: started in a directory holding an old committed checkpoint, the daemon
+    watches no root unless one is configured: it says so in one line, queues nothing, and refuses
+    commits loudly once per cause (its log and the client's)."""
     work = tmp_path / "work"
     step_dir = work / "checkpoints" / "job" / "step-0000000010"
     step_dir.mkdir(parents=True)
-    (step_dir / "manifest.json").write_text('{"step": 10}')
+    (step_dir / "manifest.json").write_text('{"step": 10, "job_id": "job", "files": []}')
+    (step_dir.parent / "latest").write_text("step-0000000010")
     daemon = Started(sock_dir, tmp_path, work)
     try:
         daemon.wait_ready(ask)
-        reply = ask(daemon.endpoint, CommitRequest(pid=os.getpid(), path=str(step_dir), step=10))
-    finally:
-        log = daemon.stop()
-    assert reply.ok, reply
-    assert f"checkpoint root: {work}" in log
-
-
-def test_a_daemon_started_in_root_refuses_commits_loudly_once_per_cause(sock_dir, tmp_path, ask, caplog):
-    daemon = Started(sock_dir, tmp_path, Path("/"))
-    try:
-        daemon.wait_ready(ask)
+        uploads = ask(daemon.endpoint, StatusRequest()).data["uploads"]
         link = DaemonLink(lambda event: None, pub_endpoint=f"ipc://{sock_dir}/run/events.sock",
                           request_endpoint=daemon.endpoint, request_timeout=5.0)
         try:
             with caplog.at_level(logging.WARNING, logger="spotguard._daemon_client"):
-                replies = [link.request(CommitRequest(pid=os.getpid(), path=str(tmp_path), step=s))
-                           for s in (1, 2, 3)]
+                replies = [link.request(CommitRequest(pid=os.getpid(), path=str(step_dir), step=s))
+                           for s in (10, 10, 10)]
         finally:
             link.close()
     finally:
         log = daemon.stop()
+    assert not uploads.get("pending") and not uploads.get("uploading"), uploads
+    assert "committed but not durable" not in log
     assert all(not r.ok and "--checkpoint-root" in r.error for r in replies), replies
     client_warnings = [r for r in caplog.records if "refused commit" in r.getMessage()]
     assert len(client_warnings) == 1 and "--checkpoint-root" in client_warnings[0].getMessage()
     refused = [line for line in log.splitlines() if "WARNING" in line and "commit refused" in line]
     assert len(refused) == 1 and "--checkpoint-root" in refused[0], log
-    assert "every commit will be refused" in log
+    watching = [line for line in log.splitlines() if "watching no checkpoints" in line]
+    assert len(watching) == 1 and "every commit will be refused" in watching[0], log

@@ -172,3 +172,23 @@ def test_after_a_restart_only_the_platform_moves_a_deadline_and_the_notice_says_
     assert len(announced) == 1 and "rescheduled by the platform" in announced[0].detail
     assert announced[0].deadline > original.deadline + timedelta(seconds=250)
     assert restarted.announce_restored(restored) == []  # the reschedule was announced already
+
+
+def test_past_its_deadline_a_manual_notice_ends_and_a_platform_one_is_overdue_not_offered(tmp_path, caplog):
+    now = [utcnow()]
+    store = NoticeStore(tmp_path / "notices.json", clock=lambda: now[0])
+    events = recording(store)
+    store.reconcile("aws.spot", [notice("platform", seconds=10)])
+    store.add(notice("drill", source="manual", seconds=10))
+    assert [n.id for n in store.offered()] == ["platform", "drill"]
+    now[0] += timedelta(seconds=10.5)  # past both deadlines, within the manual grace
+    assert store.expire() == [] and store.offered() == []
+    now[0] += timedelta(seconds=1)
+    with caplog.at_level("WARNING"):
+        assert store.expire() == ["drill"] and store.expire() == []
+    assert ("cancel", "drill") in events and [n.id for n in store.pending()] == ["platform"]
+    assert sum("passed its deadline" in r.getMessage() for r in caplog.records) == 1  # said once
+    again = NoticeStore(tmp_path / "notices.json", clock=lambda: now[0])
+    assert [n.id for n in again.restore({"aws.spot", "manual"})] == ["platform"]
+    assert again.announce_restored(again.pending()) == []  # overdue: not published again
+    assert NoticeStore(tmp_path / "notices.json").restore({"manual"}) == []  # not watched: dropped

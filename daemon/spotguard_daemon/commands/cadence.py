@@ -1,6 +1,6 @@
 """``spotguard cadence``: how often should this job checkpoint? Young/Daly, shown step by step.
 
-A planning aid: the formulas and the per-platform MTBF defaults live in :mod:`spotguard.cadence`;
+A planning aid: the formulas and the one default MTBF live in :mod:`spotguard.cadence`;
 this module only parses, checks and prints. With ``--job ID`` it asks the local daemon (its settings'
 request socket) for the MTBF it learned for that job (:mod:`spotguard_daemon.core.job_rates`) and
 shows how it was learned; otherwise it touches no network. Invalid numbers exit with status 2 and
@@ -71,8 +71,9 @@ def _node_mtbf(mtbf_hours: float | None, platform: str | None) -> tuple[float, s
         if platform not in _cadence.NODE_MTBF_S:
             _fail(f"--platform must be one of {', '.join(sorted(_cadence.NODE_MTBF_S))}, "
                   f"got {platform!r}")
-        return _cadence.node_mtbf(platform), f"rough default for --platform {platform}"
-    return _cadence.DEFAULT_NODE_MTBF_S, "rough default for one spot GPU node (a guess)"
+        return _cadence.node_mtbf(platform), f"--platform {platform}: {_cadence.DEFAULT_MTBF_SOURCE}"
+    return _cadence.DEFAULT_NODE_MTBF_S, (f"{_cadence.DEFAULT_MTBF_SOURCE}, as the daemon and the drill "
+                                          "assume; --mtbf-hours H sets yours")
 
 
 @click.command("cadence")
@@ -80,7 +81,7 @@ def _node_mtbf(mtbf_hours: float | None, platform: str | None) -> tuple[float, s
               help="Seconds one checkpoint costs (blocking + persist); or 90s, 2m.")
 @click.option("--mtbf-hours", "mtbf_hours", metavar="H", help="Measured MTBF of one node, hours.")
 @click.option("--platform", metavar="|".join(sorted(_cadence.NODE_MTBF_S)),
-              help="Use this platform's rough default node MTBF instead of --mtbf-hours.")
+              help="Use this platform's default node MTBF (6 h on every platform) instead of --mtbf-hours.")
 @click.option("--nodes", default="1", show_default=True, metavar="N",
               help="Nodes whose failure ends the job.")
 @click.option("--step-seconds", "step", metavar="S", help="Seconds per training step.")

@@ -94,15 +94,17 @@ def _run_daemon(settings: Settings) -> None:
 
 
 def _announce_root(settings: Settings) -> None:
-    """Say where commits may lie, or loudly that every commit will be refused."""
+    """Say in one line which checkpoints it watches and uploads, or loudly that it watches none."""
     import logging
 
     log = logging.getLogger("spotguard_daemon")
     if settings.checkpoint_root is None:
-        log.warning("no checkpoint_root (started in /): every commit will be refused; set "
-                    "--checkpoint-root DIR or SPOTGUARD_CHECKPOINT_ROOT=DIR")
+        log.warning("watching no checkpoints: no checkpoint_root is configured, so nothing is uploaded "
+                    "and every commit will be refused; set --checkpoint-root DIR or "
+                    "SPOTGUARD_CHECKPOINT_ROOT=DIR")
     else:
-        log.info("checkpoint root: %s (commits must lie below it)", settings.checkpoint_root)
+        log.info("watching checkpoints below %s (only commits there are accepted), uploading to %s",
+                 settings.checkpoint_root, settings.storage_url or "no store (storage.url = none)")
 
 
 @main.command()
@@ -168,10 +170,13 @@ def _human_status(data: dict[str, Any]) -> str:
              f"{data.get('platform')}, up since {data.get('started_at')}"
              + (" (stopping)" if data.get("draining") else "")]
     notices = [Notice.model_validate(n) for n in data.get("notices", [])]
-    lines.append(f"pending notices: {len(notices) or 'none'}")
-    for notice in notices:
+    overdue = [Notice.model_validate(n) for n in data.get("overdue", [])]
+    lines.append(f"pending notices: {len(notices) + len(overdue) or 'none'}")
+    for notice in sorted(notices + overdue, key=lambda n: n.received_at):
         left = notice.seconds_left()
-        due = "no deadline" if left is None else f"deadline in {left:.0f} s"
+        due = "no deadline" if left is None else f"deadline in {left:.0f} s" if notice not in overdue else \
+            f"OVERDUE: deadline passed {-left:.0f} s ago and the node is still alive; jobs started since are " \
+            "not stopped by it"
         safe = data.get("safe", {}).get(notice.id, [])
         lines.append(f"  {notice.id}  {notice.kind.value}  {due}  safe pids: {safe or '-'}")
     clients = data.get("clients", [])
@@ -182,6 +187,9 @@ def _human_status(data: dict[str, Any]) -> str:
 
         lines += ["latest terminating notice:", *("  " + line for line in human_timeline(data["timeline"]))]
     lines += _human_uploads(data.get("uploads") or {})
+    if mtbf := data.get("mtbf"):
+        lines.append(f"checkpoint cadence assumes a node MTBF of {mtbf['node_prior_s'] / 3600:g} h "
+                     f"({mtbf['source']}) until it learns a job's")
     lines.append(f"metrics: {data.get('metrics') or 'off'}")
     return "\n".join(lines)
 

@@ -13,7 +13,10 @@ run left pending (``status`` lists them at once; they are published on PUB and d
 daemon id and registered again, so the signal fallback reaches them), start one task per runner
 plus the request, heartbeat and housekeeping loops, then tell systemd ``READY=1``. The first
 SIGTERM/SIGINT means the node is going or only the daemon is (:meth:`Daemon.node_stops`, setting
-``signal.means``). A node stop raises a ``signal`` notice due in ``signal.grace`` seconds; the
+``signal.means``). A node stop with clients registered raises a ``signal`` notice due in
+``signal.grace`` seconds (with none registered there is nobody to warn: it raises nothing, so a
+stopped daemon never records a NO CLIENT notice nor feeds the no-client alert; it still finishes
+the uploads in flight within the grace); the
 daemon keeps serving until every registered client reported safe for it (or unregistered, or died) or the grace passed, then exits 0. A daemon stop (a
 ``systemctl restart`` for an upgrade) raises nothing: training goes on, pending notices stay in the
 state file for the next run, clients reconnect to it. A second signal exits at once.
@@ -32,7 +35,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -69,6 +74,9 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_SECONDS = 0.5
 CHECK_SLOW_SECONDS = 10.0
 """A start-up store check still unanswered after this long is said (it may retry for minutes)."""
+AIMED_GRACE_SECONDS = 5.0
+"""A manual notice ends this long after the last client it was aimed at went, not at once: ``spotguard
+run`` reports its plain job safe after the job exited, and the reaper may drop the job first."""
 RESTORE_HEARTBEATS = 3
 """Heartbeats between binding and re-announcing restored notices: a client reconnects within one,
 then registers and asks status."""
@@ -111,15 +119,21 @@ class Daemon:
                                       time_to_durable=lambda job: self.queue.time_to_durable(job))
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
-                             pending_ids=lambda: [n.id for n in self.store.pending()],
+                             pending_ids=lambda: [n.id for n in self.store.offered()],
                              daemon_id=self.daemon_id,
                              max_message_bytes=settings.zmq.max_message_bytes,
                              heartbeat_interval=settings.zmq.heartbeat_interval,
                              observe=self.metrics.request_served)
         self._watchers = watchers
         self._ackable: dict[str, Any] = {}
+        self._aimed: dict[str, frozenset[int]] = {}
+        """The clients registered when each manual notice was announced: the job it is aimed at."""
+        self._aimed_gone: dict[str, float] = {}
+        """When (monotonic) each manual notice's clients were first seen all gone."""
         self._acked: set[str] = set()
         self._signal_notice: Notice | None = None
+        self._node_going = False
+        self._drain_until = utcnow()
         self._force = False
         self._restoring = False
         self._settle_soon = False
@@ -141,7 +155,8 @@ class Daemon:
                 "platform": self.platform, "started_at": self.started_at.isoformat(),
                 "pub_endpoint": self.server.pub_endpoint,
                 "request_endpoint": self.server.request_endpoint, "metrics": metrics,
-                "draining": self._signal_notice is not None, "uploads": self.queue.status()}
+                "draining": self._node_going, "uploads": self.queue.status(),
+                "signalled": self.delivery.recent() if hasattr(self, "delivery") else {}}
 
     # ------------------------------------------------------------------ run
 
@@ -163,7 +178,7 @@ class Daemon:
                                  http=webhook_http, outcome=self.metrics.delivered)
         watchers = self._start_watching(metadata_http)
         try:
-            self._start_serving()
+            self._start_serving({w.name for w in watchers})
             self._install_signal_handlers()
             self.queue.start()
             self.progress.start()
@@ -193,7 +208,9 @@ class Daemon:
             self._ackable = {w.name: w for w in watchers if hasattr(w, "acknowledge")}
         return watchers
 
-    def _start_serving(self) -> None:
+    def _start_serving(self, sources: set[str]) -> None:
+        """Serve metrics and the sockets, and restore the notices left pending from ``sources`` (the
+        watchers' names; manual notices too; any other source is not watched now: dropped)."""
         self.metrics.set_info(__version__, self.platform)
         self.metrics.track_deadline(self.store.pending)
         self.metrics.track_notices(self.store.pending, self._clients_safe)
@@ -206,7 +223,7 @@ class Daemon:
         self.server.bind()
         self.store.on_announce(self._announce)
         self.store.on_cancel(self._cancel)
-        restored = self.store.restore()
+        restored = self.store.restore(sources | {manual_source.SOURCE})
         self.timeline.restore({n.id for n in restored})
         self.metrics.no_client_streak.set(self.timeline.no_client_streak())
         if restored:
@@ -237,11 +254,17 @@ class Daemon:
         log.warning("notice %s: %s on %s, deadline %s (%s)", notice.id, notice.kind.value,
                     notice.platform, notice.deadline.isoformat() if notice.deadline else "unknown",
                     notice.detail or notice.source)
+        if notice.source == manual_source.SOURCE:
+            self._aimed.setdefault(notice.id, frozenset(self.handler.clients))
         signalled = self.delivery.deliver(notice)
         if signalled:
             self.timeline.stage(notice.id, "signalled", pids=signalled)
 
     def _cancel(self, notice: Notice, reason: str) -> None:
+        self._aimed.pop(notice.id, None)
+        self._aimed_gone.pop(notice.id, None)
+        if hasattr(self, "delivery"):
+            self.delivery.cancelled(notice.id)
         self.server.publish(CancelEvent(id=notice.id, reason=reason))
         self.timeline.cancelled(notice.id, reason)
 
@@ -318,11 +341,21 @@ class Daemon:
 
     def _complete_manual(self) -> None:
         """A manual notice (a drill, a scripted stop) has done its job once every registered client
-        reported safe: withdraw it, so the identical command relaunched on this node trains instead of
-        stopping again at once. Platform notices stay: their machine is going away regardless."""
+        reported safe, or ``AIMED_GRACE_SECONDS`` after none of the clients it was aimed at (those
+        registered when it was announced) is registered any more: withdraw it, so the identical
+        command relaunched on this node trains instead of stopping again at once. Platform notices
+        stay: their machine is going away regardless (past their deadline they are only overdue: see
+        :mod:`.store`)."""
         for notice in self.store.pending():
-            if notice.source == manual_source.SOURCE and self._all_safe(notice.id, need_one=True):
+            if notice.source != manual_source.SOURCE:
+                continue
+            aimed = self._aimed.get(notice.id)
+            if self._all_safe(notice.id, need_one=True):
                 self.store.cancel(notice.id, "every registered client reported safe")
+            elif aimed and not any(key in self.handler.clients for key in aimed):
+                gone = self._aimed_gone.setdefault(notice.id, time.monotonic())
+                if time.monotonic() - gone >= AIMED_GRACE_SECONDS:
+                    self.store.cancel(notice.id, "the job it was aimed at ended")
 
     def _clients_safe(self) -> int:
         """Registered clients safe for every pending terminating notice (all of them when none is
@@ -371,12 +404,13 @@ class Daemon:
         watchdog = systemd.watchdog_interval()
         loop = asyncio.get_running_loop()
         next_ping = loop.time()
+        # The timeline before expire: a deadline decides the outcome, then a manual notice ends.
         steps: list[tuple[str, Callable[[], object]]] = [
-            ("expire", self.store.expire), ("goodput flush", self.handler.ledger.flush),
-            ("goodput store", self.progress.tick), ("timeline", self.timeline.tick),
-            ("job rates", self.rates.snapshot),
+            ("timeline", self.timeline.tick), ("expire", self.store.expire),
+            ("goodput flush", self.handler.ledger.flush),
+            ("goodput store", self.progress.tick), ("job rates", self.rates.snapshot),
             ("reap", lambda: self.metrics.clients.set(self.handler.reap())),
-            ("acknowledge", self._acknowledge_ready)]
+            ("acknowledge", self._acknowledge_ready), ("manual notices", self._complete_manual)]
         while True:
             for name, step in steps:  # one failing step never stops the others nor the watchdog
                 try:
@@ -394,7 +428,7 @@ class Daemon:
             loop.add_signal_handler(signum, self._on_signal, signum)
 
     def _on_signal(self, signum: int) -> None:
-        if self._signal_notice is not None or self._force:
+        if self._node_going or self._force:
             log.warning("second signal: exiting now")
             self._force = True
             self._changed.set()
@@ -404,10 +438,17 @@ class Daemon:
                         "training goes on", signal_source.signal_name(signum), self.settings.signal.means)
             self.stop()
             return
-        notice = signal_source.signal_notice(signum, grace=self.settings.signal.grace,
-                                             platform=self.platform)
-        self._signal_notice = notice
-        self.store.add(notice, ephemeral=True)
+        self._node_going = True
+        grace = self.settings.signal.grace
+        self._drain_until = utcnow() + timedelta(seconds=grace)
+        if not self.handler.clients:  # nobody to warn: no notice, so no NO CLIENT outcome, no alert
+            log.warning("%s: stopping; no client is registered, so no notice is raised%s",
+                        signal_source.signal_name(signum),
+                        "" if self.queue.idle() else f" (uploads in flight get up to {grace:g} s)")
+        else:
+            notice = signal_source.signal_notice(signum, grace=grace, platform=self.platform)
+            self._signal_notice = notice
+            self.store.add(notice, ephemeral=True)
         self._stop.set()
 
     def node_stops(self) -> bool:
@@ -425,12 +466,15 @@ class Daemon:
         self._changed.set()
 
     async def _until_done(self) -> None:
+        """After a node stop: serve until the clients of its notice (if any) are safe and the uploads
+        durable, within ``signal.grace``."""
         await self._stop.wait()
         notice = self._signal_notice
-        while notice is not None and not self._force:
-            left = notice.seconds_left() or 0.0
-            if self._all_safe(notice.id) and self.queue.idle():
-                log.info("every registered client is safe%s; stopping",
+        while self._node_going and not self._force:
+            left = (self._drain_until - utcnow()).total_seconds()
+            if (notice is None or self._all_safe(notice.id)) and self.queue.idle():
+                log.info("%s%s; stopping", "no client to wait for" if notice is None else
+                         "every registered client is safe",
                          "" if self.queue.store is None else " and every commit durable")
                 return
             if left <= 0:
@@ -444,7 +488,7 @@ class Daemon:
 
     async def _shutdown(self, watchers: list) -> None:
         systemd.notify("STOPPING=1")
-        self.timeline.stopping(node_going=self._signal_notice is not None)
+        self.timeline.stopping(node_going=self._node_going)
         await self.tasks.cancel_all()
         await self.delivery.drain(timeout=2.0)
         for watcher in watchers:

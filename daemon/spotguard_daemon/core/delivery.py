@@ -11,6 +11,11 @@ secret, which is never logged) run for every notice as background tasks with a t
 and ``delivery.attempts`` tries with exponential backoff, so a slow receiver never blocks the loop.
 :meth:`Delivery.drain` waits for the ones still running, bounded, at shutdown.
 
+The notices it signalled for, with when, and when each was cancelled, are kept ``RECENT_SECONDS``
+(:meth:`Delivery.recent`, in the ``status`` reply's ``signalled``): a client whose SIGUSR1 arrives
+after the notice behind it was cancelled (a platform that withdrew its notice 50 ms later) tells it
+from a signal nobody announced (Slurm's ``--signal``), so a withdrawn notice never turns into a stop.
+
 Exceptions::
 
     DeliveryError            one hook or webhook attempt failed (retried, then logged)
@@ -22,6 +27,7 @@ import asyncio
 import logging
 import os
 import signal as _signal
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -36,6 +42,8 @@ __all__ = ["Delivery", "DeliveryError", "signal_pids", "listed_pids"]
 log = logging.getLogger(__name__)
 
 Outcome = Callable[[str, bool], None]
+RECENT_SECONDS = 300.0
+"""How long a signalled notice stays in :meth:`Delivery.recent` after its signal or its cancel."""
 
 
 class DeliveryError(Exception):
@@ -85,6 +93,7 @@ class Delivery:
         self._outcome = outcome or (lambda channel, ok: None)
         self._backoff = backoff
         self._tasks: set[asyncio.Task] = set()
+        self._signalled: dict[str, dict[str, float | None]] = {}
 
     def deliver(self, notice: Notice) -> list[int]:
         """Signal now (for terminating notices) and start the hook and webhook in the background;
@@ -104,9 +113,28 @@ class Delivery:
         targets = set(self._registered()) | listed_pids(self._settings.pid_files, self._settings.cgroup)
         sent = signal_pids(targets, signum)
         log.info("notice %s: sent %s to %d of %d processes", notice.id, signum.name, len(sent), len(targets))
+        if sent:
+            self._forget(time.time())
+            self._signalled[notice.id] = {"at": time.time(), "cancelled_at": None}
         for _ in sent:
             self._outcome("signal", True)
         return sent
+
+    def cancelled(self, notice_id: str) -> None:
+        """The notice was withdrawn: its signals stay explained until ``RECENT_SECONDS`` later."""
+        if notice_id in self._signalled:
+            self._signalled[notice_id]["cancelled_at"] = time.time()
+
+    def recent(self) -> dict[str, dict[str, float | None]]:
+        """``{notice id: {"at": epoch seconds signalled, "cancelled_at": ... or None}}`` of the last
+        ``RECENT_SECONDS``."""
+        self._forget(time.time())
+        return {notice_id: dict(times) for notice_id, times in self._signalled.items()}
+
+    def _forget(self, now: float) -> None:
+        for notice_id, times in list(self._signalled.items()):  # oldest first; at most 256 kept
+            if (times["cancelled_at"] or times["at"]) + RECENT_SECONDS < now or len(self._signalled) > 256:
+                del self._signalled[notice_id]
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

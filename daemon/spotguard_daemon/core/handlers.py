@@ -8,7 +8,12 @@ Who may do what (the peer's credentials come from :data:`~spotguard_daemon.core.
 the rules are in :mod:`spotguard_daemon.core.peers`): ``register``, ``unregister`` and ``safe`` only for
 the sender's own processes (root: any); a process is signalled only when its owner was proven.
 ``progress`` likewise names a process of the sender's. ``status``, ``commit`` and ``notify`` are open
-to every peer that can reach the socket.
+to every peer that can reach the socket; ``withdraw`` (``spotguard notices cancel``) only to the
+daemon's own user and root, proven over ``ipc://``.
+
+Notices offered to a client (the ``register`` reply, ``status``'s ``notices``) leave out the overdue
+ones (:meth:`~.store.NoticeStore.offered`: a job that starts after a deadline is not stopped by it);
+``status`` lists those apart, in ``overdue``.
 
 Goodput is fed by proven peers only (``ipc://``, whose credentials the kernel reports): an unproven
 (``tcp://``) peer's ``progress`` is refused, and its commits and restarts touch no job's ledger, so
@@ -41,7 +46,10 @@ again with the step), and only while the job's previous rank 0 is gone (a second
 running job is logged and counts nothing); the ledger then counts an interruption only when the
 previous run trained.
 The reply to ``progress`` carries the job's learned :class:`~spotguard.protocol.JobRate`
-(:mod:`.job_rates`), which ``cadence`` also answers for any job, to any peer.
+(:mod:`.job_rates`), which ``cadence`` also answers for any job, to any peer; the ``register`` and
+``status`` replies carry the node MTBF a job starts from (``mtbf``: ``node_prior_s``, ``source``);
+the ``register`` reply also names the ``checkpoint_root`` (None: the daemon watches none, and a
+client keeps its checkpoints local without asking).
 
 Exceptions: none; every refusal is an error :class:`~spotguard.protocol.Reply`.
 """
@@ -59,18 +67,17 @@ from typing import Any, Callable
 
 from spotguard.protocol import (
     AckRequest, CadenceRequest, CommitRequest, Kind, NotifyRequest, ProgressRequest, RegisterRequest,
-    Reply, Request, SafeRequest,
-    UnregisterRequest,
+    Reply, Request, SafeRequest, UnregisterRequest, WithdrawRequest,
 )
 from spotguard.storage.fresh_node import DEFAULT_JOB
 
 from spotguard_daemon.core.goodput import GoodputLedger
 from spotguard_daemon.core.job_rates import JobRates
 from spotguard_daemon.core.metrics import Metrics
-from spotguard_daemon.core.peers import Client, key_of, may_act_for, process_start_time
+from spotguard_daemon.core.peers import Client, key_of, may_act_for, may_operate, process_start_time
 from spotguard_daemon.core.server import current_peer
 from spotguard_daemon.core.store import NoticeStore
-from spotguard_daemon.core.timeline import Timelines
+from spotguard_daemon.core.timeline import BY_OPERATOR, Timelines
 from spotguard_daemon.core.watchers import manual
 from spotguard_daemon.core.watchers.manual import manual_notice
 
@@ -264,7 +271,8 @@ class RequestHandler:
         log.info("client pid %d%s registered (rank %d, job %r, signal %s)", request.pid, here, client.rank,
                  client.job_id, "yes" if client.uid is not None else "no")
         self._on_change()
-        return Reply(ok=True, data={"notices": self._notices(), "signal": client.public()["signal"]})
+        return Reply(ok=True, data={"notices": self._notices(), "signal": client.public()["signal"],
+                                    "mtbf": self._mtbf(), "checkpoint_root": self._root and str(self._root)})
 
     def _count_restart(self, request: RegisterRequest, client: Client) -> None:
         """Count a rank-0 resume and the committed steps it re-runs (see :mod:`.metrics`)."""
@@ -301,7 +309,9 @@ class RequestHandler:
     def _status(self, _request: Request) -> Reply:
         self.reap()  # a bounded slice: all of a small table, so a dead client is not reported
         safe = {n.id: sorted(self.store.safe_pids(n.id)) for n in self.store.pending()}
-        data = {**self._info(), "notices": self._notices(), "safe": safe,
+        overdue = [n.model_dump(mode="json") for n in self.store.pending() if self.store.overdue(n)]
+        data = {**self._info(), "notices": self._notices(), "overdue": overdue, "safe": safe,
+                "mtbf": self._mtbf(),
                 "clients": [c.public() for c in self.clients.values()], "timeline": self.timeline.current()}
         if getattr(_request, "history", 0):
             data["history"] = self.timeline.history(_request.history)
@@ -375,6 +385,10 @@ class RequestHandler:
         self.metrics.training.inc(trained)
         return self._cadence(request)
 
+    def _mtbf(self) -> dict[str, Any]:
+        """The node MTBF a new job's cadence starts from, and where it comes from (register, status)."""
+        return {"node_prior_s": self.rates.node_prior_s, "source": self.rates.node_prior_source}
+
     def _cadence(self, request: CadenceRequest | ProgressRequest) -> Reply:
         """The job's learned :class:`~spotguard.protocol.JobRate` (None: the ledger knows nothing of it)."""
         job = request.job_id or DEFAULT_JOB
@@ -410,5 +424,14 @@ class RequestHandler:
         self.store.add(notice)
         return Reply(ok=True, data={"notice": notice.model_dump(mode="json")})
 
+    def _withdraw(self, request: WithdrawRequest) -> Reply:
+        """Cancel the named pending notices (or all): ``cancelled by operator`` in their timelines."""
+        if not may_operate(current_peer.get()):
+            return Reply(ok=False, error="cancel refused: only the daemon's own user and root may cancel "
+                                         "notices (over its ipc:// socket)")
+        ids = [n.id for n in self.store.pending()] if request.all else request.ids
+        unknown = [i for i in ids if not self.store.cancel(i, BY_OPERATOR)]
+        return Reply(ok=True, data={"cancelled": [i for i in ids if i not in unknown], "unknown": unknown})
+
     def _notices(self) -> list[dict[str, Any]]:
-        return [n.model_dump(mode="json") for n in self.store.pending()]
+        return [n.model_dump(mode="json") for n in self.store.offered()]

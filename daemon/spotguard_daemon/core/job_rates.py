@@ -34,7 +34,7 @@ from typing import Iterable
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from spotguard.cadence import NODE_MTBF_S, job_mtbf, learned_mtbf, node_mtbf
+from spotguard.cadence import DEFAULT_MTBF_SOURCE, NODE_MTBF_S, job_mtbf, learned_mtbf, node_mtbf
 from spotguard.protocol import MAX_MTBF, JobRate
 
 from spotguard_daemon.core.goodput import MAX_INTERRUPTIONS, GoodputLedger, JobRecord
@@ -64,6 +64,11 @@ class JobRates(Collector):
         if self.node_mtbf_hours is not None:
             return self.node_mtbf_hours * 3600
         return node_mtbf(self.platform if self.platform in NODE_MTBF_S else "none")
+
+    @property
+    def node_prior_source(self) -> str:
+        """Where :attr:`node_prior_s` comes from, in words (``spotguard status``, the register reply)."""
+        return "cadence.node_mtbf_hours" if self.node_mtbf_hours is not None else DEFAULT_MTBF_SOURCE
 
     def rate(self, job: str) -> JobRate | None:
         """The job's estimate now, or None when the ledger knows nothing of it."""

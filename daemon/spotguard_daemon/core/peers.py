@@ -33,6 +33,7 @@ cannot see.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -42,7 +43,7 @@ from spotguard.protocol import utcnow
 from spotguard_daemon.core.server import Peer
 from spotguard_daemon.proctree import descendants, descends, owner_uid, process_start_time
 
-__all__ = ["Client", "key_of", "may_act_for"]
+__all__ = ["Client", "key_of", "may_act_for", "may_operate"]
 
 log = logging.getLogger(__name__)
 
@@ -156,3 +157,9 @@ def may_act_for(peer: Peer, pid: int, client: Client | None) -> bool:
     if client is not None and client.proven:
         return client.uid == peer.uid
     return peer.uid is None or owner_uid(pid) in (None, peer.uid)
+
+
+def may_operate(peer: Peer) -> bool:
+    """Whether ``peer`` may act on the daemon itself (withdraw notices): the daemon's own user or
+    root, proven by the kernel (``ipc://``); never a ``tcp://`` peer."""
+    return peer.uid is not None and peer.uid in (0, os.geteuid())

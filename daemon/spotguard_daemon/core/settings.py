@@ -58,11 +58,6 @@ def _default_state_dir() -> Path:
     return Path.home() / ".local" / "state" / "spotguard"
 
 
-def _default_checkpoint_root() -> Path | None:
-    cwd = Path.cwd()
-    return None if cwd == Path(cwd.anchor) else cwd
-
-
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -271,8 +266,9 @@ class StorageSettings(_Section):
 class CadenceSettings(_Section):
     node_mtbf_hours: float | None = Field(None, gt=0, le=100 * 365 * 24)
     """Prior MTBF of one node, hours, from which each job's MTBF is learned (divided by the nodes
-    the job spans). A published preemption rate of p per day is ``24 / p`` hours. Unset: the
-    platform's rough default (6 h for spot platforms, 6000 h for ``none``)."""
+    the job spans). A published preemption rate of p per day is ``24 / p`` hours. Unset: 6 h on every
+    platform, ``none`` included (the one default of ``spotguard.cadence.DEFAULT_NODE_MTBF_S``, which
+    ``spotguard cadence`` and the drill assume too); on dedicated (non-spot) nodes set about 6000."""
     prior_weight: float = Field(1.0, gt=0, le=1000)
     """How many interruptions the prior counts as: more trusts it longer against what is observed."""
     min_mtbf_seconds: float = Field(300.0, gt=0)
@@ -296,10 +292,10 @@ class Settings(BaseSettings):
     """Sockets live here (created mode 0700)."""
     state_dir: Path = Field(default_factory=_default_state_dir)
     """Pending notices, the upload journal and the goodput ledger live here."""
-    checkpoint_root: Path | None = Field(default_factory=_default_checkpoint_root)
-    """Committed checkpoints must lie under this directory. Default: the directory the daemon was
-    started in (where ``Run("checkpoints")`` beside it writes), unless that is ``/`` (systemd, most
-    containers): then none, and every commit is refused with a warning naming this setting."""
+    checkpoint_root: Path | None = None
+    """Committed checkpoints must lie under this directory, and the daemon uploads only those. Unset
+    (the default): none, whatever directory the daemon starts in; it says so at start, nothing is
+    uploaded, and every commit is refused with a warning naming this setting."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Daemon log level (the client library never configures logging)."""
     log_format: Literal["text", "json"] = "text"

@@ -18,9 +18,19 @@ milliseconds that must not stand between a platform's notice and the clients (a 
 loses only the re-announcement, and polled sources report their notice again on the next poll).
 Pending notices are persisted to ``<state_dir>/notices.json`` after every change, written atomically
 (temporary file, fsync, ``os.replace``, fsync of the directory, mode 0600), so a daemon that restarts
-while a notice is pending announces it again to the clients that reconnect. Notices whose deadline
-passed more than ``stale_after`` seconds ago are dropped on load and by :meth:`NoticeStore.expire`,
-and so are manual notices without a deadline received that long ago.
+while a notice is pending announces it again to the clients that reconnect, unless its source is
+not watched in the restarted daemon's configuration (an AWS notice left by a simulator run, and the
+daemon now runs with ``--platform none``): that one is dropped, in one log line.
+
+Deadlines. A manual notice (a drill, ``spotguard notify``) ends at its deadline (cancelled
+``MANUAL_GRACE`` seconds after it, once the timeline has decided its outcome). Any other notice whose
+deadline passed while this node is evidently still alive is *overdue*: it stays pending (``status``
+shows it as overdue, the clients already stopping for it keep it), but it is no longer offered to
+clients (:meth:`NoticeStore.offered`: the register and status replies, the heartbeats' pending ids),
+so a job that starts after the deadline is not stopped by a preemption that did not come; the
+store logs this once per notice. Notices whose deadline passed more than ``stale_after`` seconds
+ago are dropped on load and by :meth:`NoticeStore.expire`, and so are manual notices without a
+deadline received that long ago.
 
 Listeners are plain callables, called synchronously in the order they were added; one that raises
 is logged and does not stop the others (a broken webhook must not hide a notice from the clients).
@@ -50,6 +60,9 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 RESCHEDULE_SECONDS = 1.0
+MANUAL_GRACE = 1.0
+"""Seconds after its deadline at which a manual notice is cancelled (the timeline's housekeeping tick
+decides ``missed_deadline`` first)."""
 
 AnnounceListener = Callable[[Notice], None]
 CancelListener = Callable[[Notice, str], None]
@@ -91,6 +104,7 @@ class NoticeStore:
         self._snapshots: dict[str, set[str]] = {}
         self._on_announce: list[AnnounceListener] = []
         self._on_cancel: list[CancelListener] = []
+        self._overdue_said: set[str] = set()
 
     # ------------------------------------------------------------------ listeners
 
@@ -171,13 +185,35 @@ class NoticeStore:
         return True
 
     def expire(self) -> list[str]:
-        """Cancel notices whose deadline passed more than ``stale_after`` ago; return their ids."""
-        stale = [i for i, e in self._entries.items() if self._is_stale(e.notice)]
-        for notice_id in stale:
-            self._remove(notice_id, "expired")
-        if stale:
+        """Cancel notices whose deadline passed more than ``stale_after`` ago, and manual ones past
+        their deadline; say once of each other notice that it became overdue. Return the ids cancelled."""
+        now = self._clock()
+        ended = {i: "its deadline passed" if self._manual_ended(e.notice, now) else "expired"
+                 for i, e in self._entries.items()
+                 if self._manual_ended(e.notice, now) or self._is_stale(e.notice)}
+        for notice_id, reason in ended.items():
+            self._remove(notice_id, reason)
+        if ended:
             self._persist()
-        return stale
+        for notice in self.pending():
+            if notice.id in self._overdue_said or notice.source == MANUAL_SOURCE:
+                continue  # a manual notice ends at its deadline instead
+            if self.overdue(notice):
+                self._overdue_said.add(notice.id)
+                log.warning("notice %s passed its deadline %s and this node is still alive: jobs that "
+                            "start from now on are not stopped by it (kept visible as overdue until its "
+                            "source withdraws it or %.0f s pass)", notice.id, notice.deadline.isoformat(),
+                            self._stale_after.total_seconds())
+        self._overdue_said.intersection_update(self._entries)
+        return list(ended)
+
+    def overdue(self, notice: Notice) -> bool:
+        """Whether the notice's deadline passed (the node outlived it); see the module docstring."""
+        return notice.deadline is not None and notice.deadline < self._clock()
+
+    def _manual_ended(self, notice: Notice, now: datetime) -> bool:
+        return notice.source == MANUAL_SOURCE and notice.deadline is not None \
+            and notice.deadline + timedelta(seconds=MANUAL_GRACE) < now
 
     def _is_stale(self, notice: Notice) -> bool:
         """Deadline passed ``stale_after`` ago; a manual notice without a deadline (a drill) goes
@@ -191,6 +227,10 @@ class NoticeStore:
     def pending(self) -> list[Notice]:
         """Pending notices, oldest first (a snapshot: the metrics thread calls this too)."""
         return sorted((e.notice for e in list(self._entries.values())), key=lambda n: n.received_at)
+
+    def offered(self) -> list[Notice]:
+        """Pending notices a client that registers now is told of: those not :meth:`overdue`."""
+        return [n for n in self.pending() if not self.overdue(n)]
 
     def get(self, notice_id: str) -> Notice | None:
         entry = self._entries.get(notice_id)
@@ -235,17 +275,23 @@ class NoticeStore:
         except OSError as exc:
             log.error("cannot write %s: %s (pending notices will not survive a restart)", self._path, exc)
 
-    def restore(self) -> list[Notice]:
+    def restore(self, sources: Iterable[str] | None = None) -> list[Notice]:
         """Load the notices a previous daemon left pending; they are pending (``status`` lists them)
         at once, and announced by :meth:`announce_restored`, which the daemon calls once its clients
         had time to reconnect and register (an announcement right after the bind reaches nobody).
 
         Call once, after the listeners are attached. Returns the notices loaded. The sources'
         snapshots are rebuilt too, so a watcher whose next poll no longer lists a notice cancels it.
+        With ``sources`` (the sources this daemon watches now), a notice from any other source is
+        dropped: nothing here could ever withdraw it.
         """
-        restored = []
+        restored, watched = [], None if sources is None else set(sources)
         for entry in self._read():
             if self._is_stale(entry.notice) or entry.notice.id in self._entries:
+                continue
+            if watched is not None and entry.notice.source not in watched:
+                log.warning("dropping notice %s left pending by the previous run: its source %r is not "
+                            "watched in this configuration", entry.notice.id, entry.notice.source)
                 continue
             entry.restored = True
             self._entries[entry.notice.id] = entry
@@ -261,6 +307,11 @@ class NoticeStore:
         for notice in notices:
             entry = self._entries.get(notice.id)
             if entry is None or entry.notice is not notice:
+                continue
+            if self.overdue(notice):
+                log.warning("not re-announcing notice %s left pending by the previous run: its deadline "
+                            "%s passed and this node is still alive (overdue)", notice.id,
+                            notice.deadline.isoformat())
                 continue
             log.info("re-announcing notice %s left pending by the previous run", notice.id)
             self._emit(self._on_announce, entry.notice)

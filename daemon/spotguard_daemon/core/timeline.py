@@ -19,7 +19,8 @@ Each notice gets one outcome, counted once: ``saved`` (every registered client r
 before the deadline, none without a save it needed), ``no_room`` (a client had no time to save; its
 last committed checkpoint stands), ``missed_deadline`` (the deadline passed before every client was
 safe, or a client's report came after it), ``no_client`` (no client was registered when it was
-seen and none took part), or ``cancelled`` (withdrawn before any of that, with clients). A notice
+seen and none took part), or ``cancelled`` (withdrawn before any of that, with clients, or by an
+operator: ``spotguard notices cancel``, whose reason is ``cancelled by operator``). A notice
 without a deadline cannot miss it.
 
 Bounds: ``MAX_STAGES`` stages and ``MAX_JOBS`` jobs waited for per timeline (further ones counted
@@ -51,13 +52,15 @@ from spotguard.protocol import MAX_HISTORY, TERMINATING_KINDS, Notice, SafeReque
 
 from spotguard_daemon.core.store import write_private_atomic
 
-__all__ = ["Timelines", "OUTCOMES", "STAGES"]
+__all__ = ["Timelines", "OUTCOMES", "STAGES", "BY_OPERATOR"]
 
 log = logging.getLogger(__name__)
 
 STAGES = ("seen", "published", "signalled", "flagged", "stopped", "committed", "already", "no_room",
           "save_failed", "safe", "durable", "gone", "daemon_stopped")
 OUTCOMES = ("saved", "no_room", "missed_deadline", "no_client", "cancelled")
+BY_OPERATOR = "cancelled by operator"
+"""The reason of a notice withdrawn with ``spotguard notices cancel``: outcome ``cancelled``."""
 LINGER_SECONDS = 600.0
 """How long a timeline with an outcome waits for its ``durable`` stage before it joins the history."""
 ALIVE_SECONDS = 5.0
@@ -186,12 +189,16 @@ class Timelines:
         self.tick()
 
     def cancelled(self, notice_id: str, reason: str) -> None:
-        """The notice was withdrawn (a platform cancel, a drill done, expiry)."""
+        """The notice was withdrawn (a platform cancel, a drill done, expiry, an operator); a timeline
+        already closed (its deadline decided it) notes the reason too."""
         line = self._open.get(notice_id)
         if line is None:
+            closed = next((c for c in reversed(self._history) if c["id"] == notice_id), None)
+            if closed is not None and "cancelled" not in closed:
+                closed["cancelled"], self._dirty = reason[:200], True
             return
-        if line["outcome"] is None:
-            self._decide(line, "cancelled" if self._took_part(line) else "no_client")
+        if line["outcome"] is None:  # an operator's cancel never counts against the node
+            self._decide(line, "cancelled" if self._took_part(line) or reason == BY_OPERATOR else "no_client")
         line["cancelled"] = reason[:200]
         self.tick()
 

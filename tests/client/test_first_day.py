@@ -1,0 +1,188 @@
+"""What a user meets on the first day (issue 32, items 4-9), with real processes.
+
+* One launch of ``examples/train_plain.py`` after another on one checkpoint root: the start line
+  (fresh, then resumed and from where), a second launch on the held root refused with the holder's
+  pid and host, Ctrl-C to the process group (a terminal's) saving the step reached and exiting 130
+  with one line, Ctrl-C twice aborting at once, and ``$SPOTGUARD_FRESH=1`` starting over.
+* The root's lock: a holder SIGKILLed leaves nothing that blocks; one process may take it twice.
+* An unwritable root (a real read-only tmpfs mount) is refused at start with one line.
+* The Hugging Face callback written as the docs show (no ``job_id``) derives its own id: a second
+  command on the same store never restores the first one's model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spotguard import _root
+from spotguard.checkpoint import Checkpointer
+
+from _example import Proc, isolated_env
+
+ARGS = ("--save-every", "1000", "--step-sleep", "0.3")
+
+
+def committed_step(ckpt: Path) -> int | None:
+    info = Checkpointer(ckpt).latest()
+    return None if info is None else info.step
+
+
+def launch(ckpt: Path, env: dict[str, str], steps: int = 400) -> Proc:
+    """The example in a process group of its own, as a terminal's foreground job."""
+    return Proc.example(ckpt, steps, *ARGS, env=env, start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_second_launch_is_refused_ctrl_c_saves_and_a_fresh_start_is_one_variable(tmp_path):
+    env, ckpt = isolated_env(tmp_path / "rt"), tmp_path / "ckpt"
+    first = launch(ckpt, env)
+    try:
+        first.wait_line(r"start step=0", timeout=60)
+        assert re.search(r"^spotguard: job train_plain-[0-9a-f]{10}: fresh start at step 0 \(no checkpoint",
+                         first.output, re.M), first.output
+
+        second = launch(ckpt, env)  # the same command again while the first trains
+        assert second.finish(60) == 1, second.output
+        assert second.lines == [f"spotguard: the checkpoint root {ckpt} is in use by pid {first.popen.pid} "
+                                f"on host {socket.gethostname()} (job {job_of(first)}, since "
+                                f"{holder_since(ckpt)}): two launches on one root would interleave their "
+                                "checkpoints. Wait for that run to end (or stop it), or give this launch "
+                                "another checkpoint root"], second.output
+
+        os.killpg(first.popen.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole group
+        assert first.finish(60) == 130, first.output
+    finally:
+        stop(first)
+    (line,) = [x for x in first.lines if "Ctrl-C" in x]
+    stopped = int(re.fullmatch(r"spotguard: interrupted \(Ctrl-C\): stopped at step (\d+), saved; the identical "
+                               r"command resumes \(exit 130; Ctrl-C twice aborts at once\)", line)[1])
+    assert stopped >= 1 and committed_step(ckpt) == stopped
+    assert "Traceback" not in first.output and "stopping at step" not in first.output  # one line
+
+    again = launch(ckpt, env)  # the identical command resumes, and says so
+    try:
+        again.wait_line(rf"start step={stopped}", timeout=60)
+        assert f"job {job_of(first)}: resumed from step {stopped} (local checkpoint {ckpt}/step-" in again.output
+        os.killpg(again.popen.pid, signal.SIGINT)
+        time.sleep(0.02)
+        os.killpg(again.popen.pid, signal.SIGINT)  # twice: abort at once, no save
+        assert again.finish(60) == -signal.SIGINT, again.output
+    finally:
+        stop(again)
+    assert "KeyboardInterrupt" in again.output, again.output
+    assert committed_step(ckpt) in (stopped, stopped + 1)  # the stop's save, if it ran before the second
+
+    fresh = Proc.example(ckpt, 3, *ARGS, env={**env, "SPOTGUARD_FRESH": "1"})  # starting over
+    assert fresh.finish(60) == 0, fresh.output
+    assert f"starting fresh: removed 1 checkpoint(s) under {ckpt} (newest: step {stopped})" in fresh.output
+    assert "fresh start at step 0" in fresh.output and "final step=3" in fresh.output
+    assert committed_step(ckpt) == 3
+
+
+def job_of(proc: Proc) -> str:
+    return re.search(r"spotguard: job (\S+):", proc.output)[1]
+
+
+def holder_since(ckpt: Path) -> str:
+    return (ckpt / _root.LOCK_NAME).read_text().split(" ", 3)[3].strip()
+
+
+def stop(proc: Proc) -> None:
+    if proc.popen.poll() is None:
+        os.killpg(proc.popen.pid, signal.SIGKILL)
+        proc.finish(30)
+
+
+HOLDER = ("import sys, time; from pathlib import Path; from spotguard import _root; "
+          "_root.hold(Path(sys.argv[1]), 'holder'); print('held', flush=True); time.sleep(60)")
+
+
+def test_a_killed_holder_never_blocks_and_one_process_may_hold_a_root_twice(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(_root.StartRefused, match=rf"in use by pid {holder.pid} on host "
+                                                     rf"{re.escape(socket.gethostname())} \(job holder, since "):
+            _root.hold(tmp_path, "mine")
+    finally:
+        holder.kill()
+        holder.wait()
+    key = _root.hold(tmp_path, "mine")  # the kernel released the SIGKILLed holder's lock
+    assert _root.hold(tmp_path, "mine") == key  # a second Run on the same root in this process
+    _root.release(key)
+    _root.release(key)
+    assert key not in _root._held
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A real read-only file system (tmpfs mounted ro), unmounted after the test."""
+    where = tmp_path / "ro"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount(8) to make a read-only file system")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.mark.parametrize("inside", ["", "ckpt"])  # the mount itself (exists), or a root to create in it
+def test_a_read_only_root_is_refused_at_start_with_one_line(read_only_mount, inside):
+    import torch
+
+    from spotguard import Run
+
+    root = read_only_mount / inside if inside else read_only_mount
+    with pytest.raises(SystemExit) as refused:
+        Run(root, model=torch.nn.Linear(2, 1), daemon=False)
+    assert refused.value.code == (f"spotguard: cannot write the checkpoint root {root}: Read-only file "
+                                  "system (errno EROFS); give the run a directory it can write")
+
+
+def test_the_hf_callback_without_a_job_id_never_restores_another_commands_model(tmp_path, monkeypatch):
+    """Command 1 (the user-style HF job, no job_id, a file:// store) commits its copies under its
+    derived id, uploaded as the daemon would; command 2 (this test's process, the same store)
+    derives another id and starts from step 0; the store gives step 4 only to command 1's id."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
+    from spotguard.integrations.huggingface import SpotguardTrainerCallback, latest_checkpoint
+    from spotguard.storage._local import read_manifest
+    from spotguard.storage.durable import Durable
+    from spotguard.storage.file import FileStore
+
+    from test_integrations import TinyModel, collate, dataset, quiet_guard
+
+    bucket, out1 = tmp_path / "bucket", tmp_path / "out1"
+    env = isolated_env(tmp_path / "rt", SPOTGUARD_STORAGE__URL=f"file://{bucket}", JOB_STEPS="4")
+    job = Path(__file__).with_name("_integration_jobs.py")
+    first = subprocess.run([sys.executable, str(job), "hf", str(out1)], env=env, timeout=180,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert first.returncode == 0, first.stdout[-3000:]
+    copy = out1 / "spotguard" / "step-0000000004"
+    first_id = read_manifest(copy)["job_id"]
+    assert re.fullmatch(r"integration_jobs-[0-9a-f]{10}", first_id), first_id
+    assert f"spotguard: job {first_id}: fresh start at step 0" in first.stdout
+    Durable(FileStore(bucket)).upload(copy, first_id)  # what the daemon does with the reported copy
+
+    monkeypatch.setenv("SPOTGUARD_STORAGE__URL", f"file://{bucket}")
+    out2 = tmp_path / "out2"
+    assert latest_checkpoint(out2) is None  # this command's id: nothing in the store
+    callback = SpotguardTrainerCallback(guard=quiet_guard())
+    args = transformers.TrainingArguments(str(out2), max_steps=2, per_device_train_batch_size=8, save_steps=1000,
+                                          use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(TinyModel(), args, train_dataset=dataset(), data_collator=collate,
+                                   callbacks=[callback])
+    trainer.train(resume_from_checkpoint=latest_checkpoint(out2))
+    callback.guard.close()
+    assert callback.job_id not in ("", "default", first_id) and trainer.state.global_step == 2
+    assert latest_checkpoint(tmp_path / "out3", job_id=first_id) == str(tmp_path / "out3" / "spotguard" /
+                                                                        "step-0000000004")

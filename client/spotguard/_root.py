@@ -3,11 +3,12 @@
 * :func:`probe` writes and removes a small file under the root, so a read-only file system or a
   directory this user cannot write is refused at start, with one line naming the path and the
   error, instead of at the first save (hours later with the default cadence).
-* :func:`hold` takes an exclusive ``flock`` on ``<root>/.spotguard.lock``. A second launch on the
-  same root (another ``python train.py``, which would train alongside the first and interleave
-  its commits) is refused at start, with one line naming the pid and host holding the root. The
-  kernel releases the lock when the holder's process ends, however it ends (SIGKILL too), so a
-  lock left by a dead process never blocks: ``spotguard run`` relaunches, a requeued job and a
+* :func:`hold` takes an exclusive lock (``fcntl``'s, as ``flock`` a kernel lock, but one that
+  forked children such as data loader workers do not inherit, and that works on NFS) on
+  ``<root>/.spotguard.lock``. A second launch on the same root (another ``python train.py``,
+  which would train alongside the first and interleave its commits) is refused at start, with one
+  line naming the pid and host holding the root. The kernel releases the lock when the holder's
+  process ends, however it ends (SIGKILL too), so a lock left by a dead process never blocks: ``spotguard run`` relaunches, a requeued job and a
   restarted container pass. One process per root takes it, the rank that commits the root's
   checkpoints (rank 0 for a shared root, each node's leader for node-local roots), so the ranks
   of one job pass; a process that already holds a root may open it again (a second ``Run`` on it
@@ -69,23 +70,27 @@ def hold(root: Path, job_id: str) -> tuple[int, int]:
     :class:`StartRefused` naming the holder when another process holds it. Returns the key to
     release it with."""
     path = root / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise StartRefused(unwritable(root, exc)) from None
-    st = os.fstat(fd)
-    key = (st.st_dev, st.st_ino)
     with _held_lock:
-        if key in _held:  # this process holds it already (another Run on the same root)
-            os.close(fd)
-            _held[key][1] += 1
-            return key
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            pass
+        else:
+            if (st.st_dev, st.st_ino) in _held:  # held here already (another Run on the same root):
+                _held[st.st_dev, st.st_ino][1] += 1  # no second descriptor, whose close would unlock it
+                return st.st_dev, st.st_ino
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise StartRefused(unwritable(root, exc)) from None
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = _read(fd)
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise StartRefused(busy(root, holder)) from None
             raise StartRefused(f"cannot lock the checkpoint root {root}: {exc.strerror or exc}") from None
         os.ftruncate(fd, 0)
@@ -104,7 +109,7 @@ def release(key: tuple[int, int] | None) -> None:
         entry[1] -= 1
         if entry[1] == 0:
             del _held[key]
-            os.close(entry[0])  # closing the only descriptor releases the flock
+            os.close(entry[0])  # closing the only descriptor releases the lock
 
 
 def _read(fd: int) -> str:
@@ -122,8 +127,6 @@ def busy(root: Path, holder: str) -> str:
     else:
         pid, host, job, since = int(parts[0]), parts[1], parts[2], parts[3]
         who = f"pid {pid} on host {host} (job {job}, since {since})"
-        if host == socket.gethostname() and not alive(pid):
-            who += f"; pid {pid} has ended, a process it started (a data loader worker?) still holds it"
     return (f"the checkpoint root {root} is in use by {who}: two launches on one root would "
             "interleave their checkpoints. Wait for that run to end (or stop it), or give this "
             "launch another checkpoint root")

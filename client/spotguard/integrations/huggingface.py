@@ -91,7 +91,7 @@ from typing import Any, Mapping
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from spotguard import _ddp, _exit, _jobid
+from spotguard import _ddp, _exit, _jobid, _root
 from spotguard._console import console, start_line
 from spotguard._run_start import fresh_requested
 from spotguard._peer import exit_peer_lost_when_uncaught
@@ -219,6 +219,8 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         self._stop_report: dict[str, Any] | None = None
         """The stop's side of the notice timeline (:class:`~spotguard.protocol.SafeRequest`'s fields)."""
         self._saved_step: int | None = None
+        self._root_lock: tuple[int, int] | None = None
+        """``output_dir``'s lock (:mod:`spotguard._root`), from ``on_train_begin`` to ``on_train_end``."""
 
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
@@ -232,6 +234,11 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         self.stopped, self._stop_report, self._saved_step = False, None, None
         job, given = _jobid.resolve(self._given_job or getattr(self.guard, "job_id", ""))
         self.job_id = _jobid.agree(job, given=given)  # rank 0's on every rank
+        if state.is_world_process_zero and self._root_lock is None:  # the process that saves: as Run
+            root = Path(args.output_dir).absolute()
+            root.mkdir(parents=True, exist_ok=True)
+            _root.probe(root)
+            self._root_lock = _root.hold(root, self.job_id)
         if self.guard is None:
             self.guard = Guard(rank=args.process_index, job_id=self.job_id, **self._guard_kwargs)
         self._record = Recorder(rank=args.process_index, job=self.job_id)
@@ -363,6 +370,8 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         if self._drained is not None:
             _undrain(*self._drained)
             self._drained = None
+        _root.release(self._root_lock)
+        self._root_lock = None
         if self.guard is None:
             return
         if self.stopped and self._stop_report is not None:

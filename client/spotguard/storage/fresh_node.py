@@ -116,9 +116,9 @@ def restore_newer(root: str | os.PathLike[str], job_id: str, url: str | None,
         return None
     if local is not None and local >= remote:
         return None
-    log.warning("%s, the store %s holds step %d of job %s: restoring it",
+    log.warning("%s, the store %s (job %s) holds step %d: restoring it",
                 f"local checkpoints end at step {local}" if local is not None else
-                f"no local checkpoint under {root}", url.split("?", 1)[0], remote, job)
+                f"no local checkpoint under {root}", url.split("?", 1)[0], job, remote)
     root.mkdir(parents=True, exist_ok=True)
     try:
         path = durable.restore(job, root, retry_until=retry.until, ranks=ranks)

@@ -68,6 +68,14 @@ Without ``job_id`` (or ``$SPOTGUARD_JOB_ID``) the run's id is derived from its c
 (:mod:`spotguard._jobid`, logged at start), so two experiments never share checkpoints in the
 durable store; a checkpoint that does not fit the state is refused with a message naming the fix.
 
+At start, the root's leader (rank 0, or each node's first rank with node-local roots) probes the
+root with a write and locks it (:mod:`spotguard._root`): an unwritable root, or one another launch
+holds, is refused with one line (exit 1). Rank 0 then prints one start line on stderr (job id,
+resumed step and where from, or a fresh start; :mod:`spotguard._console`). ``fresh=True`` (else
+``$SPOTGUARD_FRESH=1``) starts over: the root's committed checkpoints are removed and nothing is
+restored (refused when the durable store holds checkpoints of the job: it needs a new id). Ctrl-C
+(SIGINT) stops at the next boundary with a save and exits 130; a second one aborts at once.
+
 Every commit is reported to the daemon (``CommitRequest``), and rank 0's progress every few seconds
 (``ProgressRequest``, sent by the guard's thread; see :class:`~spotguard.guard.Guard`), so the daemon
 can count the steps a restart loses after the last commit and learn how often the job is interrupted:

@@ -69,17 +69,20 @@ class _StopExit(SystemExit):
         return SystemExit.code.__get__(self)  # type: ignore[attr-defined]
 
 
-def interrupt() -> bool:
-    """Note a SIGINT (Ctrl-C), from a signal handler; True when one came before: the second
-    aborts at once."""
-    again = bool(_state.get("interrupted"))
-    _state["interrupted"] = True
-    return again
+def interrupt(echo_s: float = 0.0) -> bool:
+    """Note a SIGINT (Ctrl-C), from a signal handler; True when one came before, more than
+    ``echo_s`` seconds earlier: the second aborts at once. (Under torchrun a terminal's Ctrl-C
+    reaches each rank twice, from the terminal and from the agent passing it on: ``echo_s``.)"""
+    now, first = time.monotonic(), _state.get("interrupted")
+    if first is None:
+        _state["interrupted"] = now
+        return False
+    return now - first > echo_s
 
 
 def interrupted() -> bool:
     """Whether this process was sent SIGINT while a guard watched (its stop exits 130)."""
-    return bool(_state.get("interrupted"))
+    return _state.get("interrupted") is not None
 
 
 def stop_exit(code: int) -> SystemExit:

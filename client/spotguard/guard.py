@@ -96,6 +96,9 @@ DEFAULT_SIGNAL_DEADLINES: Mapping[int, float | None] = {signal.SIGTERM: 30.0, si
 SIGINT (Ctrl-C), whatever the mapping says unless it names SIGINT itself, while Python's own
 handler is installed: a stop with no deadline, the step reached is saved and the process exits
 130; a second SIGINT raises ``KeyboardInterrupt`` at once (:func:`spotguard._exit.interrupt`)."""
+TORCHRUN_ECHO_S = 2.0
+"""Under torchrun, a second SIGINT this soon after the first is the agent passing the terminal's
+Ctrl-C on (it sends the ranks the signal it got), not a second Ctrl-C."""
 GRACE_ENV = "SPOTGUARD_SIGNAL__GRACE"
 """Seconds from SIGTERM to the kill, shared with the daemon's ``signal.grace`` setting."""
 
@@ -128,6 +131,7 @@ class Guard:
         self.job_id = job_id
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self._signal_deadlines = _with_interrupt(_with_grace(signal_deadlines))
+        self._echo_s = TORCHRUN_ECHO_S if os.environ.get("TORCHELASTIC_RUN_ID") else 0.0
         self._daemon_signal = daemon_signal
         self._stop_on_advisory, self._checkpoint_on_advisory = stop_on_advisory, checkpoint_on_advisory
         self._margin, self._timeout = force_exit_margin, force_exit_timeout
@@ -423,7 +427,7 @@ class Guard:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        if signum == signal.SIGINT and _exit.interrupt():  # Ctrl-C again: abort at once
+        if signum == signal.SIGINT and _exit.interrupt(self._echo_s):  # Ctrl-C again: abort at once
             raise KeyboardInterrupt
         self._signals.append((signum, time.time()))  # the only thing a handler does
 

@@ -186,3 +186,29 @@ def test_the_hf_callback_without_a_job_id_never_restores_another_commands_model(
     assert callback.job_id not in ("", "default", first_id) and trainer.state.global_step == 2
     assert latest_checkpoint(tmp_path / "out3", job_id=first_id) == str(tmp_path / "out3" / "spotguard" /
                                                                         "step-0000000004")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_ranks_share_the_root_and_ctrl_c_to_the_group_saves_one_step_on_every_rank(tmp_path):
+    """Two ranks of one job pass the root's lock; a terminal's Ctrl-C reaches torchrun and both
+    ranks, and torchrun passes it on to the ranks again: that echo is not a second Ctrl-C."""
+    env, ckpt = isolated_env(tmp_path / "rt", PYTHONWARNINGS="ignore"), tmp_path / "ckpt"
+    from _example import example_args
+
+    proc = Proc([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 *example_args(ckpt, 400, *ARGS)], env, start_new_session=True)
+    try:
+        for _ in range(2):
+            proc.wait_line(r"rank=\d pid=\d+ start step=0", timeout=120)
+        os.killpg(proc.popen.pid, signal.SIGINT)
+        proc.finish(90)
+    finally:
+        stop(proc)
+    stops = {int(m[1]): (int(m[2]), int(m[3])) for m in proc.grab(r"rank=(\d) stopped step=(\d+) status=(\d+)")}
+    assert sorted(stops) == [0, 1] and len(set(stops.values())) == 1, proc.output
+    (step, status), = set(stops.values())
+    assert status == 130 and committed_step(ckpt) == step, proc.output
+    assert len(proc.grab(r"spotguard: job \S+: fresh start")) == 1  # rank 0 only
+    assert len(proc.grab(rf"interrupted \(Ctrl-C\): stopped at step {step}, saved")) == 1, proc.output
+    assert "KeyboardInterrupt" not in proc.output

@@ -212,3 +212,27 @@ def test_torchrun_ranks_share_the_root_and_ctrl_c_to_the_group_saves_one_step_on
     assert len(proc.grab(r"spotguard: job \S+: fresh start")) == 1  # rank 0 only
     assert len(proc.grab(rf"interrupted \(Ctrl-C\): stopped at step {step}, saved")) == 1, proc.output
     assert "KeyboardInterrupt" not in proc.output
+
+
+def test_lightning_ctrl_c_stops_fit_with_a_save_and_exits_130(tmp_path):
+    """Lightning's own answer to Ctrl-C is a KeyboardInterrupt it shuts down on; the callback's
+    guard takes the first SIGINT instead: fit ends at the next step with that step saved, 130."""
+    pytest.importorskip("lightning.pytorch", reason="needs lightning (extra: lightning)")
+    from spotguard import _exit
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    from test_integrations import TinyModule, fit, quiet_guard, step_dirs
+
+    root = tmp_path / "ckpt"
+    module = TinyModule(signal_at=3, signum=signal.SIGINT)
+    callback = SpotguardCallback(root, guard=quiet_guard())
+    try:
+        trainer = fit(module, callback)
+        assert callback.stopped and trainer.global_step == 4 and module.ran == [0, 1, 2, 3]
+        assert step_dirs(root) == ["step-0000000004"]
+        with pytest.raises(SystemExit) as exc:
+            callback.exit_if_stopped()
+        assert exc.value.code == 130
+    finally:
+        _exit._state.pop("interrupted", None)  # this test process was never interrupted for the others
+        signal.signal(signal.SIGINT, signal.default_int_handler)

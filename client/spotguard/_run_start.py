@@ -101,7 +101,7 @@ def start_fresh(run: Any) -> None:
             raise StartRefused(
                 f"starting fresh, but the store {url.split('?', 1)[0]} holds step {held} of job "
                 f"{run._job_id}: give the new run its own job id (job_id= or $SPOTGUARD_JOB_ID), or "
-                f"resume without {FRESH_ENV}")
+                f"resume instead (no fresh=True, no ${FRESH_ENV})")
     if run.checkpointer._leads:
         found = layout.committed_dirs(run.checkpointer.root)
         for _, path in found:

@@ -236,3 +236,24 @@ def test_lightning_ctrl_c_stops_fit_with_a_save_and_exits_130(tmp_path):
     finally:
         _exit._state.pop("interrupted", None)  # this test process was never interrupted for the others
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_a_fresh_start_is_refused_while_the_store_holds_the_jobs_checkpoints(tmp_path):
+    import torch
+
+    from spotguard import Run
+    from spotguard.storage.durable import Durable
+    from spotguard.storage.file import FileStore
+
+    with Run(tmp_path / "old", model=torch.nn.Linear(2, 1), job_id="exp", save_every=2, daemon=False) as run:
+        for _ in run.steps(2):
+            pass
+    Durable(FileStore(tmp_path / "bucket")).upload(tmp_path / "old" / "step-0000000002", "exp")
+    run = Run(tmp_path / "new", model=torch.nn.Linear(2, 1), job_id="exp", daemon=False, fresh=True,
+              durable=f"file://{tmp_path / 'bucket'}")
+    with pytest.raises(SystemExit) as refused:
+        next(run.steps(2))
+    run.close()
+    assert refused.value.code == (f"spotguard: starting fresh, but the store file://{tmp_path / 'bucket'} holds "
+                                  "step 2 of job exp: give the new run its own job id (job_id= or "
+                                  "$SPOTGUARD_JOB_ID), or resume instead (no fresh=True, no $SPOTGUARD_FRESH)")

@@ -49,7 +49,7 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from spotguard import rng
+from spotguard import _exit, rng
 from spotguard._optim import hookable
 from spotguard._run_stop import save_fits
 from spotguard._watchdog import Watchdog, run_exit_hooks
@@ -274,20 +274,20 @@ class Between:
         already = run._saved_step == done
         fits = already or save_fits(decision.save_seconds, left, run.save_margin)
         saved = False
+        say = log.info if _exit.interrupted() else log.warning  # Ctrl-C: one line at the stop instead
         if already:
-            log.warning("stopping between steps, step %d already saved", done)
+            say("stopping between steps, step %d already saved", done)
         elif fits:
-            log.warning("stopping between steps: emergency save of step %d beside the work (about %.2f s, "
-                        "%s)", done, decision.save_seconds or 0.0,
-                        "no deadline" if left is None else f"{left:.1f} s left")
+            say("stopping between steps: emergency save of step %d beside the work (about %.2f s, %s)", done,
+                decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f} s left")
             try:
                 run._save(done, "emergency", state=as_captured(run.state, rng_state, position))
                 saved = True
             except CheckpointError as exc:
                 log.error("the emergency save failed (%s); the previous checkpoint stands", exc)
         else:
-            log.warning("stopping between steps: no time for a save (%s s needed, %s s left); the last "
-                        "committed checkpoint stands", decision.save_seconds, left)
+            say("stopping between steps: no time for a save (%s s needed, %s s left); the last "
+                "committed checkpoint stands", decision.save_seconds, left)
         try:
             run.checkpointer.wait(None if left is None else max(0.0, left - run.save_margin))
         except CheckpointError as exc:

@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import Any
 
-__all__ = ["handler", "console", "ConsoleHandler", "start_line"]
+__all__ = ["ConsoleHandler", "console", "handler", "start_line"]
 
 console = logging.getLogger("spotguard.console")
 console.setLevel(logging.INFO)

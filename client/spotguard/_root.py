@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["StartRefused", "probe", "hold", "release", "alive", "LOCK_NAME"]
+__all__ = ["LOCK_NAME", "StartRefused", "alive", "hold", "probe", "release"]
 
 LOCK_NAME = ".spotguard.lock"
 

@@ -481,9 +481,9 @@ class Guard:
                 return
             self._notices[notice.id] = notice
             left = notice.seconds_left()
-            log.warning("interruption notice %s (%s, %s): %s", notice.id, notice.kind.value,
-                        "no deadline" if left is None else f"{left:.1f} s left",
-                        notice.detail if known is None else "rescheduled")
+            say = log.info if notice.id.startswith("local:SIGINT:") else log.warning  # Ctrl-C: one line at the stop
+            say("interruption notice %s (%s, %s): %s", notice.id, notice.kind.value,
+                "no deadline" if left is None else f"{left:.1f} s left", notice.detail if known is None else "rescheduled")
             if self._stops(notice):
                 if notice.id not in self._flagged:
                     self._flagged[notice.id] = utcnow()

@@ -14,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from spotguard import _fork, rng  # noqa: F401 (_fork: one warning at a fork that can hang the child)
+from spotguard._console import handler as console_handler
 from spotguard.cadence import Cadence, daly_interval, young_interval
 from spotguard.exit_codes import EXIT_FORCED, EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotguard.guard import Guard
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "console_handler",
     "Run",
     "Checkpointer",
     "CommitInfo",

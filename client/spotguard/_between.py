@@ -49,12 +49,12 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from spotguard import rng
+from spotguard import _exit, rng
 from spotguard._optim import hookable
 from spotguard._run_stop import save_fits
 from spotguard._watchdog import Watchdog, run_exit_hooks
 from spotguard.checkpoint.errors import CheckpointError
-from spotguard.exit_codes import EXIT_PREEMPTED
+from spotguard.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from spotguard.protocol import utcnow
 
 __all__ = ["Between", "Frozen", "act_after", "as_captured", "exit_now"]
@@ -78,9 +78,13 @@ def act_after(step_seconds: float | None) -> float:
 def exit_now(code: int, reason: str) -> NoReturn:
     """End the process with ``code`` from any thread: say why, flush the logs and streams (bounded
     by a watchdog), run the forced-exit hooks (a loader's workers) and ``os._exit``."""
+    if code == EXIT_PREEMPTED and _exit.interrupted():  # Ctrl-C: 130, its one line said at the stop
+        code, say = EXIT_INTERRUPTED, log.info
+    else:
+        say = log.warning
     Watchdog(code, f"{reason}; flushing took over {EXIT_GRACE:.0f} s").arm(time.monotonic() + EXIT_GRACE)
     try:
-        log.warning("%s: exit %d now", reason, code)
+        say("%s: exit %d now", reason, code)
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
@@ -248,8 +252,9 @@ class Between:
         run = self.run
         run.guard.begin_stop()
         done = run._saved_step if run._saved_step is not None else run.step
-        log.warning("stop during the start (restore, load or first step): nothing was trained since the "
-                    "last commit (step %d)", done)
+        (log.info if _exit.interrupted() else log.warning)(
+            "stop during the start (restore, load or first step): nothing was trained since the last "
+            "commit (step %d)", done)
         run._report_stop(done, {"step": done, "stopped_at": utcnow(), "estimate_s": None,
                                 "seconds_left": run.guard.seconds_left(), "committed_at": None,
                                 "save": "already"}, saved=False)
@@ -274,20 +279,20 @@ class Between:
         already = run._saved_step == done
         fits = already or save_fits(decision.save_seconds, left, run.save_margin)
         saved = False
+        say = log.info if _exit.interrupted() else log.warning  # Ctrl-C: one line at the stop instead
         if already:
-            log.warning("stopping between steps, step %d already saved", done)
+            say("stopping between steps, step %d already saved", done)
         elif fits:
-            log.warning("stopping between steps: emergency save of step %d beside the work (about %.2f s, "
-                        "%s)", done, decision.save_seconds or 0.0,
-                        "no deadline" if left is None else f"{left:.1f} s left")
+            say("stopping between steps: emergency save of step %d beside the work (about %.2f s, %s)", done,
+                decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f} s left")
             try:
                 run._save(done, "emergency", state=as_captured(run.state, rng_state, position))
                 saved = True
             except CheckpointError as exc:
                 log.error("the emergency save failed (%s); the previous checkpoint stands", exc)
         else:
-            log.warning("stopping between steps: no time for a save (%s s needed, %s s left); the last "
-                        "committed checkpoint stands", decision.save_seconds, left)
+            say("stopping between steps: no time for a save (%s s needed, %s s left); the last "
+                "committed checkpoint stands", decision.save_seconds, left)
         try:
             run.checkpointer.wait(None if left is None else max(0.0, left - run.save_margin))
         except CheckpointError as exc:

@@ -40,8 +40,9 @@ import time
 from typing import Any
 
 from spotguard._watchdog import Watchdog
+from spotguard.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
-__all__ = ["ENV", "EXIT_GRACE", "enabled", "stop_exit"]
+__all__ = ["ENV", "EXIT_GRACE", "enabled", "stop_exit", "interrupt", "interrupted"]
 
 ENV = "SPOTGUARD_FAST_EXIT"
 EXIT_GRACE = 10.0
@@ -68,8 +69,27 @@ class _StopExit(SystemExit):
         return SystemExit.code.__get__(self)  # type: ignore[attr-defined]
 
 
+def interrupt(echo_s: float = 0.0) -> bool:
+    """Note a SIGINT (Ctrl-C), from a signal handler; True when one came before, more than
+    ``echo_s`` seconds earlier: the second aborts at once. (Under torchrun a terminal's Ctrl-C
+    reaches each rank twice, from the terminal and from the agent passing it on: ``echo_s``.)"""
+    now, first = time.monotonic(), _state.get("interrupted")
+    if first is None:
+        _state["interrupted"] = now
+        return False
+    return now - first > echo_s
+
+
+def interrupted() -> bool:
+    """Whether this process was sent SIGINT while a guard watched (its stop exits 130)."""
+    return _state.get("interrupted") is not None
+
+
 def stop_exit(code: int) -> SystemExit:
-    """The ``SystemExit(code)`` to raise after a committed stop (see the module docstring)."""
+    """The ``SystemExit(code)`` to raise after a committed stop (see the module docstring); 75
+    becomes 130 (:data:`~spotguard.exit_codes.EXIT_INTERRUPTED`) when the stop was a Ctrl-C."""
+    if code == EXIT_PREEMPTED and interrupted():
+        code = EXIT_INTERRUPTED
     if not enabled():
         return SystemExit(code)
     _state.update(code=code, top=False)

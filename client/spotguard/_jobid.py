@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from spotguard.checkpoint import CheckpointError
 
-__all__ = ["derive", "agree", "check_matches", "mismatch_message", "LEGACY_JOB", "ENV"]
+__all__ = ["derive", "resolve", "agree", "check_matches", "mismatch_message", "LEGACY_JOB", "ENV"]
 
 ENV = "SPOTGUARD_JOB_ID"
 """An explicit job id from the environment (a scheduler or wrapper sets it); ``job_id=`` wins."""
@@ -61,8 +61,16 @@ def derive(argv: Sequence[str] | None = None, cwd: str | None = None,
     script = os.path.normpath(os.path.join(cwd, argv[0])) if argv[0] not in ("", "-c") else argv[0]
     parts = {"argv": [script, *argv[1:]], "cwd": cwd, "array_task": env.get("SLURM_ARRAY_TASK_ID", "")}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
-    stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(script).stem)[:40] or "job"
+    stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(script).stem)[:40]
+    stem = stem.lstrip("-_.") or "job"  # the store takes ids that begin with a letter or digit
     return f"{stem}-{digest}"
+
+
+def resolve(job_id: str = "") -> tuple[str, bool]:
+    """(the id, whether it was given): ``job_id``, else ``$SPOTGUARD_JOB_ID``, else :func:`derive`'s.
+    Every integration names its job this way, so none stores under an empty or shared id."""
+    given = job_id or os.environ.get(ENV, "")
+    return (given, True) if given else (derive(), False)
 
 
 def agree(job_id: str, *, given: bool, process_group: Any = None) -> str:

@@ -7,7 +7,9 @@ import logging
 from typing import Any
 
 from spotguard import _exit
+from spotguard._console import console
 from spotguard._record import stop_times
+from spotguard._run_parts import rank
 from spotguard.checkpoint import CheckpointError
 from spotguard.distributed import Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
@@ -94,15 +96,16 @@ class Stopping:
         stopped_at, left = utcnow(), decision.seconds_left
         saved, already = False, self._saved_step == done
         fits = already or save_fits(decision.save_seconds, left, self.save_margin)
+        say = log.info if _exit.interrupted() else log.warning  # Ctrl-C: one line at the exit instead
         if already:
-            log.warning("stopping at step %d, already saved", done)
+            say("stopping at step %d, already saved", done)
         elif fits:
-            log.warning("stopping at step %d: emergency save (about %.2f s, %s s left)", done,
-                        decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
+            say("stopping at step %d: emergency save (about %.2f s, %s s left)", done,
+                decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
             saved = self._save_emergency(done, state)
         else:
-            log.warning("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
-                        "committed checkpoint stands", done, decision.save_seconds, left)
+            say("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
+                "committed checkpoint stands", done, decision.save_seconds, left)
         try:
             self.checkpointer.wait(None if left is None else max(0.0, left - self.save_margin))
         except CheckpointError as exc:  # the previous commit is still valid: stop anyway
@@ -118,6 +121,11 @@ class Stopping:
         fields); any thread, once."""
         report_stop(self.guard, self.record, dict(stop, step=done), saved)
         self.stopped = True
+        if _exit.interrupted() and rank() == 0:
+            outcome = {"committed": "saved", "already": "already saved"}.get(stop.get("save"), "not saved "
+                                                                      "(the last committed checkpoint stands)")
+            console.warning("spotguard: interrupted (Ctrl-C): stopped at step %d, %s; the identical command "
+                            "resumes (exit 130; Ctrl-C twice aborts at once)", done, outcome)
 
     def _stop_between(self, outcome: dict[str, Any]) -> bool:
         """The loop came back after a stop whose save ran beside the work: end it as :meth:`_stop`."""

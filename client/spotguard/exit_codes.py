@@ -23,11 +23,17 @@ notice get distinctive values that no ordinary crash produces:
     ``Run(peer_timeout=)``, or no step boundary was reached for that long (a collective of the
     training step itself waiting for a peer on a node that was killed outright). The last
     committed checkpoint is valid; requeue the whole job (every node) as on 75.
+
+``EXIT_INTERRUPTED = 130``
+    The shell's status for Ctrl-C (128 + SIGINT). The first SIGINT is a stop with no deadline: the
+    step reached at the next boundary is saved and the process exits 130 (not 75: a person asked
+    for the stop, nothing should relaunch the job). A second SIGINT aborts at once
+    (``KeyboardInterrupt``).
 """
 
 from __future__ import annotations
 
-__all__ = ["EXIT_PREEMPTED", "EXIT_FORCED", "EXIT_PEER_LOST"]
+__all__ = ["EXIT_PREEMPTED", "EXIT_FORCED", "EXIT_PEER_LOST", "EXIT_INTERRUPTED"]
 
 EXIT_PREEMPTED = 75
 """A clean stop after a notice (``EX_TEMPFAIL``): restart the identical command to resume."""
@@ -37,3 +43,5 @@ EXIT_FORCED = 76
 
 EXIT_PEER_LOST = 77
 """A peer rank vanished (its node was killed): the job must be relaunched on every node."""
+
+EXIT_INTERRUPTED = 130

@@ -3,7 +3,7 @@
 A :class:`Guard` learns of an interruption in two ways, whichever comes first:
 
 * from the local daemon over ZeroMQ (:mod:`spotguard._daemon_client`), when one is reachable;
-* from ``SIGTERM`` or ``SIGUSR1`` sent to this process (Kubernetes, Slurm ``--signal``, RunPod,
+* from ``SIGTERM``, ``SIGUSR1`` or ``SIGINT`` (Ctrl-C: exit 130, a second one aborts) sent to this process (Kubernetes, Slurm ``--signal``, RunPod,
   ``docker stop``, or the daemon's own signal delivery). A signal becomes a *local* notice whose
   deadline is ``signal_deadlines[signum]`` seconds after it arrived (``None``: no deadline). With
   the default deadlines, SIGTERM's is ``$SPOTGUARD_SIGNAL__GRACE`` when set (the daemon's
@@ -66,7 +66,7 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
-from spotguard import _record
+from spotguard import _exit, _record
 from spotguard._daemon_client import DaemonLink
 from spotguard._watchdog import Watchdog
 from spotguard.exit_codes import EXIT_FORCED
@@ -94,7 +94,13 @@ HANDLED_ENV = "SPOTGUARD_HANDLED_NOTICES"
 """Ids of notices an earlier launch of this job already stopped for (set by ``spotguard run``)."""
 
 DEFAULT_SIGNAL_DEADLINES: Mapping[int, float | None] = {signal.SIGTERM: 30.0, signal.SIGUSR1: None}
-"""SIGTERM: Kubernetes' default grace period is 30 s. SIGUSR1: a stop request with no deadline."""
+"""SIGTERM: Kubernetes' default grace period is 30 s. SIGUSR1: a stop request with no deadline.
+SIGINT (Ctrl-C), whatever the mapping says unless it names SIGINT itself, while Python's own
+handler is installed: a stop with no deadline, the step reached is saved and the process exits
+130; a second SIGINT raises ``KeyboardInterrupt`` at once (:func:`spotguard._exit.interrupt`)."""
+TORCHRUN_ECHO_S = 2.0
+"""Under torchrun, a second SIGINT this soon after the first is the agent passing the terminal's
+Ctrl-C on (it sends the ranks the signal it got), not a second Ctrl-C."""
 SIGNAL_SLACK_S = 30.0
 """A daemon signal handled up to this long after its notice was cancelled is still the daemon's."""
 GRACE_ENV = "SPOTGUARD_SIGNAL__GRACE"
@@ -149,7 +155,8 @@ class Guard:
         self._progress_interval = _progress_interval(progress_interval)
         self.job_id = job_id
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-        self._signal_deadlines = _with_grace(signal_deadlines)
+        self._signal_deadlines = _with_interrupt(_with_grace(signal_deadlines))
+        self._echo_s = TORCHRUN_ECHO_S if os.environ.get("TORCHELASTIC_RUN_ID") else 0.0
         self._daemon_signal = daemon_signal
         self._stop_on_advisory, self._checkpoint_on_advisory = stop_on_advisory, checkpoint_on_advisory
         self._margin, self._timeout = force_exit_margin, force_exit_timeout
@@ -469,8 +476,8 @@ class Guard:
 
     def _ignore_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            for signum in self._previous:
-                signal.signal(signum, signal.SIG_IGN)
+            for signum in self._previous:  # Ctrl-C again still aborts
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_IGN)
 
     def _restore_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -480,6 +487,8 @@ class Guard:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and _exit.interrupt(self._echo_s):  # Ctrl-C again: abort at once
+            raise KeyboardInterrupt
         self._signals.append((signum, time.time()))  # the only thing a handler does
 
     def _take_signals(self) -> None:
@@ -538,9 +547,9 @@ class Guard:
                 return
             self._notices[notice.id] = notice
             left = notice.seconds_left()
-            log.warning("interruption notice %s (%s, %s): %s", notice.id, notice.kind.value,
-                        "no deadline" if left is None else f"{left:.1f} s left",
-                        notice.detail if known is None else "rescheduled")
+            say = log.info if notice.id.startswith("local:SIGINT:") else log.warning  # Ctrl-C: one line at the stop
+            say("interruption notice %s (%s, %s): %s", notice.id, notice.kind.value,
+                "no deadline" if left is None else f"{left:.1f} s left", notice.detail if known is None else "rescheduled")
             if self._stops(notice):
                 if notice.id not in self._flagged:
                     self._flagged[notice.id] = utcnow()
@@ -618,6 +627,16 @@ def _with_grace(deadlines: Mapping[int, float | None]) -> dict[int, float | None
         if not 0 < grace <= 7 * 24 * 3600:
             raise ValueError(f"${GRACE_ENV}={raw!r} is not a number of seconds > 0")
         deadlines[signal.SIGTERM] = grace
+    return deadlines
+
+
+def _with_interrupt(deadlines: dict[int, float | None]) -> dict[int, float | None]:
+    """``deadlines`` with SIGINT (no deadline) when they leave it out and Python's default
+    handler (``KeyboardInterrupt``) is the one installed: a program or shell that set its own, or
+    ignores it, keeps that."""
+    if signal.SIGINT not in deadlines and threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        deadlines[signal.SIGINT] = None
     return deadlines
 
 

@@ -68,6 +68,14 @@ Without ``job_id`` (or ``$SPOTGUARD_JOB_ID``) the run's id is derived from its c
 (:mod:`spotguard._jobid`, logged at start), so two experiments never share checkpoints in the
 durable store; a checkpoint that does not fit the state is refused with a message naming the fix.
 
+At start, the root's leader (rank 0, or each node's first rank with node-local roots) probes the
+root with a write and locks it (:mod:`spotguard._root`): an unwritable root, or one another launch
+holds, is refused with one line (exit 1). Rank 0 then prints one start line on stderr (job id,
+resumed step and where from, or a fresh start; :mod:`spotguard._console`). ``fresh=True`` (else
+``$SPOTGUARD_FRESH=1``) starts over: the root's committed checkpoints are removed and nothing is
+restored (refused when the durable store holds checkpoints of the job: it needs a new id). Ctrl-C
+(SIGINT) stops at the next boundary with a save and exits 130; a second one aborts at once.
+
 Every commit is reported to the daemon (``CommitRequest``), and rank 0's progress every few seconds
 (``ProgressRequest``, sent by the guard's thread; see :class:`~spotguard.guard.Guard`), so the daemon
 can count the steps a restart loses after the last commit and learn how often the job is interrupted:
@@ -82,9 +90,11 @@ import logging
 import os
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
-from spotguard import _ddp, _jobid
+from spotguard import _ddp, _jobid, _root
+from spotguard._console import console, start_line
 from spotguard._peer import exit_peer_lost, is_peer_failure
 from spotguard._audit import Audit
 from spotguard._between import Between, Frozen
@@ -93,7 +103,7 @@ from spotguard._record import Recorder
 from spotguard._run_parts import RngState as _RngState  # noqa: F401 (tests import it here)
 from spotguard._run_parts import (build_state, count_steps, default_group, is_spotguard_loader, loader_entry,
                                   cadence_source, make_cadence, rank, state_bytes)
-from spotguard._run_start import load_latest, restore_from_store
+from spotguard._run_start import fresh_requested, load_latest, plan, restore_from_store, start_fresh
 from spotguard._run_stop import Stopping, save_fits  # noqa: F401 (save_fits is public here)
 from spotguard._stall import LocalHangs
 from spotguard._watchdog import Watchdog
@@ -183,6 +193,7 @@ class Run(Stopping):
         peer_timeout: float | None = 600.0,
         abandon_between_steps: bool = False,
         agree_at_heartbeat: bool = False,
+        fresh: bool | None = None,
     ) -> None:
         self.state = build_state(model, optimizer, scheduler, sampler, state)
         self.state.update(_ddp.entries(self.state))  # DDP's real bucket layout, for an exact resume
@@ -204,14 +215,21 @@ class Run(Stopping):
         self.cadence = make_cadence(save_every, cadence)
         self._cadence_source = cadence_source(save_every, cadence)
         self._user_on_commit = on_commit
-        job_id = job_id or os.environ.get(_jobid.ENV, "")
-        derived = not job_id
-        self.job_id = job_id = _jobid.agree(job_id or _jobid.derive(), given=not derived,
-                                            process_group=process_group)  # rank 0's, on every node
+        job_id, given = _jobid.resolve(job_id)
+        derived = not given
+        self.job_id = job_id = _jobid.agree(job_id, given=given, process_group=process_group)  # rank 0's
         log.info("job id %s%s", job_id, " (derived from the command line and working directory; pass "
                  "job_id= to choose one)" if derived else "")
-        self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,
-                                         on_commit=self._on_commit)
+        try:
+            self.checkpointer = Checkpointer(root, keep=keep, job_id=job_id, process_group=process_group,
+                                             on_commit=self._on_commit)
+        except OSError as exc:  # the root cannot be made (a read-only file system)
+            raise _root.StartRefused(_root.unwritable(Path(root).absolute(), exc)) from None
+        self._root_lock = None
+        if self.checkpointer._leads:  # one process per root: writable, and no other launch on it
+            _root.probe(self.checkpointer.root)
+            self._root_lock = _root.hold(self.checkpointer.root, job_id)
+        self.fresh = fresh_requested(fresh)
         self.guard = guard or Guard(job_id=job_id, rank=rank(), daemon=daemon,
                                     signal_deadlines=signal_deadlines, nodes=job_nodes())
         self._job_id, self._durable = job_id, durable
@@ -225,6 +243,8 @@ class Run(Stopping):
         self.step = self.start_step = 0
         self.stopped = False
         self.resumed_from: Any = None
+        self._restored_from: str | None = None
+        """Where the checkpoint resumed from came from, when the durable store (a fresh node)."""
         self._saved_step: int | None = None
         self._last_boundary: float | None = None
         self._pending_observation = False
@@ -240,7 +260,10 @@ class Run(Stopping):
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers still to run, resuming after the latest committed checkpoint."""
         self._between.starting(total)
-        restore_from_store(self)
+        if self.fresh:
+            start_fresh(self)
+        else:
+            restore_from_store(self)
         try:
             self.resumed_from = load_latest(self)
         except Exception as exc:
@@ -252,6 +275,9 @@ class Run(Stopping):
             log.info("resumed from step %d (%s)", self.step, self.resumed_from.path)
             _ddp.restore(self.state)  # DDP's recorded buckets: the next steps all-reduce as if never stopped
             self.guard.report_resume(self.step)
+        if rank() == 0:
+            console.info("%s", start_line(self.job_id, self.step, self.resumed_from, self._restored_from,
+                                          plan(self.cadence)))
         self.record.start(root=self.checkpointer.root, world_size=self.checkpointer.world_size,
                           resumed_from=self.start_step if self.resumed_from else None,
                           skipped=self.checkpointer.skipped, total=total, entries=sorted(self.state),
@@ -358,6 +384,7 @@ class Run(Stopping):
         try:
             self.checkpointer.close()
         finally:
+            _root.release(self._root_lock)
             self.guard.close(exiting=exiting)
 
     def __enter__(self) -> "Run":

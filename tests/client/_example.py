@@ -29,17 +29,17 @@ def example_args(ckpt: Path, steps: int, *extra: str) -> list[str]:
 class Proc:
     """A child process whose merged stdout/stderr lines are collected by a reader thread."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], **popen: object) -> None:
         self.popen = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
+                                      stderr=subprocess.STDOUT, text=True, **popen)
         self.lines: list[str] = []
         self._queue: queue.Queue[str] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     @classmethod
-    def example(cls, ckpt: Path, steps: int, *extra: str, env: dict[str, str]) -> "Proc":
-        return cls([sys.executable, *example_args(ckpt, steps, *extra)], env)
+    def example(cls, ckpt: Path, steps: int, *extra: str, env: dict[str, str], **popen: object) -> "Proc":
+        return cls([sys.executable, *example_args(ckpt, steps, *extra)], env, **popen)
 
     def _read(self) -> None:
         for line in self.popen.stdout:

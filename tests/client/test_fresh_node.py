@@ -75,7 +75,7 @@ def test_a_newer_durable_checkpoint_not_loaded_is_an_error_and_a_record_event(tm
     resumed = run_to_end(node2, 2, env={**env, "SPOTGUARD_STORAGE__URL": f"file://{bucket}",
                                           "SPOTGUARD_RECORD": str(record)})
     assert "start step=0" in resumed.output
-    assert "holds step 40 of 'default', newer than the local step None, and it was not restored" in resumed.output
+    assert "holds step 40 of 'default', newer than every local checkpoint (none), and it was not restored" in resumed.output
     events = [json.loads(line) for line in record.read_text().splitlines()]
     failed = [e for e in events if e["event"] == "restore_failed"]
     assert len(failed) == 1 and failed[0]["store_step"] == 40 and failed[0]["local_step"] is None, failed

@@ -126,6 +126,27 @@ def test_lightning_sigterm_stops_cleanly_instead_of_lightnings_sigterm_exception
     assert step_dirs(root) == ["step-0000000004"]  # a 30 s deadline leaves room for the save
 
 
+def test_lightning_ctrl_c_stops_fit_with_a_save_and_exits_130(tmp_path):
+    """Lightning's own answer to Ctrl-C is a KeyboardInterrupt it shuts down on; the callback's
+    guard takes the first SIGINT instead: fit ends at the next step with that step saved, 130."""
+    from spotguard import _exit
+
+    root = tmp_path / "ckpt"
+    module = TinyModule(signal_at=3, signum=signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not a guard an earlier test left open
+    callback = SpotguardCallback(root, guard=quiet_guard())
+    try:
+        trainer = fit(module, callback)
+        assert callback.stopped and trainer.global_step == 4 and module.ran == [0, 1, 2, 3]
+        assert step_dirs(root) == ["step-0000000004"]
+        with pytest.raises(SystemExit) as exc:
+            callback.exit_if_stopped()
+        assert exc.value.code == 130
+    finally:
+        _exit._state.pop("interrupted", None)  # this test process was never interrupted for the others
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def test_lightning_saves_on_cadence_and_keeps_the_newest(tmp_path):
     root = tmp_path / "ckpt"
     callback = SpotguardCallback(root, save_every=6, keep=2, guard=quiet_guard())

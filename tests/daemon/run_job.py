@@ -2,7 +2,7 @@
 
     python run_job.py DIR [--finish-at N] [--wait] [--fail STATUS] [--grandchild] [--orphan]
 
-Each launch appends its pid to ``DIR/launches``; launch ``N`` (1-based, default 2) and later exit 0
+Each launch appends its pid to ``DIR/launches`` (and ``$SPOTGUARD_FRESH`` or ``-`` to ``DIR/fresh``); launch ``N`` (1-based, default 2) and later exit 0
 at once. Earlier ones trap SIGUSR1, SIGTERM and SIGINT, write ``DIR/ready-<launch>`` and sleep (30 s at
 most, then exit 1). On a signal they write ``DIR/got-<launch>`` (the signal's name), wait for
 ``DIR/go-<launch>`` with ``--wait``, and exit 75, as a clean stop would. ``--fail S``: every launch
@@ -28,6 +28,8 @@ parser.add_argument("--orphan", action="store_true")
 args = parser.parse_args()
 with open(args.dir / "launches", "a") as file:
     file.write(f"{__import__('os').getpid()}\n")
+with open(args.dir / "fresh", "a") as file:  # $SPOTGUARD_FRESH as each launch saw it
+    file.write(f"{__import__('os').environ.get('SPOTGUARD_FRESH', '-')}\n")
 launch = len((args.dir / "launches").read_text().split())
 if args.fail is not None:
     sys.exit(args.fail)

@@ -109,9 +109,10 @@ def test_failures_end_the_run_unless_restarts_are_asked_for_then_bounded_with_ba
     assert status == 3 and figures["launches"] == 1 and figures["failures"] == 1
 
     bounded = Supervised(tmp_path, ["--no-daemon", "--max-restarts", "2", "--backoff", "0.05"],
-                         ["--fail", "3"], env)
+                         ["--fail", "3"], {**env, "SPOTGUARD_FRESH": "1"})
     status, figures = bounded.finish()
     assert status == 3 and len(bounded.launches()) == 3
+    assert (bounded.dir / "fresh").read_text().split() == ["1", "-", "-"]  # a fresh start, then resumes
     assert figures["launches"] == 3 and figures["failures"] == 3 and figures["preemptions"] == 0
     err = bounded.stderr()
     assert "restart 1 of 2 in 0.05 s" in err and "restart 2 of 2 in 0.1 s" in err  # doubled

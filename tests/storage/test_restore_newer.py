@@ -19,12 +19,12 @@ def test_restores_only_when_the_store_is_ahead(store, tmp_path, make_ckpt):
     durable.upload(make_ckpt(source, 9, {"w.bin": b"v" * 100}), "default")
     node = tmp_path / "new-node"
     url = _url(store)
-    restored = restore_newer(node, "", url, _options(store))
+    restored = restore_newer(node, "default", url, _options(store))
     assert restored is not None and restored.name == "step-0000000009"
     assert local_latest_step(node) == 9 and (restored / "w.bin").read_bytes() == b"v" * 100
-    assert restore_newer(node, "", url, _options(store)) is None  # as new as the store now
+    assert restore_newer(node, "default", url, _options(store)) is None  # as new as the store now
     make_ckpt(node, 12, {"w.bin": b"u"})
-    assert restore_newer(node, "", url, _options(store)) is None  # local is ahead
+    assert restore_newer(node, "default", url, _options(store)) is None  # local is ahead
 
 
 def test_nothing_in_the_store_restores_nothing(store, tmp_path):

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from spotguard._root import alive
 from spotguard.checkpoint import _fs
 
 __all__ = [
@@ -162,12 +163,4 @@ def remove_stale(root: Path) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid != os.getpid() and alive(pid)

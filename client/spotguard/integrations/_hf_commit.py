@@ -77,7 +77,10 @@ def _copy(source: Path, target: Path) -> dict[str, int | str]:
 
 def commit_copy(src: Path, root: Path, step: int, job_id: str, keep: int = 2) -> Path:
     """Commit a copy of the Trainer's checkpoint ``src`` as ``root/step-<step>``; keep the ``keep``
-    newest copies. Raises NotCommitted (nothing committed) or OSError."""
+    newest copies. Raises NotCommitted (nothing committed) or OSError; ValueError without a
+    ``job_id`` (the daemon would upload it under ``default``, shared by every job without one)."""
+    if not job_id:
+        raise ValueError("a committed copy needs a job id: the store keys checkpoints by it")
     files = _regular_files(src)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     remove_stale(root)  # copies cut off by a kill

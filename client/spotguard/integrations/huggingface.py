@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -90,7 +91,9 @@ from typing import Any, Mapping
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from spotguard import _ddp, _exit
+from spotguard import _ddp, _exit, _jobid, _root
+from spotguard._console import console, start_line
+from spotguard._run_start import fresh_requested
 from spotguard._peer import exit_peer_lost_when_uncaught
 from spotguard._record import Recorder
 from spotguard._run_stop import report_stop, save_outcome
@@ -121,15 +124,22 @@ def latest_checkpoint(output_dir: str | os.PathLike[str], *, job_id: str = "",
     committed copy in ``output_dir/spotguard``; None if there is none.
 
     The fresh-node case: when a durable store is known (``store``, else
-    ``$SPOTGUARD_STORAGE__URL``) and holds a newer checkpoint of ``job_id`` (the callback's) than
-    the local copies, it is restored into ``output_dir/spotguard`` first (local rank 0 only). An
-    unreachable store is logged and the local checkpoints are used."""
+    ``$SPOTGUARD_STORAGE__URL``) and holds a newer checkpoint of ``job_id`` (the callback's: given,
+    else ``$SPOTGUARD_JOB_ID``, else derived from the command line and working directory, as the
+    callback derives it) than the local copies, it is restored into ``output_dir/spotguard`` first
+    (local rank 0 only). An unreachable store is logged and the local checkpoints are used.
+
+    ``$SPOTGUARD_FRESH=1`` starts over: the Trainer's ``checkpoint-N`` directories and their
+    committed copies under ``output_dir`` are removed (local rank 0), and None is returned."""
     root = Path(output_dir)
+    if fresh_requested(None):
+        _start_fresh(root)
+        return None
     url, options = store_from_env()
     url = store or url
     if url and os.environ.get("LOCAL_RANK", "0") == "0":
         try:
-            restore_newer(root / COMMITTED, job_id, url, options)
+            restore_newer(root / COMMITTED, _jobid.resolve(job_id)[0], url, options)
         except (StoreError, OSError) as exc:
             log.warning("could not restore from %s (%s); going on with local checkpoints", url, exc)
     copy = newest_committed(root / COMMITTED, _STATE_FILE)
@@ -139,6 +149,18 @@ def latest_checkpoint(output_dir: str | os.PathLike[str], *, job_id: str = "",
         if suffix.isdigit() and (path / _STATE_FILE).is_file():
             found.append((int(suffix), 1, path))
     return str(max(found)[2]) if found else None
+
+
+def _start_fresh(root: Path) -> None:
+    """``$SPOTGUARD_FRESH=1``: remove the Trainer's checkpoints and their committed copies (local rank 0)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    found = [p for p in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir()]
+    found += [root / COMMITTED] if (root / COMMITTED).is_dir() else []
+    for path in found:
+        shutil.rmtree(path)
+    if found:
+        log.warning("starting fresh: removed %d checkpoint(s) under %s", len(found), root)
 
 
 class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
@@ -177,7 +199,12 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
                  agree_in_evaluation: bool = True) -> None:
         if stop_lead < 0:
             raise ValueError("stop_lead must be >= 0")
-        self._guard_kwargs = dict(job_id=job_id, daemon=daemon, signal_deadlines=signal_deadlines)
+        self._guard_kwargs = dict(daemon=daemon, signal_deadlines=signal_deadlines)
+        self._given_job = job_id
+        self.job_id = ""
+        """The job's id, from ``on_train_begin``: ``job_id=`` (or the guard's), else
+        ``$SPOTGUARD_JOB_ID``, else derived from the command line and working directory as ``Run``
+        derives it (rank 0's on every rank): two jobs sharing a store never share checkpoints."""
         self.guard = guard
         self._own_guard = guard is None
         self.save_margin, self.stop_lead, self.peer_timeout = save_margin, stop_lead, peer_timeout
@@ -204,6 +231,8 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         self._stop_report: dict[str, Any] | None = None
         """The stop's side of the notice timeline (:class:`~spotguard.protocol.SafeRequest`'s fields)."""
         self._saved_step: int | None = None
+        self._root_lock: tuple[int, int] | None = None
+        """``output_dir``'s lock (:mod:`spotguard._root`), from ``on_train_begin`` to ``on_train_end``."""
 
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
@@ -215,9 +244,16 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         self.stopped, self._stop_report, self._saved_step = False, None, None
+        job, given = _jobid.resolve(self._given_job or getattr(self.guard, "job_id", ""))
+        self.job_id = _jobid.agree(job, given=given)  # rank 0's on every rank
+        if state.is_world_process_zero and self._root_lock is None:  # the process that saves: as Run
+            root = Path(args.output_dir).absolute()
+            root.mkdir(parents=True, exist_ok=True)
+            _root.probe(root)
+            self._root_lock = _root.hold(root, self.job_id)
         if self.guard is None:
-            self.guard = Guard(rank=args.process_index, **self._guard_kwargs)
-        self._record = Recorder(rank=args.process_index, job=self.guard.job_id)
+            self.guard = Guard(rank=args.process_index, job_id=self.job_id, **self._guard_kwargs)
+        self._record = Recorder(rank=args.process_index, job=self.job_id)
         # Made here, not in __init__: torch.distributed runs by now, so the exchange gets its own
         # group bounded by peer_timeout. Interval 1: a stop comes at the step end after the notice.
         self.agreement = Agreement(timeout=self.peer_timeout, max_interval=1)
@@ -239,6 +275,10 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         if state.global_step > 0:  # the Trainer loaded a checkpoint's state before this event
             log.info("resumed from step %d", state.global_step)
             self.guard.report_resume(state.global_step)
+        if state.is_world_process_zero:
+            resumed = _resumed_dirs(args, state)
+            console.info("%s", start_line(self.job_id, state.global_step, None if not resumed else
+                                          next((p for p in resumed if p.is_dir()), resumed[0]), None, None))
         if 0 < state.max_steps <= state.global_step:
             log.info("already finished: step %d of %d is saved; nothing to run", state.global_step,
                      state.max_steps)
@@ -342,6 +382,8 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         if self._drained is not None:
             _undrain(*self._drained)
             self._drained = None
+        _root.release(self._root_lock)
+        self._root_lock = None
         if self.guard is None:
             return
         if self.stopped and self._stop_report is not None:
@@ -358,7 +400,7 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         that layout); a checkpoint that cannot be copied safely is logged, training goes on."""
         assert self.guard is not None
         try:
-            copy = commit_copy(path, path.parent / COMMITTED, state.global_step, self.guard.job_id)
+            copy = commit_copy(path, path.parent / COMMITTED, state.global_step, self.job_id)
         except (NotCommitted, OSError) as exc:
             log.warning("checkpoint %s not committed for upload: %s", path, exc)
             return

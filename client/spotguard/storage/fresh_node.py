@@ -56,6 +56,10 @@ class RestoreFailed(StoreError):
         self.store_step, self.local_step = store_step, local_step
 
 
+def _local(step: int | None) -> str:
+    return "every local checkpoint (none)" if step is None else f"the local step {step}"
+
+
 def no_store(url: str | None) -> bool:
     """Whether ``url`` names no durable store: unset, empty or ``none`` (in any case)."""
     return not url or url.strip().lower() == NO_STORE
@@ -93,28 +97,32 @@ def restore_newer(root: str | os.PathLike[str], job_id: str, url: str | None,
     roots fetches only its ranks' parts and rank 0's."""
     if no_store(url):
         return None
+    if not job_id:
+        raise ValueError("restore_newer needs a job id: without one every job would share the "
+                         f"store's {DEFAULT_JOB!r} checkpoints")
     root, options = Path(root), StoreOptions.of(options)
     try:
         durable = Durable(open_store(url, options), retry_seconds=options.retry_seconds)
     except ValueError as exc:  # a bad URL must not stop training either
         raise StoreError(str(exc)) from exc
-    job, local = job_id or DEFAULT_JOB, local_latest_step(root)
+    job, local = job_id, local_latest_step(root)
     retry = _restore.Retry(time.monotonic() + durable.retry_seconds)
     try:
         remote = retry(lambda: durable.latest(job), f"read the latest checkpoint of {job}")
     except StoreError as exc:
         raise RestoreFailed(f"cannot tell whether {durable.store.url} holds a checkpoint of {job!r} newer "
-                            f"than the local step {local}: {exc}", None, local) from exc
+                            f"than {_local(local)}: {exc}", None, local) from exc
     if remote is None:
         return None
     if local is not None and local >= remote:
         return None
-    log.warning("local checkpoints end at step %s, the store %s holds step %d: restoring it",
-                local, url, remote)
+    log.warning("%s, the store %s (job %s) holds step %d: restoring it",
+                f"local checkpoints end at step {local}" if local is not None else
+                f"no local checkpoint under {root}", url.split("?", 1)[0], job, remote)
     root.mkdir(parents=True, exist_ok=True)
     try:
         path = durable.restore(job, root, retry_until=retry.until, ranks=ranks)
     except StoreError as exc:
-        raise RestoreFailed(f"{durable.store.url} holds step {remote} of {job!r}, newer than the local step "
-                            f"{local}, and it was not restored: {exc}", remote, local) from exc
+        raise RestoreFailed(f"{durable.store.url} holds step {remote} of {job!r}, newer than "
+                            f"{_local(local)}, and it was not restored: {exc}", remote, local) from exc
     return path

@@ -79,6 +79,8 @@ POLL_S, SCAN_S = 0.05, 0.5
 HELPER_S = 3.0
 """Seconds a launch's multiprocessing helpers get to end by themselves after it exited."""
 GOING = "node going away"
+FRESH_ENV = "SPOTGUARD_FRESH"
+"""``spotguard._run_start.FRESH_ENV``: a fresh start, passed to the first launch only."""
 STUCK = 3
 """Preempted launches in a row without progress after which relaunching stops."""
 QUICK_S = 60.0
@@ -233,6 +235,8 @@ class Supervisor:
         launch = Launch(len(self.launches) + 1, t_start=time.time())
         self.launches.append(launch)
         env = dict(self.env)
+        if launch.index > 1:  # a fresh start is the first launch's: the relaunches resume it
+            env.pop(FRESH_ENV, None)
         if self.handled:
             env[HANDLED_ENV] = ",".join(sorted(self.handled))
         try:

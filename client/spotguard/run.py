@@ -165,6 +165,9 @@ class Run(Stopping):
         the emergency save beside that work, rather than at its next heartbeat, step or boundary.
     :param agree_at_heartbeat: With several ranks, agree on notices at :meth:`heartbeat` calls
         (every rank must make the same calls).
+    :param fresh: Start over: remove the root's committed checkpoints and restore nothing; default
+        ``$SPOTGUARD_FRESH=1``. Refused while the durable store holds the job's checkpoints (give
+        the new run its own ``job_id``).
     """
 
     def __init__(

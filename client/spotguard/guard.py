@@ -59,6 +59,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
@@ -95,6 +96,15 @@ DEFAULT_SIGNAL_DEADLINES: Mapping[int, float | None] = {signal.SIGTERM: 30.0, si
 """SIGTERM: Kubernetes' default grace period is 30 s. SIGUSR1: a stop request with no deadline."""
 GRACE_ENV = "SPOTGUARD_SIGNAL__GRACE"
 """Seconds from SIGTERM to the kill, shared with the daemon's ``signal.grace`` setting."""
+
+
+_LIVE: "weakref.WeakSet[Guard]" = weakref.WeakSet()
+
+
+def stop_pending() -> bool:
+    """Whether a Guard of this process holds a stop (a notice, or a signal it caught): what lets
+    :class:`spotguard.DataLoader` start its workers again when they died of that signal."""
+    return any(guard.stop_requested for guard in list(_LIVE))
 
 
 class Guard:
@@ -167,6 +177,7 @@ class Guard:
             self._link.connect()
         self._thread = threading.Thread(target=self._loop, name="spotguard-guard", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ state
 

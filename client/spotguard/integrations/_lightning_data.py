@@ -40,6 +40,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
+from spotguard.data import ignore_stop_signals
+
 log = logging.getLogger(__name__)
 
 _HOOK = "_load_combined_loader_states"
@@ -136,6 +138,8 @@ class DataPosition:
 
     def _own_one(self, dl: Any, skip: int) -> tuple[DataLoader, torch.Generator,
                                                     torch.Generator] | None:
+        if isinstance(dl, DataLoader):  # workers outlive a SIGTERM to the rank's group; same draws
+            ignore_stop_signals(dl)
         if hasattr(dl, "state_dict") and hasattr(dl, "load_state_dict"):
             return None  # stateful (StatefulDataLoader): Lightning saves and restores it
         if not isinstance(dl, DataLoader) or not isinstance(dl.batch_sampler, BatchSampler):

@@ -87,6 +87,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -96,6 +97,7 @@ from spotguard._record import Recorder
 from spotguard._run_stop import report_stop, save_outcome
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint.layout import CommitInfo
+from spotguard.data import ignore_stop_signals
 from spotguard.integrations._hf_commit import COMMITTED, NotCommitted, commit_copy, newest_committed
 from spotguard.integrations._hf_eval import EvalPause
 from spotguard.integrations._hf_record import TrainerRecord
@@ -203,6 +205,7 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         self.stopped, self._stop_report, self._saved_step = False, None, None
+        _keep_workers(kwargs.get("train_dataloader"))
         if self.guard is None:
             self.guard = Guard(rank=args.process_index, **self._guard_kwargs)
         self._record = Recorder(rank=args.process_index, job=self.guard.job_id)
@@ -364,6 +367,14 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
     def _arm_progress(self) -> None:
         assert self._progress is not None and self.peer_timeout
         self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
+
+
+def _keep_workers(loader: Any) -> None:
+    """The train loader's workers ignore SIGTERM and SIGINT (torchrun's ``killpg`` reaches them);
+    its epochs' iterators are made after ``on_train_begin``. Nothing it draws changes."""
+    base = getattr(loader, "base_dataloader", loader)  # Accelerate's DataLoaderShard wraps one
+    if isinstance(base, DataLoader):
+        ignore_stop_signals(base)
 
 
 def _drain(loader: Any) -> tuple[Any, Any] | None:

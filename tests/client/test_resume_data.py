@@ -258,3 +258,62 @@ def test_workers_lost_while_stopping_start_again_at_the_same_batch():
         assert batches(loader(persistent=True), kill_after=3) == expected
     finally:
         guard.close()
+
+
+LOST_LOADER_JOB = """
+import hashlib, os, signal, sys, time
+import torch
+import spotguard
+
+def main():
+    os.setsid()  # its own group, as torchrun starts a rank
+    ckpt, kill_at, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.arange(40.0).view(-1, 1))
+    sampler = spotguard.ResumableSampler(data, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, num_workers=2,
+                                         multiprocessing_context="fork", generator=torch.Generator())
+    run = spotguard.Run(ckpt, model=model, optimizer=opt, sampler=sampler, daemon=False, save_every=1000)
+
+    def batches():
+        while True:
+            yield from loader
+            sampler.set_epoch(sampler.epoch + 1)
+
+    it = batches()
+    with run:
+        for step in run.steps(total):
+            if step == kill_at and run.start_step < kill_at:  # a plain loader's workers die of it
+                os.killpg(0, signal.SIGTERM)
+            (x,) = next(it)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            sampler.advance(len(x))
+    print("START", run.start_step)
+    print("DIGEST", hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_plain_loader_that_dies_of_the_stop_signal_saves_the_last_step_and_exits_75(tmp_path):
+    """A plain torch loader's workers die of a SIGTERM to the whole group (no ignore_stop_signals);
+    its next batch raises inside the step. ``with run:`` saves the step finished last (its RNG and
+    data position as at its end, as a stop between steps does) and exits 75, not a traceback."""
+    import subprocess
+    import sys
+
+    from spotguard.checkpoint import Checkpointer
+
+    script = tmp_path / "lost_loader.py"
+    script.write_text(LOST_LOADER_JOB)
+    stopped = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), "7", "16"], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "the loader failed while stopping" in stopped.stderr and "Traceback" not in stopped.stderr
+    assert "stopping at step 7: emergency save" in stopped.stderr, stopped.stderr[-3000:]
+    assert Checkpointer(tmp_path / "ckpt").latest().step == 7

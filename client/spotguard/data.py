@@ -376,6 +376,9 @@ def ignore_stop_signals(loader: Any) -> Any:
     if isinstance(init, functools.partial) and init.func is _worker_init:
         return loader
     loader.worker_init_fn = functools.partial(_worker_init, init)
+    context = getattr(loader, "multiprocessing_context", None)
+    if context is not None and context.get_start_method() == "forkserver":
+        _fork.start_forkserver([__name__])  # a server of spotguard's, unless one runs: SIGTERM kept off it
     return loader
 
 

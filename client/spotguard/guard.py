@@ -18,7 +18,10 @@ every other signal (SIGTERM from a kubelet or ``docker stop``) always does.
 
 The signal handlers only append to a list; a background thread (and every read of :attr:`notice`)
 turns that into a notice. Nothing else happens in a handler: no I/O, no locks, no ``sys.exit``,
-because a handler runs between two bytecodes of whatever the main thread was doing.
+because a handler runs between two bytecodes of whatever the main thread was doing. A Guard made
+outside the main thread (Ray Train's loop, a notebook's or a server's thread) cannot install handlers:
+it registers with the daemon as not handling its signal (SIGUSR1, whose default action would kill
+the process), so the daemon never sends it, and the notice comes over ZeroMQ only.
 
 Contract:
 

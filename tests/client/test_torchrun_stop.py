@@ -14,9 +14,10 @@ checks that it ends on the uninterrupted run's final digest. The ways to stop:
 * ``kill``: SIGKILL to torchrun and every worker at once, after a periodic commit (a node lost
   without notice): nothing is checked of the stop, and the relaunch resumes from the last commit.
 
-Each cell also picks bf16 autocast on or off and gradient accumulation over 1 or 2 micro-batches
-(see ``_torchrun_jobs.py``); its reference is the uninterrupted run of the same kind, ranks,
-autocast and accumulation. The full matrix is 4 x 3 x 4 x 2 x 2 cells of 20-60 s each on a loaded
+Each cell also picks bf16 autocast on or off, gradient accumulation over 1 or 2 micro-batches and
+0 or 2 loader workers (see ``_torchrun_jobs.py``; torchrun's SIGTERM reaches the workers too); its
+reference is the uninterrupted run of the same kind, ranks, autocast, accumulation and workers. The
+full matrix is 4 x 3 x 4 x 2 x 2 x 2 cells of 20-60 s each on a loaded
 2-core machine; each run samples :data:`SAMPLED` of them from a seed it prints
 (``SPOTGUARD_MATRIX_SEED`` repeats a run's choice, ``SPOTGUARD_MATRIX_ALL=1`` runs every cell; see
 ``_matrix.py``).
@@ -43,8 +44,8 @@ JOB = Path(__file__).with_name("_torchrun_jobs.py")
 KINDS = ("run", "accelerate", "lightning", "hf")  # "loaders": its own test below
 IMPORTS = {"accelerate": "accelerate", "lightning": "lightning.pytorch", "hf": "transformers"}
 WAYS = ("launcher", "workers", "notice", "kill")
-CELLS = [(kind, ranks, way, autocast, accum) for kind in KINDS for ranks in (1, 2, 3) for way in WAYS
-         for autocast in (0, 1) for accum in (1, 2)]
+CELLS = [(kind, ranks, way, autocast, accum, workers) for kind in KINDS for ranks in (1, 2, 3) for way in WAYS
+         for autocast in (0, 1) for accum in (1, 2) for workers in (0, 2)]
 
 SAMPLED = 2  # the two tests below run every kind each time; the cells add ranks, ways, autocast, accumulation
 CHOSEN = sample("torchrun", CELLS, SAMPLED)
@@ -206,17 +207,17 @@ def stopped(kind: str, ranks: int, out: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind, ranks, way, autocast, accum", CELLS,
-                         ids=[f"{k}-{r}-{w}-autocast{a}-accum{n}" for k, r, w, a, n in CELLS])
+@pytest.mark.parametrize("kind, ranks, way, autocast, accum, workers", CELLS,
+                         ids=[f"{k}-{r}-{w}-autocast{a}-accum{n}-workers{p}" for k, r, w, a, n, p in CELLS])
 def test_every_rank_stops_at_one_step_with_one_save_and_resumes_exactly(kind, ranks, way, autocast, accum,
-                                                                        tmp_path, daemon_factory):
-    cell = (kind, ranks, way, autocast, accum)
+                                                                        workers, tmp_path, daemon_factory):
+    cell = (kind, ranks, way, autocast, accum, workers)
     if cell not in CHOSEN:
         pytest.skip(skip_reason())
     pytest.importorskip(IMPORTS.get(kind, "torch"))
     print(f"SPOTGUARD_MATRIX_SEED={SEED}")
     stop_and_resume(kind, ranks, way, tmp_path, daemon_factory, random.Random(f"{SEED}-{cell}"),
-                    JOB_AUTOCAST=str(autocast), JOB_ACCUM=str(accum))
+                    JOB_AUTOCAST=str(autocast), JOB_ACCUM=str(accum), JOB_WORKERS=str(workers))
 
 
 @pytest.mark.slow

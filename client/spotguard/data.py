@@ -27,7 +27,9 @@ Why a plain ``torch.utils.data.DataLoader`` cannot resume exactly, and what this
   step boundary where the stop saves, when a worker dies of it. This loader's workers ignore both
   signals (:func:`ignore_stop_signals`; the forkserver they may start from too, see
   :mod:`spotguard._fork`): the main process saves and stops them as usual, and they exit when it
-  dies.
+  dies. Workers that die anyway while the process is stopping (they were starting when the signal
+  came) are started again at the same position: the loop gets the batch it was waiting for, and the
+  rank reaches the boundary where every rank stops.
 * **Worker start.** On CPython 3.10 before 3.10.15 and 3.11 before 3.11.10, a worker forked while
   the process has other threads can hang before it starts (CPython gh-112275): unless the loader
   was given a ``multiprocessing_context``, its workers then start from a ``forkserver`` (see

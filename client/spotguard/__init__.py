@@ -5,7 +5,7 @@ The easy path is :class:`Run`; its parts (:class:`Checkpointer`, :class:`Guard`,
 ``__all__``; modules and names starting with ``_`` are private.
 
 ``import spotguard`` stays light: it imports neither torch nor the daemon's dependencies. Names whose
-module needs torch (:class:`Run`, :class:`Checkpointer` and its errors, :class:`DataLoader`) are loaded on first use.
+module needs torch (:class:`Run`, :class:`Checkpointer` and its errors, :class:`DataLoader`, :func:`ignore_stop_signals`) are loaded on first use.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from spotguard.sampler import LoaderState, NotExactWarning, ResumableSampler
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import CheckpointError, Checkpointer, CommitInfo
-    from spotguard.data import DataLoader
+    from spotguard.data import DataLoader, ignore_stop_signals
     from spotguard.run import Run
 
 __version__ = "0.1.0"
@@ -43,6 +43,7 @@ __all__ = [
     "ResumableSampler",
     "LoaderState",
     "DataLoader",
+    "ignore_stop_signals",
     "NotExactWarning",
     "rng",
     "EXIT_PREEMPTED",
@@ -57,6 +58,7 @@ _LAZY = {
     "CommitInfo": "spotguard.checkpoint",
     "CheckpointError": "spotguard.checkpoint",
     "DataLoader": "spotguard.data",
+    "ignore_stop_signals": "spotguard.data",
 }
 
 

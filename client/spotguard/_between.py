@@ -171,6 +171,14 @@ class Between:
         with self._lock:
             return self._captured if self.enabled and self._phase == "clean" else None
 
+    def finished_step(self) -> tuple[int, dict[str, Any]] | None:
+        """(step done, the state to save for it) while between two steps (:meth:`clean`), else None."""
+        clean = self.clean()
+        if clean is None:
+            return None
+        done, rng_state, position = clean
+        return done, as_captured(self.run.state, rng_state, position)
+
     def wait(self) -> dict[str, Any] | None:
         """The outcome of the stop that began beside the work (after its save), else None."""
         if not self._acting:

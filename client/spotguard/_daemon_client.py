@@ -70,9 +70,12 @@ class DaemonLink:
         request_endpoint: str | None = None,
         request_timeout: float = 0.5,
         dead_after: float = 3.0,
+        signal: bool = True,
     ) -> None:
         self._sink = sink
         self._job_id, self._rank = job_id, rank
+        self.signal = signal
+        """Whether this process registers as handling the daemon's signal (see ``RegisterRequest``)."""
         self._request_endpoint = request_endpoint or _paths.request_endpoint()
         self._timeout_ms = max(1, int(request_timeout * 1000))
         self._dead_after = dead_after
@@ -115,7 +118,8 @@ class DaemonLink:
         """
         if not self._attach():
             return False
-        reply = self.request(RegisterRequest(pid=os.getpid(), rank=self._rank, job_id=self._job_id))
+        reply = self.request(RegisterRequest(pid=os.getpid(), rank=self._rank, job_id=self._job_id,
+                                             signal=self.signal))
         if reply is None or not reply.ok:
             return False
         self.registered = reply.data

@@ -39,6 +39,14 @@ the server preloads the modules the main script holds (:func:`main_modules`), to
 loader and the dataset's module. Starting two workers then took about as long as forking them
 (0.09-0.12 s against 0.12-0.14 s; 0.2-0.3 s more under heavy load), although each start pickles the
 dataset to each worker, which also runs the script's top level again (benchmarks/README.md).
+
+**SIGTERM.** The server is a child of the rank, in its process group: torchrun's ``os.killpg``
+(Kubernetes, ``docker stop``), Ctrl-C in a terminal and ``scancel`` reach it too. Had it died of
+it, its workers (whose parent it is) would see their parent gone and end, and the rank would die of
+"DataLoader worker exited unexpectedly" before its stop saved anything. So the server spotguard
+starts ignores SIGTERM (it already ignores SIGINT) and still exits with the rank (its alive pipe
+closes); the processes it forks get SIGTERM's default back at once, and a loader's workers then
+ignore it from their ``worker_init_fn`` (:func:`spotguard.data.ignore_stop_signals`).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import warnings
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 import threading
 import types
@@ -183,6 +192,28 @@ def _before_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork)
+
+
+def _in_forkserver() -> bool:
+    """Whether this import runs in a forkserver's preload (``multiprocessing.forkserver.main``
+    is on the stack): then the server outlives a SIGTERM to the rank's group (module docstring)."""
+    server = sys.modules.get("multiprocessing.forkserver")
+    main = getattr(server, "main", None)
+    frame = sys._getframe(1)
+    while frame is not None and main is not None:
+        if frame.f_code is main.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _sigterm_default() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+if _in_forkserver():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.register_at_fork(after_in_child=_sigterm_default)
 
 
 def fork_warning(problem: str) -> str:

@@ -82,13 +82,13 @@ def build_state(model: Any, optimizer: Any, scheduler: Any, sampler: Any,
 def loader_entry(loader: Any) -> Any:
     """The checkpoint entry of ``Run(loader=...)``: a spotguard.DataLoader is one; torchdata's
     StatefulDataLoader goes through LoaderState; a plain DataLoader is refused with the fix."""
-    from spotguard.data import DataLoader
+    from spotguard.data import DataLoader, ignore_stop_signals
     from spotguard.sampler import LoaderState
 
     if isinstance(loader, DataLoader):
         return loader
     if callable(getattr(loader, "state_dict", None)):
-        return LoaderState(loader)
+        return LoaderState(ignore_stop_signals(loader))  # its workers outlive a SIGTERM to the group
     raise TypeError(f"Run(loader=) cannot resume a {type(loader).__name__} exactly: build it with "
                     "spotguard.DataLoader (same arguments), or use torchdata's StatefulDataLoader")
 

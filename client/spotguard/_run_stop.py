@@ -4,6 +4,7 @@ it fits before the deadline, the report to the daemon and the record, and the ex
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from spotguard import _exit
@@ -18,6 +19,19 @@ from spotguard.protocol import utcnow
 __all__ = ["Stopping", "note_far_notice", "report_stop", "save_fits", "save_outcome"]
 
 log = logging.getLogger("spotguard.run")
+
+
+def _from_loader(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised in torch's DataLoader (a worker died, its pipe broke)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(_TORCH_LOADER):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_TORCH_LOADER = os.path.join("torch", "utils", "data", "dataloader.py")
 
 
 def save_fits(save_seconds: float | None, seconds_left: float | None, margin: float) -> bool:
@@ -140,6 +154,38 @@ class Stopping:
         if self.exit_on_stop:
             raise _exit.stop_exit(EXIT_PREEMPTED)
         return True
+
+    def _stop_on_lost_loader(self, exc: BaseException) -> None:
+        """``with run:`` left by an error of torch's loader (its workers died: the signal that stops
+        the process reached them) while a stop is pending: save the last finished step and exit 75,
+        not a traceback. One process: the state captured at the end of the last optimizer step (its
+        RNG and loader position; the model and optimizer are that step's until the next one
+        begins), or, before the first optimizer step of this launch, nothing new (the last commit
+        stands). Returns (the error goes on) in any other case: no stop pending, not a loader's
+        error, no ``optimizer=`` to tell where the loop is, or several ranks, whose other ranks are
+        inside the step's collectives and cannot reach the boundary with this one
+        (``spotguard.DataLoader`` fetches the batch again instead, so every rank stops together)."""
+        if self.stopped or self._closed or not _from_loader(exc) or not self.guard.stop_requested:
+            return
+        if self._between.wait() is not None:  # its save beside the work already ran: take that stop
+            self._stop_between(self._between.wait())
+        if self.agreement.enabled or not self._between.enabled:
+            log.error("the loader failed while stopping (%s: %s) and the last step cannot be saved here "
+                      "(%s); the last commit (step %s) stands. spotguard.DataLoader, or a torch loader "
+                      "passed to spotguard.ignore_stop_signals(), keeps its workers through the signal",
+                      type(exc).__name__, exc, "several ranks" if self.agreement.enabled else "no optimizer= "
+                      "given to Run", self._saved_step)
+            return
+        log.warning("the loader failed while stopping (%s: %s): stopping at the last finished step",
+                    type(exc).__name__, exc)
+        finished = self._between.finished_step()
+        if finished is None:
+            self._between._stop_at_start()  # nothing trained since the last commit: exit 75
+        done, state = finished
+        decision = Decision(stop=True, seconds_left=self.guard.seconds_left(),
+                            save_seconds=self.expected_save_seconds())
+        self.step, self._open_step = done, None
+        self._stop(done, decision, state=state)
 
     def _save_emergency(self, done: int, state: Any = None) -> bool:
         """Commit the state now, the loop stopped; False (logged) when the save failed."""

@@ -21,10 +21,15 @@ Why a plain ``torch.utils.data.DataLoader`` cannot resume exactly, and what this
 * **The position.** The loop's position is the samples *handed to it*, not the samples the workers
   prefetched: the loader advances its :class:`~spotguard.ResumableSampler` by each batch it returns,
   so the loop needs no ``sampler.advance`` call.
-* **SIGTERM.** A machine's shutdown sends SIGTERM to every process (systemd), workers included, and
-  torch's loader raises in the main process, mid-save, when a worker dies of it. This loader's
-  workers ignore SIGTERM: the main process saves and stops them as usual (they also exit when it
-  dies).
+* **SIGTERM and SIGINT.** torchrun passes SIGTERM on with ``os.killpg`` to each rank's process
+  group, workers included (so do Ctrl-C, ``scancel`` and systemd's ``KillMode=control-group``), and
+  torch's loader raises "DataLoader worker exited unexpectedly" in the main process, before the
+  step boundary where the stop saves, when a worker dies of it. This loader's workers ignore both
+  signals (:func:`ignore_stop_signals`; the forkserver they may start from too, see
+  :mod:`spotguard._fork`): the main process saves and stops them as usual, and they exit when it
+  dies. Workers that die anyway while the process is stopping (they were starting when the signal
+  came) are started again at the same position: the loop gets the batch it was waiting for, and the
+  rank reaches the boundary where every rank stops.
 * **Worker start.** On CPython 3.10 before 3.10.15 and 3.11 before 3.11.10, a worker forked while
   the process has other threads can hang before it starts (CPython gh-112275): unless the loader
   was given a ``multiprocessing_context``, its workers then start from a ``forkserver`` (see
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import multiprocessing
 import os
 import random
@@ -65,10 +71,12 @@ import torch
 import torch.utils.data as tud
 
 from spotguard import _fork, _watchdog
+from spotguard.guard import stop_pending
 from spotguard.sampler import ResumableSampler, SamplerStateError
 
-__all__ = ["DataLoader", "sample_seed", "stop_workers", "kill_workers"]
+__all__ = ["DataLoader", "ignore_stop_signals", "sample_seed", "stop_workers", "kill_workers"]
 
+log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 """The torch iterators of every spotguard.DataLoader, for :func:`stop_workers`."""
@@ -309,6 +317,36 @@ class _Batches:
         return self
 
     def __next__(self) -> Any:
+        try:
+            batch = self._next()
+        except StopIteration:
+            raise
+        except Exception as exc:  # torch's "worker exited unexpectedly", or an EOFError mid-batch
+            if not self._lost_to_stop(exc):
+                raise
+            batch = self._next()  # once more, from fresh workers, at the same position
+        self.loader._handed_out()
+        return batch
+
+    def _lost_to_stop(self, exc: Exception) -> bool:
+        """The workers died while the process is stopping (the signal reached them before they
+        could ignore it: they were starting): start fresh ones at the same position, so this rank
+        gets the very batch it was waiting for (each sample's draws are a function of its
+        position), finishes the step and stops at the boundary with the other ranks."""
+        s = self.loader.resumable
+        if s is None or not stop_pending() or not (str(exc).startswith("DataLoader worker (pid")
+                                                   or _worker_died(self._it)):
+            return False
+        log.warning("the loader's workers died while stopping (%s: %s): starting them again at the same "
+                    "position", type(exc).__name__, exc)
+        shutdown = getattr(self._it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self.loader._iterator = None  # persistent workers: torch would reset the dead iterator
+        s._again()
+        return True
+
+    def _next(self) -> Any:
         if self._it is None or self._restored != self.loader._restored():
             self._restored = self.loader._restored()
             self._it = self.loader._torch_iter()
@@ -319,20 +357,55 @@ class _Batches:
             _LIVE.add(self._it)
         self.loader._waiting_since = time.monotonic()
         try:
-            batch = next(self._it)
+            return next(self._it)
         finally:
             self.loader._waiting_since = None
-        self.loader._handed_out()
-        return batch
 
     def __len__(self) -> int:
         return len(self.loader)
 
 
+def ignore_stop_signals(loader: Any) -> Any:
+    """Make ``loader``'s worker processes ignore SIGTERM and SIGINT from its next iterator on, and
+    exit when the main process is gone; returns ``loader``.
+
+    Its ``worker_init_fn`` is chained (the user's runs after, with the same ``worker_id``); nothing
+    is drawn from any generator, so the batches are the same. Workers already started (a live
+    iterator, persistent workers) keep their handlers. For any torch ``DataLoader`` (a plain one,
+    Lightning's or the Hugging Face ``Trainer``'s); ``spotguard.DataLoader`` does it itself. A loader
+    started with ``spawn`` or ``forkserver`` needs its ``worker_init_fn`` picklable, as before."""
+    init = getattr(loader, "worker_init_fn", None)
+    if isinstance(init, functools.partial) and init.func is _worker_init:
+        return loader
+    loader.worker_init_fn = functools.partial(_worker_init, init)
+    context = getattr(loader, "multiprocessing_context", None)
+    if context is not None and context.get_start_method() == "forkserver":
+        _fork.start_forkserver([__name__])  # a server of spotguard's, unless one runs: SIGTERM kept off it
+    return loader
+
+
+def _worker_died(it: Any, wait: float = 1.0) -> bool:
+    """Whether a worker of torch iterator ``it`` is dead (one killed mid-batch can break the data
+    pipe, an EOFError, a moment before it is reaped): asked for up to ``wait`` seconds."""
+    workers = list(getattr(it, "_workers", ()))
+    deadline = time.monotonic() + wait
+    try:
+        while workers:
+            if any(not w.is_alive() for w in workers):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+    except RuntimeError as exc:  # torch's SIGCHLD handler: "DataLoader worker (pid N) is killed by ..."
+        return str(exc).startswith("DataLoader worker (pid")
+    return False
+
+
 def _worker_init(user_init: Any, worker_id: int) -> None:
-    """In each worker: ignore SIGTERM (the main process decides when workers stop), exit with the
-    main process, then the user's init."""
+    """In each worker: ignore SIGTERM and SIGINT (the main process decides when workers stop), exit
+    with the main process, then the user's init."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent,), name="spotguard-worker-orphan", daemon=True).start()

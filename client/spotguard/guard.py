@@ -20,7 +20,10 @@ Only a ``daemon_signal`` that no recent daemon notice explains (Slurm ``--signal
 
 The signal handlers only append to a list; a background thread (and every read of :attr:`notice`)
 turns that into a notice. Nothing else happens in a handler: no I/O, no locks, no ``sys.exit``,
-because a handler runs between two bytecodes of whatever the main thread was doing.
+because a handler runs between two bytecodes of whatever the main thread was doing. A Guard made
+outside the main thread (Ray Train's loop, a notebook's or a server's thread) cannot install handlers:
+it registers with the daemon as not handling its signal (SIGUSR1, whose default action would kill
+the process), so the daemon never sends it, and the notice comes over ZeroMQ only.
 
 Contract:
 
@@ -61,6 +64,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
@@ -105,6 +109,15 @@ SIGNAL_SLACK_S = 30.0
 """A daemon signal handled up to this long after its notice was cancelled is still the daemon's."""
 GRACE_ENV = "SPOTGUARD_SIGNAL__GRACE"
 """Seconds from SIGTERM to the kill, shared with the daemon's ``signal.grace`` setting."""
+
+
+_LIVE: "weakref.WeakSet[Guard]" = weakref.WeakSet()
+
+
+def stop_pending() -> bool:
+    """Whether a Guard of this process holds a stop (a notice, or a signal it caught): what lets
+    :class:`spotguard.DataLoader` start its workers again when they died of that signal."""
+    return any(guard.stop_requested for guard in list(_LIVE))
 
 
 class Guard:
@@ -197,14 +210,15 @@ class Guard:
         self._previous: dict[int, Any] = {}
         self._closed = threading.Event()
         self._link = None
+        self._install_handlers()  # before registering: whether it handles the daemon's signal
         if daemon:
             self._link = DaemonLink(self._on_event, job_id=job_id, rank=self.rank,
                                     pub_endpoint=pub_endpoint, request_endpoint=request_endpoint,
-                                    request_timeout=request_timeout)
+                                    request_timeout=request_timeout, signal=self.handles_daemon_signal)
             self._link.connect()
-        self._install_handlers()
         self._thread = threading.Thread(target=self._loop, name="spotguard-guard", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ state
 
@@ -308,11 +322,18 @@ class Guard:
         reply = self._link.request(StatusRequest())
         return reply.data if reply is not None and reply.ok else None
 
+    @property
+    def handles_daemon_signal(self) -> bool:
+        """Whether this process's handler takes the daemon's signal (SIGUSR1, or ``daemon_signal``):
+        False outside the main thread (no handler installed), where that signal's default action
+        would kill it; the daemon is told so when it registers and then never signals it."""
+        return self._handles_daemon_signal
+
     def report_resume(self, step: int) -> bool:
         """Tell the daemon this process resumed from the checkpoint of ``step`` (a restart, for its
         goodput metrics) by registering again with ``resumed_from_step``; False if none answered."""
         return self._request(RegisterRequest(pid=os.getpid(), rank=self.rank, job_id=self.job_id,
-                                             resumed_from_step=step))
+                                             resumed_from_step=step, signal=self.handles_daemon_signal))
 
     def report_commit(self, info: Any, save_seconds: float | None = None,
                       reached_at: datetime | None = None) -> bool:
@@ -467,12 +488,16 @@ class Guard:
             at = min(self._flagged[i] for i in ids)
         self._link.request(AckRequest(pid=os.getpid(), notice_ids=ids, at=at))
 
+    _handles_daemon_signal = False
+
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
-            log.warning("Guard created outside the main thread: no signal handlers installed")
+            log.warning("Guard created outside the main thread: no signal handlers installed; the "
+                        "daemon is told not to signal this process (its notices come over ZeroMQ)")
             return
         for signum in self._signal_deadlines:
             self._previous[signum] = signal.signal(signum, self._on_signal)
+        self._handles_daemon_signal = (self._daemon_signal or signal.SIGUSR1) in self._previous
 
     def _ignore_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():

@@ -210,13 +210,17 @@ Event = Annotated[
 
 class RegisterRequest(_Message):
     """Register a client process. A process that resumed from a checkpoint registers again with
-    ``resumed_from_step`` (optional; older clients leave it out), which the daemon counts as a restart."""
+    ``resumed_from_step`` (optional; older clients leave it out), which the daemon counts as a restart.
+    ``signal``: the process handles the daemon's delivery signal (SIGUSR1); False where it installed no
+    handler (a Guard made outside the main thread), whose default action would kill it: the daemon
+    then never signals it, and it learns of notices over ZeroMQ only."""
 
     type: Literal["register"] = "register"
     pid: Pid
     rank: Rank = 0
     job_id: str = Field(default="", max_length=256)
     resumed_from_step: Count | None = None
+    signal: bool = True
 
 
 class UnregisterRequest(_Message):

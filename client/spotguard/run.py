@@ -399,6 +399,8 @@ class Run(Stopping):
         elif is_peer_failure(exc):  # the loop's own collective (DDP's backward) met a lost peer
             self._peer_lost(self.step, exc)
         else:
+            if exc_type is not SystemExit:
+                self._stop_on_lost_loader(exc)  # a loader's workers killed by the stop's signal: 75
             self.close(exiting=isinstance(exc, SystemExit))
 
     # ------------------------------------------------------------------ boundaries

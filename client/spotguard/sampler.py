@@ -196,6 +196,12 @@ class ResumableSampler:
                                     "by each batch it hands out: remove the sampler.advance() call")
         self._advance(n_samples)
 
+    def _again(self) -> None:
+        """Its ``spotguard.DataLoader`` lost its workers: the next ``__iter__`` goes on from the
+        current position of this pass, as after loading a checkpoint taken now."""
+        self._resume_pending = True
+        self.restored += 1
+
     def _advance(self, n_samples: int) -> None:
         if n_samples < 0 or self.position + n_samples > self.num_samples:
             raise SamplerStateError(

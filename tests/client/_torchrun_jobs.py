@@ -3,6 +3,8 @@
 ``torchrun --nproc-per-node N _torchrun_jobs.py KIND OUT``, KIND one of:
 
 * ``run``: ``spotguard.Run`` over ``DDP(model)`` with a shuffled ``spotguard.DataLoader``;
+* ``loaders``: the same, each step on a batch of a ``spotguard.DataLoader`` and one of a plain torch
+  ``DataLoader`` (:func:`loaders_job`);
 * ``accelerate``: an Accelerate custom loop, ``accelerator.prepare(model, opt, sched)``, then
   ``spotguard.Run(..., optimizer=opt)`` as the README says;
 * ``lightning``: ``Trainer(strategy="ddp")`` with ``DataLoader(shuffle=True)`` and the callback;
@@ -14,7 +16,8 @@ least ``$JOB_STEP_SLEEP`` seconds (0.05, so that a signal lands mid-run), a save
 ``precision="bf16-mixed"``, the Trainer's ``bf16=True``, Accelerate's ``mixed_precision="bf16"``);
 ``$JOB_ACCUM=2`` accumulates gradients over two micro-batches a step (``run.steps()`` and the
 Accelerate loop draw them inside the step, under DDP's ``no_sync`` for all but the last; Lightning's
-``accumulate_grad_batches``, the Trainer's ``gradient_accumulation_steps``).
+``accumulate_grad_batches``, the Trainer's ``gradient_accumulation_steps``). ``$JOB_WORKERS``: the
+loaders' worker processes (0 by default; Lightning's and the Trainer's loaders too).
 Each rank writes ``OUT/pid.<rank>`` at start and ``OUT/exit.<rank>`` (its exit status) at the
 end; rank 0 writes ``OUT/progress`` (the steps done) after each step, adds a line to ``OUT/starts``
 with the steps done at its first step end (more than one step in a launch that resumed), and prints ``DIGEST`` (the
@@ -35,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# torchrun runs the script with its folder first on sys.path; nothing here runs at import, so a
+# spotguard.DataLoader's workers start from a forkserver (spotguard._fork), as in a real job
 from _integration_jobs import BATCH, HFModel, collate, dataset, digest, network  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -44,6 +48,7 @@ SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0.05"))
 DAEMON = os.environ.get("JOB_DAEMON") == "1"
 AUTOCAST = os.environ.get("JOB_AUTOCAST") == "1"
 ACCUM = int(os.environ.get("JOB_ACCUM", "1"))
+WORKERS = int(os.environ.get("JOB_WORKERS", "0"))
 JOB_ID = "torchrun"
 _started: list[int] = []
 
@@ -121,6 +126,39 @@ def run_job(out: Path) -> None:
     say("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]))
 
 
+def loaders_job(out: Path) -> None:
+    """Each step trains on one batch of a ``spotguard.DataLoader`` and one of a plain torch
+    ``DataLoader`` over a ``ResumableSampler`` (its workers kept through SIGTERM by
+    ``spotguard.ignore_stop_signals``, its iterators' seeds from a generator of its own), both with
+    ``$JOB_WORKERS`` workers (not persistent: they start again every epoch)."""
+    import torch.distributed as dist
+
+    import spotguard
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(network())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ours = spotguard.DataLoader(dataset(), batch_size=BATCH, shuffle=True, seed=0, num_workers=WORKERS)
+    sampler = spotguard.ResumableSampler(dataset(), shuffle=True, seed=1)
+    plain = spotguard.ignore_stop_signals(torch.utils.data.DataLoader(
+        dataset(), batch_size=BATCH, sampler=sampler, num_workers=WORKERS, generator=torch.Generator()))
+    run = spotguard.Run(out / "ckpt", model=model, optimizer=opt, loader=ours, sampler=sampler, save_every=4,
+                        daemon=DAEMON, job_id=JOB_ID)
+    a, b = endless(ours), endless(plain)
+    with run:
+        for step in run.steps(STEPS):
+            opt.zero_grad()
+            (x1, y1), (x2, y2) = next(a), next(b)
+            with autocast():
+                loss = torch.nn.functional.mse_loss(model(torch.cat([x1, x2])), torch.cat([y1, y2]))
+            loss.backward()
+            opt.step()
+            sampler.advance(len(x2))
+            step_done(out, step + 1)
+    say("DIGEST", digest(model.state_dict(), opt.state_dict()["state"]))
+
+
 def accelerate_job(out: Path) -> None:
     from accelerate import Accelerator
 
@@ -174,7 +212,7 @@ def lightning_job(out: Path) -> None:
                          devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), deterministic=True,
                          logger=False, callbacks=[callback], enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=True, num_workers=WORKERS)
     trainer.fit(module, loader)
     callback.exit_if_stopped()
     say("DIGEST", digest(module.state_dict(), trainer.optimizers[0].state_dict()["state"]))
@@ -193,7 +231,7 @@ def hf_job(out: Path) -> None:
     args = transformers.TrainingArguments(
         str(out), max_steps=STEPS, per_device_train_batch_size=BATCH, save_steps=4, seed=0,
         use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, learning_rate=0.01, bf16=AUTOCAST, gradient_accumulation_steps=ACCUM)
+        dataloader_num_workers=WORKERS, learning_rate=0.01, bf16=AUTOCAST, gradient_accumulation_steps=ACCUM)
     guard = SpotguardTrainerCallback(daemon=DAEMON, job_id=JOB_ID)
     trainer = transformers.Trainer(HFModel(), args, train_dataset=dataset(), data_collator=collate,
                                    callbacks=[guard, Progress()])
@@ -202,7 +240,8 @@ def hf_job(out: Path) -> None:
     say("DIGEST", digest(trainer.model.state_dict(), trainer.optimizer.state_dict()["state"]))
 
 
-JOBS = {"run": run_job, "accelerate": accelerate_job, "lightning": lightning_job, "hf": hf_job}
+JOBS = {"run": run_job, "loaders": loaders_job, "accelerate": accelerate_job, "lightning": lightning_job,
+        "hf": hf_job}
 
 
 def main() -> None:

@@ -22,38 +22,53 @@ from spotguard.protocol import Kind, NotifyRequest, StatusRequest
 pytestmark = pytest.mark.slow
 
 TRAIN = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, sys, threading, time
     from pathlib import Path
     import torch
     from spotguard.run import Run
     ckpt, total, step_s, stop_lead, gate = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \\
         float(sys.argv[4]), sys.argv[5]
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = Run(ckpt, model=model, optimizer=opt, save_every=10, stop_lead=stop_lead,
-              on_commit=lambda info: print("commit", info.step, flush=True))
-    seen = None
-    import atexit
-    atexit.register(lambda: print("exiting", time.time(), flush=True))
-    for step in run.steps(total):
-        notice = run.guard.notice
-        if notice is not None and seen is None:
-            seen = notice.id
-            print("notice", json.dumps({"id": notice.id, "deadline": notice.deadline.timestamp()
-                                        if notice.deadline else None, "step": step}), flush=True)
-        if notice is None and seen is not None:
-            print("cleared", step, flush=True)
-            seen = ""
-        if step == 12 and gate != "-":
-            print("gated", flush=True)
-            while not Path(gate).exists():
-                time.sleep(0.05)
-        opt.zero_grad()
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-        time.sleep(step_s)
-    run.finish()
-    print("finished", run.step, flush=True)
+
+    def train():
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = Run(ckpt, model=model, optimizer=opt, save_every=10, stop_lead=stop_lead,
+                  on_commit=lambda info: print("commit", info.step, flush=True))
+        seen = None
+        import atexit
+        atexit.register(lambda: print("exiting", time.time(), flush=True))
+        for step in run.steps(total):
+            notice = run.guard.notice
+            if notice is not None and seen is None:
+                seen = notice.id
+                print("notice", json.dumps({"id": notice.id, "deadline": notice.deadline.timestamp()
+                                            if notice.deadline else None, "step": step}), flush=True)
+            if notice is None and seen is not None:
+                print("cleared", step, flush=True)
+                seen = ""
+            if step == 12 and gate != "-":
+                print("gated", flush=True)
+                while not Path(gate).exists():
+                    time.sleep(0.05)
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            time.sleep(step_s)
+        run.finish()
+        print("finished", run.step, flush=True)
+
+    if os.environ.get("TRAIN_IN_THREAD") == "1":  # Ray Train, a notebook, a server: no signal handler
+        ended = []
+        def body():
+            try:
+                train()
+            except SystemExit as exc:
+                ended.append(exc.code)
+        worker = threading.Thread(target=body)
+        worker.start()
+        worker.join()
+        sys.exit(ended[0] if ended else 0)
+    train()
 """)
 
 
@@ -61,11 +76,11 @@ class Trainer:
     """The training script as a subprocess; its stdout lines are read on demand."""
 
     def __init__(self, tmp: Path, daemon, total: int, *, step_s: float = 0.05, stop_lead: float = 60.0,
-                 gate: str = "-", ckpt: Path | None = None) -> None:
+                 gate: str = "-", ckpt: Path | None = None, env_extra: dict[str, str] | None = None) -> None:
         script = tmp / "train_rules.py"
         script.write_text(TRAIN)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
-        env.update(SPOTGUARD_RUNTIME_DIR=str(daemon.runtime_dir), OMP_NUM_THREADS="1")
+        env.update(SPOTGUARD_RUNTIME_DIR=str(daemon.runtime_dir), OMP_NUM_THREADS="1", **(env_extra or {}))
         self.ckpt = ckpt or daemon.checkpoint_root / "job"
         self.proc = subprocess.Popen(
             [sys.executable, str(script), str(self.ckpt), str(total), str(step_s), str(stop_lead), gate],
@@ -132,6 +147,24 @@ def test_a_cancelled_notice_lets_training_finish_with_exit_0(daemon_factory, sim
     code, err = trainer.finish()
     assert code == 0, err
     assert "finished 400" in trainer.lines
+
+
+def test_a_run_made_in_a_thread_is_not_signalled_and_stops_on_the_notice(daemon_factory, trainers, tmp_path):
+    """No signal handler outside the main thread: the client registers as not handling SIGUSR1,
+    whose default action would kill it, so the daemon (default delivery: SIGUSR1 to registered
+    clients) does not send it; the notice comes over ZeroMQ and the run saves and exits 75."""
+    daemon = daemon_factory()
+    trainer = trainers(tmp_path, daemon, 100000, env_extra={"TRAIN_IN_THREAD": "1"})
+    trainer.wait_line("commit 10")
+    clients = daemon.request(StatusRequest()).data["clients"]
+    assert [c["signal"] for c in clients] == [False], clients
+    daemon.request(NotifyRequest(kind=Kind.PREEMPT, deadline_seconds=30, detail="thread"))
+    code, err = trainer.finish()
+    assert code == 75, err
+    assert "no signal handlers installed" in err and "sent SIGUSR1 to 0 of 0 processes" in daemon.output()
+    stop_line = next(line for line in err.splitlines() if "stopping at step" in line)
+    stop_step = int(stop_line.split("stopping at step ", 1)[1].split(":")[0].split(",")[0])
+    assert Checkpointer(trainer.ckpt).latest().step == stop_step  # what it stopped at is committed
 
 
 def test_a_far_deadline_keeps_training_then_stops_before_it(daemon_factory, trainers, tmp_path):

@@ -163,3 +163,157 @@ def test_workers_exit_when_the_main_process_is_killed_while_they_start(tmp_path)
     for pid in leaked:
         os.kill(pid, signal.SIGKILL)
     assert not leaked, "workers outlived their SIGKILLed main process"
+
+
+GROUP_JOB = """
+import multiprocessing, os, signal, sys, threading, time
+import torch
+import spotguard
+
+def main():
+    os.setsid()  # as torchrun starts each rank: a session and process group of its own
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # threads: a forkserver on 3.11.7
+    got = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: got.append(signum))
+    data = torch.utils.data.TensorDataset(torch.arange(64.0).view(-1, 1))
+    ours = spotguard.DataLoader(data, batch_size=4, shuffle=True, num_workers=2)
+    def plain():
+        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, num_workers=2,
+                                           multiprocessing_context="fork",
+                                           generator=torch.Generator().manual_seed(0))
+    expected = [b[0].tolist() for b in plain()]
+    guarded = spotguard.ignore_stop_signals(plain())
+    drawn = {}
+    for name, loader in (("ours", ours), ("plain", guarded)):
+        it = iter(loader)
+        drawn[name] = [next(it)[0].tolist() for _ in range(3)]
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the whole group: torchrun's killpg, Ctrl-C
+            os.killpg(0, sig)
+            time.sleep(0.2)
+        drawn[name] += [b[0].tolist() for b in it]
+    print("context", type(ours.multiprocessing_context).__name__ if ours.multiprocessing_context else "fork")
+    print("batches", len(drawn["ours"]), len(drawn["plain"]), drawn["plain"] == expected)
+    print("signals", sorted(set(got)) == sorted({signal.SIGTERM, signal.SIGINT}))
+    if ours.multiprocessing_context is not None:  # another child of the forkserver: SIGTERM's default
+        child = ours.multiprocessing_context.Process(target=time.sleep, args=(30,))
+        child.start()
+        time.sleep(0.5)
+        child.terminate()
+        child.join(10)
+        print("child", child.exitcode)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_workers_and_their_forkserver_outlive_sigterm_and_sigint_to_the_process_group(tmp_path):
+    """torchrun's ``killpg`` (and Ctrl-C, ``scancel``) signals the rank's whole group. The workers of
+    spotguard.DataLoader (started from a forkserver here: threads alive on 3.11.7) and of a plain
+    torch loader passed to ``ignore_stop_signals`` (forked) go on, with the same batches; another
+    child of the forkserver still dies of SIGTERM."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "group_job.py"
+    script.write_text(GROUP_JOB)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["batches"] == "16 16 True" and lines["signals"] == "True", done.stdout
+    if lines["context"] == "ForkServerContext":
+        assert lines["child"] == str(-signal.SIGTERM), done.stdout
+
+
+def test_workers_lost_while_stopping_start_again_at_the_same_batch():
+    """Workers that die once the process is stopping (they were starting when torchrun's SIGTERM
+    came, before they could ignore it) are started again at the same position: the loop gets the
+    very batches an uninterrupted pass gives (persistent workers too), finishes its step and stops
+    at the boundary. Without a stop pending, their death is an error as before."""
+    from spotguard.guard import Guard
+
+    def loader(persistent=False):
+        return spotguard.DataLoader(Noisy(), batch_size=2, shuffle=True, num_workers=2, seed=3,
+                                    persistent_workers=persistent)
+
+    def batches(dl, kill_after=None):
+        out = []
+        for i, batch in enumerate(dl):
+            out.append(batch.tolist())
+            if i == kill_after:
+                for pid in dl.worker_pids():
+                    os.kill(pid, signal.SIGKILL)
+        return out
+
+    expected = batches(loader())
+    with pytest.raises((RuntimeError, EOFError, ConnectionError)):  # torch's, or the pipe's
+        batches(loader(), kill_after=1)
+    guard = Guard(daemon=False, force_exit=False)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.stop_requested
+        assert batches(loader(), kill_after=1) == expected
+        assert batches(loader(persistent=True), kill_after=3) == expected
+    finally:
+        guard.close()
+
+
+LOST_LOADER_JOB = """
+import hashlib, os, signal, sys, time
+import torch
+import spotguard
+
+def main():
+    os.setsid()  # its own group, as torchrun starts a rank
+    ckpt, kill_at, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.arange(40.0).view(-1, 1))
+    sampler = spotguard.ResumableSampler(data, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, num_workers=2,
+                                         multiprocessing_context="fork", generator=torch.Generator())
+    run = spotguard.Run(ckpt, model=model, optimizer=opt, sampler=sampler, daemon=False, save_every=1000)
+
+    def batches():
+        while True:
+            yield from loader
+            sampler.set_epoch(sampler.epoch + 1)
+
+    it = batches()
+    with run:
+        for step in run.steps(total):
+            if step == kill_at and run.start_step < kill_at:  # a plain loader's workers die of it
+                os.killpg(0, signal.SIGTERM)
+            (x,) = next(it)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            sampler.advance(len(x))
+    print("START", run.start_step)
+    print("DIGEST", hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_plain_loader_that_dies_of_the_stop_signal_saves_the_last_step_and_exits_75(tmp_path):
+    """A plain torch loader's workers die of a SIGTERM to the whole group (no ignore_stop_signals);
+    its next batch raises inside the step. ``with run:`` saves the step finished last (its RNG and
+    data position as at its end, as a stop between steps does) and exits 75, not a traceback."""
+    import subprocess
+    import sys
+
+    from spotguard.checkpoint import Checkpointer
+
+    script = tmp_path / "lost_loader.py"
+    script.write_text(LOST_LOADER_JOB)
+    stopped = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), "7", "16"], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "the loader failed while stopping" in stopped.stderr and "Traceback" not in stopped.stderr
+    assert "stopping at step 7: emergency save" in stopped.stderr, stopped.stderr[-3000:]
+    assert Checkpointer(tmp_path / "ckpt").latest().step == 7

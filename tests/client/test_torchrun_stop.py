@@ -14,9 +14,10 @@ checks that it ends on the uninterrupted run's final digest. The ways to stop:
 * ``kill``: SIGKILL to torchrun and every worker at once, after a periodic commit (a node lost
   without notice): nothing is checked of the stop, and the relaunch resumes from the last commit.
 
-Each cell also picks bf16 autocast on or off and gradient accumulation over 1 or 2 micro-batches
-(see ``_torchrun_jobs.py``); its reference is the uninterrupted run of the same kind, ranks,
-autocast and accumulation. The full matrix is 4 x 3 x 4 x 2 x 2 cells of 20-60 s each on a loaded
+Each cell also picks bf16 autocast on or off, gradient accumulation over 1 or 2 micro-batches and
+0 or 2 loader workers (see ``_torchrun_jobs.py``; torchrun's SIGTERM reaches the workers too); its
+reference is the uninterrupted run of the same kind, ranks, autocast, accumulation and workers. The
+full matrix is 4 x 3 x 4 x 2 x 2 x 2 cells of 20-60 s each on a loaded
 2-core machine; each run samples :data:`SAMPLED` of them from a seed it prints
 (``SPOTGUARD_MATRIX_SEED`` repeats a run's choice, ``SPOTGUARD_MATRIX_ALL=1`` runs every cell; see
 ``_matrix.py``).
@@ -40,11 +41,11 @@ from spotguard import _record
 from spotguard.protocol import NotifyRequest
 
 JOB = Path(__file__).with_name("_torchrun_jobs.py")
-KINDS = ("run", "accelerate", "lightning", "hf")
+KINDS = ("run", "accelerate", "lightning", "hf")  # "loaders": its own test below
 IMPORTS = {"accelerate": "accelerate", "lightning": "lightning.pytorch", "hf": "transformers"}
 WAYS = ("launcher", "workers", "notice", "kill")
-CELLS = [(kind, ranks, way, autocast, accum) for kind in KINDS for ranks in (1, 2, 3) for way in WAYS
-         for autocast in (0, 1) for accum in (1, 2)]
+CELLS = [(kind, ranks, way, autocast, accum, workers) for kind in KINDS for ranks in (1, 2, 3) for way in WAYS
+         for autocast in (0, 1) for accum in (1, 2) for workers in (0, 2)]
 
 SAMPLED = 2  # the two tests below run every kind each time; the cells add ranks, ways, autocast, accumulation
 CHOSEN = sample("torchrun", CELLS, SAMPLED)
@@ -62,11 +63,13 @@ def job_env(out: Path, runtime: Path, **knobs: str) -> dict[str, str]:
 
 
 def torchrun(kind: str, ranks: int, out: Path, env: dict[str, str]) -> subprocess.Popen:
-    """torchrun over the job; its output goes to ``out.<n>.log`` (see :func:`output_of`)."""
+    """torchrun over the job, in a session of its own (its process group holds torchrun alone, as
+    a container's init or a terminal's job would); its output goes to ``out.<n>.log`` (see
+    :func:`output_of`)."""
     with open(out.with_name(f"{out.name}.{time.monotonic_ns()}.log"), "w") as log:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                  "--max-restarts", "0", "--nproc-per-node", str(ranks), str(JOB), kind,
-                                 str(out)], env=env, stdout=log, stderr=subprocess.STDOUT)
+                                 str(out)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -204,17 +207,17 @@ def stopped(kind: str, ranks: int, out: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind, ranks, way, autocast, accum", CELLS,
-                         ids=[f"{k}-{r}-{w}-autocast{a}-accum{n}" for k, r, w, a, n in CELLS])
+@pytest.mark.parametrize("kind, ranks, way, autocast, accum, workers", CELLS,
+                         ids=[f"{k}-{r}-{w}-autocast{a}-accum{n}-workers{p}" for k, r, w, a, n, p in CELLS])
 def test_every_rank_stops_at_one_step_with_one_save_and_resumes_exactly(kind, ranks, way, autocast, accum,
-                                                                        tmp_path, daemon_factory):
-    cell = (kind, ranks, way, autocast, accum)
+                                                                        workers, tmp_path, daemon_factory):
+    cell = (kind, ranks, way, autocast, accum, workers)
     if cell not in CHOSEN:
         pytest.skip(skip_reason())
     pytest.importorskip(IMPORTS.get(kind, "torch"))
     print(f"SPOTGUARD_MATRIX_SEED={SEED}")
     stop_and_resume(kind, ranks, way, tmp_path, daemon_factory, random.Random(f"{SEED}-{cell}"),
-                    JOB_AUTOCAST=str(autocast), JOB_ACCUM=str(accum))
+                    JOB_AUTOCAST=str(autocast), JOB_ACCUM=str(accum), JOB_WORKERS=str(workers))
 
 
 @pytest.mark.slow
@@ -251,3 +254,38 @@ def test_a_lost_peer_ends_the_other_rank_with_77(kind, tmp_path):
     lost = [e for e in _record.read(record) if e["event"] == "peer_lost"]
     assert [e["rank"] for e in lost] == [0], (lost, output_of(out)[-6000:])
     assert "exiting 77" in output_of(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_loader_workers_outlive_sigterm_to_torchrun_and_to_the_whole_job(tmp_path):
+    """3 ranks, each step on a batch of a ``spotguard.DataLoader`` and one of a plain torch
+    ``DataLoader`` (``ignore_stop_signals``), 2 workers each, started again every epoch. torchrun
+    passes SIGTERM on with ``killpg`` to each rank's group, workers included: the workers go on, and
+    every rank exits 75 at one agreed step, committed. First SIGTERM to torchrun alone (Kubernetes) at
+    a random step, then, right after the resume, to every process group of the job at once (a
+    terminal, ``scancel``); the last launch resumes each time at the stop step (0 steps redone) and
+    ends bit-identical to an uninterrupted run."""
+    rng = random.Random(f"{SEED}-loaders")
+    print(f"SPOTGUARD_MATRIX_SEED={SEED}")
+    knobs = {"JOB_WORKERS": "2"}
+    expected = reference("loaders", 3, tmp_path, **knobs)
+    out = tmp_path / "stopped-loaders"
+    env = job_env(out, tmp_path / "rt-none", **knobs)
+    proc = torchrun("loaders", 3, out, env)
+    wait_progress(out, rng.randrange(2, 11), proc)
+    proc.send_signal(signal.SIGTERM)
+    finish(proc)
+    first = stopped("loaders", 3, out)
+    for exit_file in out.glob("exit.*"):
+        exit_file.unlink()
+    proc = torchrun("loaders", 3, out, env)
+    wait_progress(out, first + 1, proc)
+    assert last_start(out) == first + 1  # resumed at the stop step: nothing redone
+    groups = [proc.pid] + [int((out / f"pid.{rank}").read_text()) for rank in range(3)]
+    for group in groups:  # each rank leads its own session (torchrun's start_new_session)
+        os.killpg(group, signal.SIGTERM)
+    finish(proc)
+    second = stopped("loaders", 3, out)
+    assert launch_to_the_end("loaders", 3, out, env) == expected
+    assert last_start(out) == second + 1

@@ -65,6 +65,24 @@ def test_terminating_notice_signals_registered_and_listed_processes(recorder, tm
     assert [wait_for_file(p) for p in (got_a, got_b, got_c)] == ["usr1"] * 3
 
 
+def test_a_client_registered_without_a_handler_is_not_signalled_even_when_listed(recorder, tmp_path):
+    """A Guard made outside the main thread says it has no handler (SIGUSR1 would kill it): the
+    daemon leaves it out even when a pid file or the cgroup names it."""
+    (a, got_a), (b, got_b) = recorder("a"), recorder("b")
+    pid_file = tmp_path / "train.pid"
+    pid_file.write_text(f"{a.pid}\n")
+    cgroup = tmp_path / "cg"
+    cgroup.mkdir()
+    (cgroup / "cgroup.procs").write_text(f"{a.pid}\n{b.pid}\n")
+
+    async def main():
+        Delivery(DeliverySettings(pid_files=[pid_file], cgroup=cgroup), registered=list,
+                 refused=lambda: [a.pid]).deliver(NOTICE)
+
+    asyncio.run(main())
+    assert wait_for_file(got_b) == "usr1" and wait_for_file(got_a, timeout=0.5) is None
+
+
 def test_advisory_notices_and_signal_none_send_nothing(recorder):
     proc, got = recorder()
     advisory = Notice(id="r", platform="aws", kind=Kind.REBALANCE, terminating=False)

@@ -40,6 +40,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
+from spotguard.data import ignore_stop_signals
+
 log = logging.getLogger(__name__)
 
 _HOOK = "_load_combined_loader_states"
@@ -133,9 +135,13 @@ class DataPosition:
         self.epoch, self.batches = epoch, skip
         self._loaders = [owned for dl in loaders if (owned := self._own_one(dl, skip))]
         self._reseed()
+        for dl in loaders:  # before Lightning's first iterator, which it makes before its set_epoch
+            _set_epoch(dl, epoch)
 
     def _own_one(self, dl: Any, skip: int) -> tuple[DataLoader, torch.Generator,
                                                     torch.Generator] | None:
+        if isinstance(dl, DataLoader):  # workers outlive a SIGTERM to the rank's group; same draws
+            ignore_stop_signals(dl)
         if hasattr(dl, "state_dict") and hasattr(dl, "load_state_dict"):
             return None  # stateful (StatefulDataLoader): Lightning saves and restores it
         if not isinstance(dl, DataLoader) or not isinstance(dl.batch_sampler, BatchSampler):
@@ -187,6 +193,17 @@ class DataPosition:
     def _warn_inexact(self) -> None:
         for text in self._problems:
             log.warning("resume will not be bit-identical: %s", text)
+
+
+def _set_epoch(dl: Any, epoch: int) -> None:
+    """Tell the loader's samplers (a ``DistributedSampler`` under DDP) the epoch its next iterator
+    is for. Lightning makes the resumed launch's first iterator in ``setup_data``, before it calls
+    ``set_epoch``; a loader with workers draws its order at once (its prefetch), so it would draw
+    the sampler's initial epoch's order instead of the resumed one's."""
+    batches = getattr(dl, "batch_sampler", None)
+    for sampler in {id(s): s for s in (getattr(dl, "sampler", None), getattr(batches, "sampler", None))}.values():
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
 
 
 def _derive(seed: int, index: int, epoch: int, purpose: str) -> int:

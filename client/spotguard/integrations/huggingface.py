@@ -88,6 +88,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -99,6 +100,7 @@ from spotguard._record import Recorder
 from spotguard._run_stop import report_stop, save_outcome
 from spotguard._watchdog import Watchdog
 from spotguard.checkpoint.layout import CommitInfo
+from spotguard.data import ignore_stop_signals
 from spotguard.integrations._hf_commit import COMMITTED, NotCommitted, commit_copy, newest_committed
 from spotguard.integrations._hf_eval import EvalPause
 from spotguard.integrations._hf_record import TrainerRecord
@@ -244,6 +246,7 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         self.stopped, self._stop_report, self._saved_step = False, None, None
+        _keep_workers(kwargs.get("train_dataloader"))
         job, given = _jobid.resolve(self._given_job or getattr(self.guard, "job_id", ""))
         self.job_id = _jobid.agree(job, given=given)  # rank 0's on every rank
         if state.is_world_process_zero and self._root_lock is None:  # the process that saves: as Run
@@ -418,6 +421,14 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
     def _arm_progress(self) -> None:
         assert self._progress is not None and self.peer_timeout
         self._progress.reset(time.monotonic() + self.peer_timeout + PEER_LOST_GRACE)
+
+
+def _keep_workers(loader: Any) -> None:
+    """The train loader's workers ignore SIGTERM and SIGINT (torchrun's ``killpg`` reaches them);
+    its epochs' iterators are made after ``on_train_begin``. Nothing it draws changes."""
+    base = getattr(loader, "base_dataloader", loader)  # Accelerate's DataLoaderShard wraps one
+    if isinstance(base, DataLoader):
+        ignore_stop_signals(base)
 
 
 def _drain(loader: Any) -> tuple[Any, Any] | None:

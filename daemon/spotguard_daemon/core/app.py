@@ -175,7 +175,8 @@ class Daemon:
         self._changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self.delivery = Delivery(self.settings.delivery, self.handler.signallable_pids,
-                                 http=webhook_http, outcome=self.metrics.delivered)
+                                 http=webhook_http, outcome=self.metrics.delivered,
+                                 refused=self.handler.signal_refused_pids)
         watchers = self._start_watching(metadata_http)
         try:
             self._start_serving({w.name for w in watchers})

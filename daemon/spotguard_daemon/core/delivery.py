@@ -4,7 +4,8 @@ Not every training script imports the client library, so on a *terminating* noti
 sends ``delivery.signal`` (SIGUSR1 by default) to every process that registered, every pid named in
 ``delivery.pid_files`` and every process in the ``delivery.cgroup``'s ``cgroup.procs``. Processes are
 never found by name (no pgrep: a name matches strangers). pid 1, pids <= 0 and the daemon itself are
-never signalled; a pid that is gone is skipped and logged.
+never signalled, nor is a client that registered as not handling the signal (a Guard outside the
+main thread: SIGUSR1's default action would kill it); a pid that is gone is skipped and logged.
 
 The hook (argv list, the notice JSON on stdin) and the webhook (a JSON POST with an optional bearer
 secret, which is never logged) run for every notice as background tasks with a timeout per attempt
@@ -86,9 +87,12 @@ class Delivery:
 
     def __init__(self, settings: DeliverySettings, registered: Callable[[], Iterable[int]],
                  http: httpx.AsyncClient | None = None, outcome: Outcome | None = None,
-                 backoff: float = 0.5) -> None:
+                 backoff: float = 0.5, refused: Callable[[], Iterable[int]] = tuple) -> None:
+        """``refused``: the pids of clients that registered as not handling the signal (its default
+        action would kill them), left out even when a pid file or the cgroup lists them."""
         self._settings = settings
         self._registered = registered
+        self._refused = refused
         self._http = http
         self._outcome = outcome or (lambda channel, ok: None)
         self._backoff = backoff
@@ -111,6 +115,7 @@ class Delivery:
     def send_signal(self, notice: Notice) -> list[int]:
         signum = _signal.Signals[self._settings.signal]
         targets = set(self._registered()) | listed_pids(self._settings.pid_files, self._settings.cgroup)
+        targets -= set(self._refused())
         sent = signal_pids(targets, signum)
         log.info("notice %s: sent %s to %d of %d processes", notice.id, signum.name, len(sent), len(targets))
         if sent:

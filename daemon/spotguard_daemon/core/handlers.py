@@ -212,6 +212,12 @@ class RequestHandler:
         """Pids that may be signalled now: checked against ``/proc`` one by one."""
         return [c.target for c in self.clients.values() if c.signallable()]
 
+    def signal_refused_pids(self) -> list[int]:
+        """Pids of live proven clients that registered as not handling the signal (never signalled,
+        not even when a pid file or the cgroup lists them; an unproven one cannot speak for a pid)."""
+        return [c.target for c in self.clients.values()
+                if not c.handles_signal and c.proven and c.target is not None and c.alive()]
+
     def reap(self, budget: int = REAP_BATCH) -> int:
         """Check up to ``budget`` registrations (round robin) and drop dead ones; return the count."""
         for _ in range(min(budget, len(self.clients))):
@@ -247,7 +253,8 @@ class RequestHandler:
 
     def _register(self, request: RegisterRequest) -> Reply:
         try:
-            client = Client.register(request.pid, request.rank, request.job_id, current_peer.get())
+            client = Client.register(request.pid, request.rank, request.job_id, current_peer.get(),
+                                     handles_signal=request.signal)
         except PermissionError as exc:
             self._refused("register", exc)
             return Reply(ok=False, error=f"register refused: {exc}")
@@ -264,12 +271,13 @@ class RequestHandler:
             client.resumed = old.resumed
             if not request.job_id and request.rank == 0:  # spotguard run's registrar naming a client
                 client.rank, client.job_id = old.rank, old.job_id
+                client.handles_signal = old.handles_signal and client.handles_signal
         self.clients[client.key] = client
         if client.proven:  # an unproven peer could name any job: it must not count or reset its loss
             self._count_restart(request, client)
         here = f" (pid {client.key} here)" if client.key != request.pid else ""
         log.info("client pid %d%s registered (rank %d, job %r, signal %s)", request.pid, here, client.rank,
-                 client.job_id, "yes" if client.uid is not None else "no")
+                 client.job_id, "yes" if client.uid is not None and client.handles_signal else "no")
         self._on_change()
         return Reply(ok=True, data={"notices": self._notices(), "signal": client.public()["signal"],
                                     "mtbf": self._mtbf(), "checkpoint_root": self._root and str(self._root)})

@@ -18,7 +18,10 @@ the peer by its ``NSpid``. Any other pid it names is refused, root's too: the nu
 unrelated process of the daemon's namespace. A pid that is not a running process is refused. A
 client that registered over ``tcp://`` (which cannot prove who the peer is), or from an unrelated
 PID namespace, is unproven: kept until it unregisters or is evicted by newer unproven ones, and
-**never signalled**; it learns of notices over the PUB socket only.
+**never signalled**; it learns of notices over the PUB socket only. Neither is a client that said
+it does not handle the signal (``RegisterRequest.signal``: a Guard made outside the main thread has
+no handler, and SIGUSR1's default action would kill it); ``spotguard run`` registering that process
+again for its job keeps what it said.
 
 A registration is keyed by what the kernel proves (:func:`key_of`): the process's pid in the
 daemon's namespace (its start time checked on every use), never by the pid the client named, which
@@ -62,12 +65,15 @@ class Client:
     PID namespace (a container) registered itself under its own pid."""
     resumed: str | None = None
     """The job this registration was counted as a restart of (:mod:`.handlers`): never twice."""
+    handles_signal: bool = True
+    """The process said it handles the delivery signal; False (a Guard outside the main thread, no
+    handler installed, where SIGUSR1's default action would kill it): never signalled."""
 
     @classmethod
-    def register(cls, pid: int, rank: int, job_id: str, peer: Peer) -> "Client":
+    def register(cls, pid: int, rank: int, job_id: str, peer: Peer, handles_signal: bool = True) -> "Client":
         """A client for ``pid`` as ``peer`` may register it; raises ``PermissionError`` otherwise."""
         if peer.uid is None or not peer.pid:
-            return cls(pid, rank, job_id)  # tcp://, or a peer in an unrelated PID namespace
+            return cls(pid, rank, job_id, handles_signal=handles_signal)  # tcp://, or an unrelated PID namespace
         target = _target(pid, peer.pid)
         start = None if target is None else process_start_time(target)
         if start is None:
@@ -81,7 +87,7 @@ class Client:
         if peer.uid != 0 and target != peer.pid and not descends(target, peer.pid):
             raise PermissionError(f"pid {pid} is neither the sender nor one of its descendants; "
                                   "a client may register only those")
-        return cls(pid, rank, job_id, start_time=start, uid=uid, target=target)
+        return cls(pid, rank, job_id, start_time=start, uid=uid, target=target, handles_signal=handles_signal)
 
     @property
     def key(self) -> int:
@@ -103,8 +109,8 @@ class Client:
         return self.target is None or process_start_time(self.target) == self.start_time
 
     def signallable(self) -> bool:
-        """Proven owner, same process as registered, and still owned by that uid."""
-        return self.proven and self.alive() and owner_uid(self.target) == self.uid
+        """Handles the signal, proven owner, same process as registered, and still owned by that uid."""
+        return self.handles_signal and self.proven and self.alive() and owner_uid(self.target) == self.uid
 
     def public(self) -> dict:
         """As ``status`` shows it; ``signal`` is what a notice would do now (:meth:`signallable`:

@@ -35,6 +35,8 @@ for line in sys.stdin:
         os.environ.clear(); os.environ.update(req["env"]); sys.argv = req["argv"]
         fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(fd, 1); os.dup2(fd, 2)
+        if os.environ.get("PYTHONUNBUFFERED"):  # as a fresh interpreter would: no line held back
+            sys.stdout.reconfigure(line_buffering=True)
         code = 0
         try:
             runpy.run_path(req["argv"][0], run_name="__main__")

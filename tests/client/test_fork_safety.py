@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -128,24 +129,35 @@ def _running(pid: int) -> bool:
         return False
 
 
+HANG_CAUSES = {
+    "loader": r"rank 0: no batch for (\d+) s: its 2 DataLoader worker\(s\) \(pid \d+, \d+\) are alive but "
+              r"produced no batch; this rank is hung on its own data loading",
+    "save": r"rank 0: waited (\d+) s for its own checkpoint save, which is not waiting for any peer: "
+            r"this rank's save is hung",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("hang, cause", [
-    ("loader", r"rank 0: no batch for (\d+) s: its 2 DataLoader worker\(s\) \(pid \d+, \d+\) are alive but "
-               r"produced no batch; this rank is hung on its own data loading"),
-    ("save", r"rank 0: waited (\d+) s for its own checkpoint save, which is not waiting for any peer: "
-             r"this rank's save is hung"),
-])
-def test_a_rank_hung_on_its_own_says_so_well_before_peer_timeout(tmp_path, hang, cause):
+def test_a_rank_hung_on_its_own_says_so_well_before_peer_timeout(tmp_path):
     """peer_timeout=60: the progress watchdog would blame a peer at 70 s; the local hang is named at
-    min(300, 60 / 2) = 30 s, the rank exits 76, and none of its loader workers is left behind."""
-    output = _torchrun(tmp_path, "--hang", hang, "--peer-timeout", "60")
-    found = re.search(cause + r".* \(limit 30 s.*\); forced exit 76", output)
-    assert found, "\n".join(line for line in output.splitlines() if "spotguard" in line)[-4000:]
-    assert 30 <= int(found.group(1)) < 45
-    assert "a peer rank is probably gone" not in output
-    assert "exitcode: 76" in output and "local_rank: 0" in output
-    _no_worker_left(tmp_path)
+    min(300, 60 / 2) = 30 s, the rank exits 76, and none of its loader workers is left behind.
+    Both hangs (rank 0's loader, rank 0's save) run at once: each job waits its 30 s idle."""
+    def launch(hang: str) -> str:
+        (tmp_path / hang).mkdir()
+        return _torchrun(tmp_path / hang, "--hang", hang, "--peer-timeout", "60")
+
+    with ThreadPoolExecutor(len(HANG_CAUSES)) as pool:
+        outputs = dict(zip(HANG_CAUSES, pool.map(launch, HANG_CAUSES)))
+    for hang, cause in HANG_CAUSES.items():
+        output = outputs[hang]
+        found = re.search(cause + r".* \(limit 30 s.*\); forced exit 76", output)
+        assert found, hang + ":\n" + "\n".join(
+            line for line in output.splitlines() if "spotguard" in line)[-4000:]
+        assert 30 <= int(found.group(1)) < 45, (hang, found[0])
+        assert "a peer rank is probably gone" not in output, (hang, output[-4000:])
+        assert "exitcode: 76" in output and "local_rank: 0" in output, (hang, output[-4000:])
+        _no_worker_left(tmp_path / hang)
 
 
 WATCHDOG_JOB = """

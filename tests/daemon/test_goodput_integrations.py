@@ -8,10 +8,12 @@ and count the restart and the 2 steps lost (9 and 10).
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,16 +21,34 @@ import pytest
 from test_goodput_loss import progress_requests
 from test_goodput_metrics import samples
 
-
 JOB = Path(__file__).parents[1] / "client" / "_integration_jobs.py"
+sys.path.append(str(JOB.parent))
+from _jobserver import JobServer  # noqa: E402 (tests/client)
+
+_SERVER: list[JobServer] = []
+
+
+def run_job(kind: str, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``_integration_jobs.py kind out`` to its end, as a process forked by a JobServer that imported
+    torch, Lightning and transformers once (a fresh interpreter spends 7-9 s importing them); its
+    status (-9 when SIGKILLed) and merged output."""
+    if not _SERVER:
+        _SERVER.append(JobServer(("lightning.pytorch", "transformers.trainer")))
+        atexit.register(_SERVER[0].close)
+    fd, log = tempfile.mkstemp(prefix="sg-job-", suffix=".out")
+    os.close(fd)
+    try:
+        code = _SERVER[0].run([str(JOB), kind, str(out)], env, Path(log))
+        return subprocess.CompletedProcess([str(JOB), kind, str(out)], code, Path(log).read_text())
+    finally:
+        os.unlink(log)
 
 
 def launch(kind: str, daemon, out: Path, **knobs: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
     env.update(knobs, JOB_DAEMON="1", OMP_NUM_THREADS="1", SPOTGUARD_RUNTIME_DIR=str(daemon.runtime_dir),
                SPOTGUARD_PROGRESS_SECONDS="0.01")
-    return subprocess.run([sys.executable, str(JOB), kind, str(out)], env=env, timeout=240,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return run_job(kind, out, env)
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from spotguard.storage.durable import Durable
 from spotguard.storage.file import FileStore
 
 from test_goodput_fresh_node import node_b, wait_for  # noqa: F401 (a fixture)
-from test_goodput_integrations import JOB as JOB_SCRIPT, launch
+from test_goodput_integrations import JOB as JOB_SCRIPT, launch, run_job
 
 pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
 from spotguard.integrations.huggingface import latest_checkpoint  # noqa: E402
@@ -96,9 +96,7 @@ def test_the_daemon_refuses_a_raw_trainer_checkpoint_and_accepts_the_committed_c
 def uninterrupted(out: Path) -> str:
     """The job's output run once, without a daemon or a store."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
-    done = subprocess.run([sys.executable, str(JOB_SCRIPT), "hf", str(out)], timeout=240, text=True,
-                          env={**env, "OMP_NUM_THREADS": "1", "SPOTGUARD_RUNTIME_DIR": f"{out}.rt"},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    done = run_job("hf", out, {**env, "OMP_NUM_THREADS": "1", "SPOTGUARD_RUNTIME_DIR": f"{out}.rt"})
     assert done.returncode == 0, done.stdout[-3000:]
     return done.stdout
 

@@ -24,7 +24,8 @@ def _check_script(script: str, *, rank: str, nodes: str, master: str) -> None:
     daemon = next(line for line in script.splitlines() if "spotguard daemon" in line)
     assert "--checkpoint-root \"$CKPT_DIR\"" in daemon
     assert script.index("spotguard daemon") < script.index("spotguard run -- torchrun")
-    assert "&\n" in script[script.index("spotguard daemon"):script.index("spotguard run")]  # background
+    between = script[script.index("spotguard daemon"):script.index("spotguard run")]
+    assert "&\n" in between or "& }" in between  # in the background
     for var in (rank, nodes, master):
         assert var in script, var
 
@@ -64,5 +65,12 @@ def test_dstack_task_validates_with_dstack_models() -> None:
     env = dict(conf.env.as_dict())
     assert env["SPOTGUARD_STORAGE__URL"].startswith(BUCKET_SCHEMES)
     assert not conf.volumes  # no bucket or volume mounted as the checkpoint root
-    _check_script("\n".join(conf.commands), rank="$DSTACK_NODE_RANK", nodes="$DSTACK_NODES_NUM",
+    _check_script(_dstack_joined(conf.commands), rank="$DSTACK_NODE_RANK", nodes="$DSTACK_NODES_NUM",
                   master="$DSTACK_MASTER_NODE_IP")
+
+
+def _dstack_joined(commands: list[str]) -> str:
+    """One shell line, as dstack's server joins a task's commands (`_join_shell_commands` in
+    dstack._internal.server.services.jobs.configurators.base, not importable without the server's
+    dependencies): ' && ' between them, a command ending in '&' wrapped in '{ ... }'."""
+    return " && ".join("{ %s }" % c.strip() if c.strip().endswith("&") else c.strip() for c in commands)

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 
 from spotguard.integrations.ray import POINTER  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TOTAL, EVERY = 40, 5
 

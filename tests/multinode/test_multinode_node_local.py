@@ -17,18 +17,28 @@ step 20 as globally committed, node a's ranks exit 77, and the relaunch on node 
 keeps one local checkpoint, so it holds only step 20 then (issue 28 item 1: every rank used to
 refuse to start): the ranks agree on step 10, which node a fetches from the store too, and node a's
 step 20, of the abandoned run, is set aside.
+
+Before that, the `run` script of deploy/skypilot/train-multinode.yaml runs on both nodes as SkyPilot
+would run it (issue 33): its own daemon per node, a notice, the bucket, a relaunch on fresh nodes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+import yaml
+from spotguard_daemon.proctree import descendants
 
 from _bucket import Bucket
-from _twonodes import netns_available, two_nodes
+from _twonodes import JOB, netns_available, two_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -126,6 +136,94 @@ def wait_until(what: str, check, job, timeout: float = 120.0) -> None:
         assert all(launch.proc.poll() is None for launch in job.launches), f"an agent exited before {what}:\n{job.output()}"
         assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s:\n{job.output()}"
         time.sleep(0.1)
+
+
+SKYPILOT_TASK = Path(__file__).resolve().parents[2] / "deploy" / "skypilot" / "train-multinode.yaml"
+
+
+def skypilot_run(cluster, name: str, homes: list[Path], train_args: str) -> list[subprocess.Popen]:
+    """The `run` script of deploy/skypilot/train-multinode.yaml on both nodes, with the variables
+    SkyPilot sets (node rank, node IPs one a line, node count, GPUs per node) and the task's envs,
+    the bucket and job id replaced by the emulator's; each node's own HOME (its daemon's state and
+    sockets) and CKPT_DIR (its local disk); train.py is the multi-node test job."""
+    task = yaml.safe_load(SKYPILOT_TASK.read_text())
+    ips = "\n".join(node.addr for node in cluster.nodes)
+    procs = []
+    for node, home in zip(cluster.nodes, homes):
+        home.mkdir(parents=True)
+        (home / "train.py").symlink_to(JOB)
+        env = {**{k: str(v) for k, v in task["envs"].items()}, **node.extra_env,
+               "SKYPILOT_NODE_RANK": str(node.index), "SKYPILOT_NODE_IPS": ips, "SKYPILOT_NUM_NODES": "2",
+               "SKYPILOT_NUM_GPUS_PER_NODE": str(NPROC), "HOME": str(home), "CKPT_DIR": str(home / "ckpt"),
+               "SPOTGUARD_RUNTIME_DIR": f"{node.runtime_dir}-{home.name}",  # the script's own daemon
+               "SPOTGUARD_JOB_ID": "skypilot-job", "TRAIN_ARGS": train_args,
+               "SPOTGUARD_RECORD": str(cluster.workdir / f"{name}.jsonl"),
+               "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        with open(cluster.workdir / f"{name}-{node.name}.log", "ab") as out:
+            procs.append(subprocess.Popen(["ip", "netns", "exec", node.name, "bash", "-c", task["run"]],
+                                          cwd=home, env={**node.env(), **env}, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def end_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch's whole process tree, by pid (the node goes: SkyPilot's teardown)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(30)
+
+
+def test_skypilot_run_script_through_a_notice_and_a_relaunch_on_fresh_nodes(cluster, runs):
+    """deploy/skypilot/train-multinode.yaml's `run` on both nodes: a notice on node b stops every
+    rank at one step and the bucket gets it; node b's script waits for the reclaim; SkyPilot ends
+    the cluster and relaunches on two fresh nodes (new local disks, new daemons), which resume
+    from the bucket at the stop's step and end bit-identical to the reference."""
+    work = cluster.workdir / "skypilot"
+    from spotguard import _record
+
+    def events(name: str, kind: str) -> list[dict]:
+        path = cluster.workdir / f"{name}.jsonl"
+        return [e for e in _record.read(path) if e["event"] == kind] if path.exists() else []
+
+    first = skypilot_run(cluster, "sky-stopped", [work / "a1", work / "b1"], " ".join((*ARGS, "--step-sleep", "0.25")))
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["step"] >= 3 for e in events("sky-stopped", "progress")):
+            assert all(p.poll() is None for p in first) and time.monotonic() < deadline, _sky_logs(cluster, "sky-stopped")
+            time.sleep(0.1)
+        b = cluster.nodes[1]
+        out = subprocess.run(["ip", "netns", "exec", b.name, sys.executable, "-m", "spotguard_daemon", "notify",
+                              "--kind", "preempt", "--deadline", "60", "--timeout", "10"],
+                             env={**b.env(), "SPOTGUARD_RUNTIME_DIR": f"{b.runtime_dir}-b1"},
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        durable = cluster.bucket.durable()
+        deadline = time.monotonic() + 180
+        while not durable.list("skypilot-job") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stops = {e["step"] for e in events("sky-stopped", "stop")}
+        assert len(stops) == 1 and durable.list("skypilot-job") == list(stops), _sky_logs(cluster, "sky-stopped")
+        assert first[1].poll() is None  # node b's script waits for the cloud to take the node
+    finally:
+        for proc in first:
+            end_tree(proc)
+    second = skypilot_run(cluster, "sky-resumed", [work / "a2", work / "b2"], " ".join(ARGS))
+    try:
+        assert [p.wait(300) for p in second] == [0, 0], _sky_logs(cluster, "sky-resumed")
+    finally:
+        for proc in second:
+            if proc.poll() is None:
+                end_tree(proc)
+    assert {e["resumed_from"] for e in events("sky-resumed", "start")} == stops
+    final = {e["digest"] for e in events("sky-resumed", "finish")}
+    assert len(final) == 1 and final == {e["digest"] for e in runs["reference"].events("finish")}
+
+
+def _sky_logs(cluster, name: str) -> str:
+    return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(cluster.workdir.glob(f"{name}-*.log")))
 
 
 def test_node_b_killed_mid_upload_leaves_the_step_uncommitted_and_the_relaunch_resumes_bit_identical(cluster, runs):

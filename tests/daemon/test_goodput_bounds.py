@@ -7,7 +7,6 @@ interruption). One daemon plays all of them."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time

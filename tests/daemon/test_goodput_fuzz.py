@@ -22,7 +22,6 @@ from spotguard_daemon.core.timeline import Timelines
 
 from _runs import Runs
 from test_goodput_bounds import notify, pings  # noqa: F401 - notify is a fixture
-from test_goodput_fresh_node import wait_for
 
 JOBS = ["a", "b", "c"]
 numbers = st.one_of(st.integers(), st.integers(-2, 2**64), st.floats(), st.just(2**53), st.just(-1),

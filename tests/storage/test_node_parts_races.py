@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from spotguard.storage import Durable, ManifestError
+from spotguard.storage import Durable
 from spotguard.storage._keys import object_key
 from spotguard.storage.durable import GC_GRACE_SECONDS, manifest_key
 from spotguard.storage.file import FileStore

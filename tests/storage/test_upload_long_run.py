@@ -17,6 +17,7 @@ from conftest import write_checkpoint
 from storage_proxy import Proxy
 from test_upload_queue import _queue
 from spotguard_daemon.core import upload_global
+from spotguard_daemon.core.upload_retention import Retention
 
 
 def test_every_rank_reporting_the_same_commit_makes_one_upload(tmp_path, make_ckpt, caplog):
@@ -73,6 +74,9 @@ def test_slow_nodes_converge_on_one_step_that_becomes_global_while_saving(moto, 
         stores = [open_store(direct.url, StoreOptions(endpoint_url=p.url, max_attempts=6)) for p in (slow_a, slow_b)]
         (a, done_a, _), (b, done_b, _) = (_queue(store, tmp_path / f"n{k}") for k, store in enumerate(stores))
         a.durable.concurrency = b.durable.concurrency = 1
+        pruned = {a: [], b: []}  # retention of a node-local job is node 0's alone (one prune per step)
+        for queue in (a, b):
+            queue.retention = Retention(lambda job, queue=queue: pruned[queue].append(job), 5.0)
         a.start(), b.start()
         global_while_saving, lags = None, []
         try:
@@ -97,6 +101,7 @@ def test_slow_nodes_converge_on_one_step_that_becomes_global_while_saving(moto, 
     assert Durable(direct).list("job")[0] == proposed[0] < last, (done_a, done_b)  # a step both finished
     assert Durable(direct).latest("job") == last  # the last one is never superseded
     assert max(lags) > 0 and b.watch.lag() == 0  # the gauge: behind while saving, 0 once global
+    assert len(pruned[a]) == len(done_a) and pruned[b] == []
     print(f"first global step while saving: after the commit of step {global_while_saving}; a: {done_a}, b: {done_b}")
 
 

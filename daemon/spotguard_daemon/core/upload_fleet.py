@@ -18,7 +18,8 @@ global. So the nodes agree by design, through one small object::
   if superseded; its own newest commit is uploaded as usual otherwise, and a follower never
   finishes a superseded upload of a step node 0 did not propose (that is how nodes diverged).
 
-Cost: one GET per upload on the followers; on node 0, per part whose step is not global, a GET, the
+Node 0's daemon is also the only one to run the bucket's retention of the job (the others leave
+it to node 0: one prune per step, not N). Cost: one GET per upload on the followers; on node 0, per part whose step is not global, a GET, the
 global pointer's GET and HEAD, and at most one PUT: O(1) per node per step, whatever N. A job
 without a ``node`` section (one node) never reads or writes ``next.json``. Any store error only
 skips the coordination for that upload (logged at INFO); a ``next.json`` that is not what node 0

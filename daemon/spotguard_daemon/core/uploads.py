@@ -11,8 +11,9 @@
   again and resumes, reusing the objects already sent (:mod:`.upload_flight`: the hooks that pace
   and abandon an upload). A superseded upload is finished all the same once the lag behind the
   global step passed its bound, and incomplete node-local steps are checked again while idle
-  (:mod:`.upload_global`). Uploads and retention (:mod:`.upload_retention`) of one prefix run one
-  at a time, as :mod:`spotguard.storage.durable` requires.
+  (:mod:`.upload_global`); with node-local roots the nodes converge on node 0's proposed step
+  (:mod:`.upload_fleet`). Uploads and retention (:mod:`.upload_retention`) of one prefix run one
+  at a time, as :mod:`spotguard.storage.durable` requires; a node-local job's retention is node 0's.
 * **Journaled.** Every accepted commit is written to ``<state_dir>/uploads.json`` (atomically) before
   the request is answered and removed only once durable, so a daemon killed mid-upload resumes on
   restart; content addressing means objects already in the bucket are not sent again. A journal
@@ -355,7 +356,8 @@ class UploadQueue:
             self._finish(upload, info)  # the pointer is written: durable now, published before any delete
             self.fleet.uploaded(self.durable, upload.job_id, info.step, info.complete)
             self.durable.cleanup(info)  # a slow or stalled delete delays nothing a client waits for
-            self.retention.run(upload.job_id)
+            if not self.fleet.follows(upload.job_id):  # node-local roots: node 0 prunes for the fleet
+                self.retention.run(upload.job_id)
 
     def _proposed(self, upload: Upload) -> Upload:
         """The upload to send: ``upload``, or on a node other than node 0 the older step node 0

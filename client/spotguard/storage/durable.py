@@ -7,6 +7,7 @@ Layout under the store's prefix (object stores have no rename, so order is the c
     jobs/<job>/manifests/step-0000000100.json    the local manifest + a "durable" section
     jobs/<job>/latest                            "step-0000000100\\n"
     jobs/<job>/parts/step-0000000100/node-<k>.json  a node's part (node-local roots, see :mod:`._parts`)
+    jobs/<job>/parts/next.json                   the step node 0 proposes the others upload next (the daemon's)
     jobs/<job>/progress.json                     the daemon's goodput record of the job (not a checkpoint)
 
 :meth:`Durable.upload` writes the pending note, then every object the store does not prove it holds

@@ -11,6 +11,14 @@ node's part with ``Durable.upload`` as each node's daemon does, and measures:
 - **fresh node**: a restore into an empty root of only its ranks' parts plus rank 0's
   (``ranks=``), against the whole checkpoint on every node (the baseline): seconds and bytes.
 
+``--scale 8 128 1024`` measures the cost of one step as N grows instead: N simulated nodes of one
+rank each upload their part of one step with ``Durable.upload``, one after another (each node's
+last is the one that completes the set), through a store wrapper that counts requests
+(``_counting_store.py``): requests per step, bytes read, global-manifest writes, and the time from
+the last part manifest's PUT to the global manifest's PUT (the requests before the global commit
+include it); ``--retention`` then runs the daemon's ``prune`` once, as node 0's daemon does after its
+upload (the other nodes' daemons leave a node-local job's retention to node 0), counted apart.
+
 The store is the S3 emulator (moto) by default, ``--backend file`` for a local directory. The time
 from a relaunch to the first resumed step adds the job's start (torchrun, imports) to the restore;
 it is not measured here.
@@ -19,6 +27,7 @@ Usage::
 
     python benchmarks/bench_node_parts.py [--nodes 4] [--ranks 2] [--part-mb 8] [--trials 5]
     python benchmarks/bench_node_parts.py --quick      # 2 nodes x 2 ranks, 1 MiB parts, 2 trials
+    python benchmarks/bench_node_parts.py --scale 8 128 [--retention] [--backend file]
 """
 
 from __future__ import annotations
@@ -39,7 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "storage"
 from _common import markdown_table, summarize, write_results  # noqa: E402
 from bench_recovery import open_bucket, start_emulator  # noqa: E402
 
+from _counting_store import CountingStore  # noqa: E402
 from spotguard.storage import Durable  # noqa: E402
+from spotguard.storage.durable import GC_GRACE_SECONDS, manifest_key  # noqa: E402
 
 
 def node_part(root: Path, step: int, node: int, ranks: list[int], nodes: int, world: int, size: int) -> Path:
@@ -98,6 +109,55 @@ def trial(durable: Durable, work: Path, step: int, args: argparse.Namespace) -> 
             "fresh_own_bytes": size_of(mine), "fresh_whole_bytes": size_of(whole)}
 
 
+def scale(store, work: Path, nodes: int, retention: bool) -> dict:
+    """One step of ``nodes`` one-rank nodes through a :class:`CountingStore`: what it cost."""
+    counting = CountingStore(store)
+    durable, job = Durable(counting), f"scale-{nodes}"
+    parts = [node_part(work / f"scale-{nodes}" / f"node-{k}", 1, k, [k], nodes, nodes, 1024) for k in range(nodes)]
+    started = time.monotonic()
+    for ckpt in parts:
+        durable.upload(ckpt, job)
+    seconds = time.monotonic() - started
+    assert durable.latest(job) == 1, "the global manifest was not written"
+    requests, gets, bytes_read = counting.requests, counting.counts["get_bytes"], counting.bytes_read
+    if retention:  # node 0's daemon, once per step (the other nodes' daemons do not prune a node-local job)
+        durable.prune(job, 3, grace=GC_GRACE_SECONDS)
+    prune_requests, prune_gets = counting.requests - requests, counting.counts["get_bytes"] - gets
+    last_part = counting.put_times[f"jobs/{job}/parts/step-0000000001/node-{nodes - 1}.json"][-1]
+    global_puts = counting.put_times[manifest_key(job, 1)]
+    return {"nodes": nodes, "requests": requests, "per_node": round(requests / nodes, 1),
+            "gets": gets, "bytes_read": bytes_read,
+            "global_writes": len(global_puts), "last_part_to_global_ms": round((global_puts[0] - last_part) * 1000, 1),
+            "seconds": round(seconds, 2), "prune_requests": prune_requests, "prune_gets": prune_gets,
+            "by_method": dict(counting.counts)}
+
+
+def in_bucket(args: argparse.Namespace, run) -> list[dict]:
+    """``run(store, work)`` against a new bucket of ``args.backend`` (the emulator started and stopped)."""
+    with tempfile.TemporaryDirectory(prefix="spotguard-bench-parts-") as tmp:
+        work = Path(tmp)
+        emulator = start_emulator("s3", work) if args.backend == "s3" else None
+        try:
+            store = open_bucket(args.backend, emulator.url if emulator else "", f"sg-{uuid.uuid4().hex[:12]}",
+                                work, create=True)
+            return run(store, work)
+        finally:
+            if emulator:
+                emulator.stop()
+
+
+def main_scale(args: argparse.Namespace) -> None:
+    rows = in_bucket(args, lambda store, work: [scale(store, work, n, args.retention) for n in args.scale])
+    params = {"scale": args.scale, "backend": args.backend, "retention": args.retention}
+    path = write_results("node_parts_scale", {"params": params, "results": rows}, args.out)
+    print(markdown_table(["nodes", "requests per step", "per node", "GETs", "bytes read", "global writes",
+                          "last part -> global (ms)", "step (s)", "prune requests (GETs)"],
+                         [[r["nodes"], r["requests"], r["per_node"], r["gets"], r["bytes_read"], r["global_writes"],
+                           r["last_part_to_global_ms"], r["seconds"],
+                           f"{r['prune_requests']} ({r['prune_gets']})" if args.retention else "-"] for r in rows]))
+    print(f"results: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=4)
@@ -107,19 +167,15 @@ def main() -> None:
     parser.add_argument("--backend", default="s3", choices=("s3", "file"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--scale", type=int, nargs="+", help="N simulated nodes: the cost of one step")
+    parser.add_argument("--retention", action="store_true", help="with --scale: node 0 prunes once per step")
     args = parser.parse_args()
+    if args.scale:
+        return main_scale(args)
     if args.quick:
         args.nodes, args.ranks, args.part_mb, args.trials = 2, 2, 1, 2
-    with tempfile.TemporaryDirectory(prefix="spotguard-bench-parts-") as tmp:
-        work = Path(tmp)
-        emulator = start_emulator("s3", work) if args.backend == "s3" else None
-        try:
-            store = open_bucket(args.backend, emulator.url if emulator else "", f"sg-{uuid.uuid4().hex[:12]}",
-                                work, create=True)
-            rows = [trial(Durable(store), work / f"t{step}", step, args) for step in range(1, args.trials + 1)]
-        finally:
-            if emulator:
-                emulator.stop()
+    rows = in_bucket(args, lambda store, work: [trial(Durable(store), work / f"t{step}", step, args)
+                                                for step in range(1, args.trials + 1)])
     ms = lambda key: summarize([r[key] for r in rows])  # noqa: E731
     results = {"global_commit": ms("global_commit_ms"), "shared_commit": ms("shared_commit_ms"),
                "last_part_upload": ms("last_part_upload_ms"),

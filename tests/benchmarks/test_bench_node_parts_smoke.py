@@ -23,3 +23,16 @@ def test_node_parts_quick(tmp_path):
     assert results["global_commit"]["n"] == 2 and results["shared_commit"]["n"] == 2
     # 2 nodes x 2 ranks, 1 MiB a part: the fresh node fetches its 2 parts and rank 0's, not all 4
     assert (results["fresh_own_bytes"], results["fresh_whole_bytes"]) == (3 << 20, 4 << 20)
+
+
+def test_node_parts_scale_costs_o_of_n(tmp_path):
+    """Issue 28 item 9: N nodes' parts of one step cost about 8 requests per node and one read of
+    each part (by the node that completes the set), not N(N+1)/2 reads."""
+    out = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--scale", "4", "32", "--backend", "file", "--out", str(out)],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in json.loads(out.read_text())["results"]:
+        n = row["nodes"]
+        assert row["requests"] <= 10 * n and row["gets"] == n and row["global_writes"] == 1, row
+        assert row["bytes_read"] < 1000 * n, row  # no part lists every rank's digest

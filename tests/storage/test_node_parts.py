@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from spotguard.checkpoint.layout import combine_digests
 from spotguard.storage import Durable, ManifestError
 from spotguard.storage.durable import manifest_key
 
@@ -24,8 +25,9 @@ def node_part(make_ckpt, root, step: int, index: int, ranks: list[int], nodes: i
     files = {f"rank-{r}/{name}": os.urandom(2048) for r in ranks for name in ("tree.json", "small.bin")}
     node = {"index": index, "nodes": nodes, "leader": ranks[0], "ranks": ranks,
             "digests": DIGESTS[:nodes], **over}
-    world = len(node["digests"])
-    return make_ckpt(root, step, files, node=node, world_size=world, digest="d" * 64, job_id="job")
+    world = len(node["digests"])  # the state digest hashes every rank's, as a save writes it
+    return make_ckpt(root, step, files, node=node, world_size=world, digest=combine_digests(node["digests"]),
+                     job_id="job")
 
 
 @pytest.fixture
@@ -48,6 +50,22 @@ def test_the_global_manifest_appears_once_every_nodes_part_is_durable(durable, m
 
     restored = durable.restore("job", tmp_path / "c")  # a fresh node gets a loadable whole
     assert sorted(p.name for p in restored.iterdir()) == ["manifest.json", "rank-0", "rank-1"]
+
+
+def test_a_part_uploaded_by_an_older_daemon_joins_a_new_part_of_its_save(durable, make_ckpt, tmp_path):
+    """Issue 28 item 9: a part no longer lists every rank's digest (O(world) bytes in each of N
+    parts; the state digest hashes them); a part an older daemon uploaded, which lists them, still
+    assembles with a new one of the same save, and the step restores."""
+    a = node_part(make_ckpt, tmp_path / "a", 10, 0, [0])
+    local = json.loads((a / "manifest.json").read_text())
+    durable.upload(a, "job")
+    key = "jobs/job/parts/step-0000000010/node-0.json"
+    part = json.loads(durable.store.get_bytes(key))
+    assert "digests" not in part["node"] and local["node"]["digests"] == DIGESTS[:2]
+    durable.store.put_bytes(key, json.dumps({**part, "node": local["node"]}).encode())  # as older daemons wrote it
+    durable.upload(node_part(make_ckpt, tmp_path / "b", 10, 1, [1]), "job")
+    assert durable.latest("job") == 10
+    assert sorted(p.name for p in durable.restore("job", tmp_path / "c").iterdir()) == ["manifest.json", "rank-0", "rank-1"]
 
 
 def test_a_missing_node_part_leaves_the_previous_step_global(durable, make_ckpt, tmp_path):

@@ -17,6 +17,7 @@ from conftest import write_checkpoint
 from storage_proxy import Proxy
 from test_upload_queue import _queue
 from spotguard_daemon.core import upload_global
+from spotguard_daemon.core.upload_retention import Retention
 
 
 def test_every_rank_reporting_the_same_commit_makes_one_upload(tmp_path, make_ckpt, caplog):
@@ -62,20 +63,27 @@ def node_ckpt(root, step: int, index: int, files: dict[str, bytes], nodes: int =
                             world_size=nodes, digest=digest * 64)
 
 
-def test_a_node_uploading_slower_than_the_saves_still_makes_steps_global(moto, new_bucket, tmp_path):
-    """Item 2: node b's store takes ~1 s per checkpoint, the job saves every 0.2 s. Before, every
-    upload of b was superseded and no step became global until the saves stopped; now b finishes
-    its upload after ``max_superseded`` supersedes, so steps become global while the job saves."""
+def test_slow_nodes_converge_on_one_step_that_becomes_global_while_saving(moto, new_bucket, tmp_path):
+    """Item 2: both nodes' stores are throttled, at different speeds (~0.6 s and ~0.9 s per checkpoint),
+    and the job saves every 0.2 s. Before, each node finished whichever upload its own count of
+    supersedes picked, so the nodes could finish different steps and none became global; now node 0
+    finishes one (``max_superseded``) and proposes it, node 1 uploads that step next and finishes it,
+    so a step becomes global while the job saves, whatever the load."""
     direct = new_bucket("s3")
-    with SlowObjectPuts(moto.url, slow_s=0.3) as slow:
-        store_b = open_store(direct.url, StoreOptions(endpoint_url=slow.url, max_attempts=6))
-        a, _, _ = _queue(direct, tmp_path / "a")
-        b, done_b, _ = _queue(store_b, tmp_path / "b")
-        b.durable.concurrency = 1
+    with SlowObjectPuts(moto.url, slow_s=0.2) as slow_a, SlowObjectPuts(moto.url, slow_s=0.3) as slow_b:
+        stores = [open_store(direct.url, StoreOptions(endpoint_url=p.url, max_attempts=6)) for p in (slow_a, slow_b)]
+        (a, done_a, _), (b, done_b, _) = (_queue(store, tmp_path / f"n{k}") for k, store in enumerate(stores))
+        a.durable.concurrency = b.durable.concurrency = 1
+        pruned = {a: [], b: []}  # retention of a node-local job is node 0's alone (one prune per step)
+        for queue in (a, b):
+            queue.retention = Retention(lambda job, queue=queue: pruned[queue].append(job), 5.0)
         a.start(), b.start()
         global_while_saving, lags = None, []
         try:
-            for step in range(1, 19):
+            for step in range(1, 61):  # saving until 2 saves after the first global step (about 16)
+                if global_while_saving is not None and step > global_while_saving + 2:
+                    break
+                last = step
                 for k, queue in enumerate((a, b)):
                     files = {f"f{i}.bin": os.urandom(20_000) for i in range(3)}
                     queue.submit("job", node_ckpt(tmp_path / f"ckpt{k}", step, k, files), step)
@@ -83,13 +91,18 @@ def test_a_node_uploading_slower_than_the_saves_still_makes_steps_global(moto, n
                 lags.append(b.watch.lag())
                 if global_while_saving is None and Durable(direct).latest("job") is not None:
                     global_while_saving = step
+            saved = time.monotonic()
             assert a.wait_idle(60) and b.wait_idle(60)
+            print(f"idle {time.monotonic() - saved:.1f} s after the last save")
         finally:
             a.close(), b.close()
-    assert global_while_saving is not None, f"no step became global while the job saved; b: {done_b}"
-    assert Durable(direct).latest("job") == 18  # the last one is never superseded
+    assert global_while_saving is not None, f"no step became global while the job saved; a: {done_a}, b: {done_b}"
+    proposed = [s for _, s in done_a if s in {s for _, s in done_b}]
+    assert Durable(direct).list("job")[0] == proposed[0] < last, (done_a, done_b)  # a step both finished
+    assert Durable(direct).latest("job") == last  # the last one is never superseded
     assert max(lags) > 0 and b.watch.lag() == 0  # the gauge: behind while saving, 0 once global
-    print(f"first global step while saving: after the commit of step {global_while_saving}")
+    assert len(pruned[a]) == len(done_a) and pruned[b] == []
+    print(f"first global step while saving: after the commit of step {global_while_saving}; a: {done_a}, b: {done_b}")
 
 
 class LaggingList(FileStore):

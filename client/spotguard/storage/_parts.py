@@ -4,11 +4,13 @@ Each node commits its own ranks' parts under a node-local manifest with a ``node
 :mod:`spotguard.checkpoint.nodes`); its daemon uploads the objects, then the part manifest at
 ``jobs/<job>/parts/step-N/node-<k>.json``, then lists that step's parts. Whoever finds the set
 complete (every node ``0 .. nodes-1`` of one incarnation, their ranks covering the world once)
-writes the global manifest and the pointer.
+writes the global manifest and the pointer. Cost: a node whose listing lacks some node's part stops
+after that one LIST; only a node that lists every part reads the others (O(N) per step in all when
+the nodes finish one after another, not O(N²)).
 
 Incarnations: a part's incarnation is what every node of one save agrees on and a relaunch's save of
-the same step does not (:func:`incarnation`: step, job, world size, node count and every rank's
-digest). Only parts of the uploader's incarnation are assembled; a leftover part of an earlier
+the same step does not (:func:`incarnation`: step, job, world size, node count and the state digest,
+which hashes every rank's digest; an uploaded part does not list those, :func:`uploaded_part`). Only parts of the uploader's incarnation are assembled; a leftover part of an earlier
 launch (another node count, other digests) is superseded, never mixed in nor fatal, and the new
 launch's part of that node overwrites it. Only the canonical key ``node-<k>.json`` counts
 (``node-00.json`` is not node 0). Two daemons finishing together
@@ -25,7 +27,7 @@ from typing import Any, Callable
 from spotguard.storage._local import ManifestError, step_name, validate_manifest
 from spotguard.storage.base import IntegrityError, Store
 
-__all__ = ["PART", "part_key", "parts_prefix", "assemble"]
+__all__ = ["PART", "part_key", "parts_prefix", "assemble", "uploaded_part"]
 
 PART = re.compile(r"^jobs/([^/]+)/parts/step-(\d{10})/node-(0|[1-9]\d{0,5})\.json$")
 _SAME = ("step", "world_size", "digest", "job_id")
@@ -47,8 +49,9 @@ def node_of(manifest: dict[str, Any], where: str) -> dict[str, Any]:
     ok = ok and ints(node.get("index"), node.get("nodes"), node.get("leader"))
     ok = ok and 0 <= node["index"] < node["nodes"] <= world and isinstance(node.get("ranks"), list)
     ok = ok and bool(node["ranks"]) and ints(*node["ranks"]) and all(0 <= r < world for r in node["ranks"])
-    ok = ok and node["leader"] in node["ranks"] and isinstance(node.get("digests"), list)
-    if not ok or len(node["digests"]) != world:
+    digests = node.get("digests", []) if ok else None  # older uploaded parts list every rank's
+    ok = ok and node["leader"] in node["ranks"] and isinstance(digests, list) and len(digests) in (0, world)
+    if not ok:
         raise ManifestError(f"{where}: bad node section")
     prefixes = tuple(f"rank-{r}/" for r in node["ranks"])
     if not all(rel.startswith(prefixes) for rel in manifest["files"]):
@@ -57,29 +60,46 @@ def node_of(manifest: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def incarnation(part: dict[str, Any]) -> str:
-    """The save a (checked) part belongs to: what all nodes of that save agree on."""
-    same = [part.get(f) for f in _SAME] + [part["node"]["nodes"], part["node"]["digests"]]
+    """The save a (checked) part belongs to: what all nodes of that save agree on. The state
+    ``digest`` is the hash of every rank's digest in rank order, so a part needs not list them."""
+    same = [part.get(f) for f in _SAME] + [part["node"]["nodes"]]
     return json.dumps(same, sort_keys=True)
 
 
+def uploaded_part(manifest: dict[str, Any], durable: dict[str, Any]) -> dict[str, Any]:
+    """The part manifest a node uploads: its local manifest without every rank's digest (O(world)
+    bytes in each of N parts; the state ``digest`` stands for them), plus the ``durable`` section."""
+    node = {k: v for k, v in manifest["node"].items() if k != "digests"}
+    return {**manifest, "node": node, "durable": durable}
+
+
 def assemble(store: Store, job: str, step: int, max_bytes: int,
-             loads: Callable[[bytes], Any], own: dict[str, Any] | None = None) -> dict[str, Any] | None:
+             loads: Callable[[bytes], Any], own: dict[str, Any] | None = None,
+             mapper: Callable[..., Any] = map) -> dict[str, Any] | None:
     """The global manifest of ``step`` once every node's part of ``own``'s incarnation (the part
     the caller uploaded; default: the newest uploaded part's) is in the store, else None. Raises
     :class:`ManifestError` when a part is malformed or the parts of one incarnation do not cover
-    the world's ranks once (nothing is written then)."""
-    parts: dict[int, dict[str, Any]] = {}
-    for key in store.list(parts_prefix(job, step)):
-        m = PART.match(key)
-        if not m or m.group(1) != job:
-            continue
+    the world's ranks once (nothing is written then). ``mapper`` reads the parts (a thread pool's
+    ``map`` reads them in parallel)."""
+    keys = {int(m.group(3)): key for key in store.list(parts_prefix(job, step))
+            if (m := PART.match(key)) and m.group(1) == job}
+    if own is not None and not set(range(own["node"]["nodes"])) <= set(keys):
+        return None  # one LIST and no GET while some node's part is missing (all but the last node)
+
+    def read(index: int, key: str) -> dict[str, Any]:
         try:
             part = validate_manifest(loads(store.get_bytes(key, max_size=max_bytes)), key)
         except IntegrityError as exc:
             raise ManifestError(f"{key}: implausible part manifest: {exc}") from exc
-        if node_of(part, key)["index"] != int(m.group(3)) or part["step"] != step:
+        if node_of(part, key)["index"] != index or part["step"] != step:
             raise ManifestError(f"{key}: its node or step differs from its key")
-        parts[int(m.group(3))] = part
+        return part
+
+    mine = own["node"]["index"] if own is not None else None  # just written by the caller: not read back
+    others = sorted((index, key) for index, key in keys.items() if index != mine)
+    parts = dict(zip((index for index, _ in others), mapper(lambda item: read(*item), others)))
+    if own is not None:
+        parts[mine] = own
     if not parts:
         return None
     if own is None:

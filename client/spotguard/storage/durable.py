@@ -7,6 +7,7 @@ Layout under the store's prefix (object stores have no rename, so order is the c
     jobs/<job>/manifests/step-0000000100.json    the local manifest + a "durable" section
     jobs/<job>/latest                            "step-0000000100\\n"
     jobs/<job>/parts/step-0000000100/node-<k>.json  a node's part (node-local roots, see :mod:`._parts`)
+    jobs/<job>/parts/next.json                   the step node 0 proposes the others upload next (the daemon's)
     jobs/<job>/progress.json                     the daemon's goodput record of the job (not a checkpoint)
 
 :meth:`Durable.upload` writes the pending note, then every object the store does not prove it holds
@@ -177,10 +178,12 @@ class Durable:
         self.store.put_bytes(pending, json.dumps({"hashes": sorted(by_hash)}).encode())
         sent = self._send_objects(ckpt, by_hash, progress, interrupt)
         durable = {"version": 1, "name": ckpt.name, "objects": OBJECTS, "uploaded": time.time()}
+        uploaded = {**manifest, "durable": durable}
         if "node" in manifest:  # one node's part: the global manifest waits for every node's
             _parts.node_of(manifest, str(ckpt))
             key = _parts.part_key(job_id, manifest["step"], manifest["node"]["index"])
-        body = json.dumps({**manifest, "durable": durable}, indent=1).encode()
+            uploaded = _parts.uploaded_part(manifest, durable)
+        body = json.dumps(uploaded, indent=1).encode()
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
         complete = "node" not in manifest or self._complete(job_id, manifest["step"], json.loads(body))
         if complete:
@@ -210,8 +213,9 @@ class Durable:
         part this node uploaded; default: the newest part's) is in the store (see :mod:`._parts`)
         and every object it names is present (another node's retention may have
         deleted one this node's part reused: then the step is not made global); True once it is."""
-        manifest = _retrying(lambda: _parts.assemble(self.store, _job(job_id), step, MAX_MANIFEST_BYTES,
-                                                     _loads, own), self.attempts, f"parts of step {step}")
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="spotguard-parts") as pool:
+            manifest = _retrying(lambda: _parts.assemble(self.store, _job(job_id), step, MAX_MANIFEST_BYTES,
+                                                         _loads, own, pool.map), self.attempts, f"parts of step {step}")
         if manifest is None:
             log.info("durable %s step %d: this node's part is in the store; waiting for the other nodes'",
                      job_id, step)

@@ -94,6 +94,11 @@ class GlobalWatch:
             elif behind is not None:  # newer commits wait: counted from this global commit
                 self._behind[job] = (time.time(), behind[1])
 
+    def global_step(self, job: str) -> int:
+        """The newest step of ``job`` known global here (-1: none)."""
+        with self._lock:
+            return self._global.get(job, -1)
+
     def finish(self, job: str) -> str | None:
         """Why the upload in flight of ``job`` must be finished although superseded (None: let it go)."""
         with self._lock:

@@ -11,8 +11,9 @@
   again and resumes, reusing the objects already sent (:mod:`.upload_flight`: the hooks that pace
   and abandon an upload). A superseded upload is finished all the same once the lag behind the
   global step passed its bound, and incomplete node-local steps are checked again while idle
-  (:mod:`.upload_global`). Uploads and retention (:mod:`.upload_retention`) of one prefix run one
-  at a time, as :mod:`spotguard.storage.durable` requires.
+  (:mod:`.upload_global`); with node-local roots the nodes converge on node 0's proposed step
+  (:mod:`.upload_fleet`). Uploads and retention (:mod:`.upload_retention`) of one prefix run one
+  at a time, as :mod:`spotguard.storage.durable` requires; a node-local job's retention is node 0's.
 * **Journaled.** Every accepted commit is written to ``<state_dir>/uploads.json`` (atomically) before
   the request is answered and removed only once durable, so a daemon killed mid-upload resumes on
   restart; content addressing means objects already in the bucket are not sent again. A journal
@@ -54,7 +55,7 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry
 from spotguard._priority import lower_priority
-from spotguard.storage._local import ManifestError
+from spotguard.storage._local import ManifestError, step_name
 from spotguard.storage.base import IntegrityError, Store, StoreOptions
 from spotguard.storage.registry import open_store
 from spotguard.storage.durable import GC_GRACE_SECONDS, Durable, DurableInfo, manifest_key
@@ -62,6 +63,7 @@ from spotguard.storage.fresh_node import DEFAULT_JOB
 
 from spotguard_daemon.core import confine
 from spotguard_daemon.core.no_store import NoStoreQueue
+from spotguard_daemon.core.upload_fleet import Fleet
 from spotguard_daemon.core.upload_flight import Flight, Preempted, Superseded
 from spotguard_daemon.core.upload_global import GlobalWatch
 from spotguard_daemon.core.upload_journal import Journal, Upload, UploadMetrics
@@ -103,6 +105,8 @@ class UploadQueue:
         self.watch = GlobalWatch(lag_bound, max_superseded)
         """Global steps, the lag behind them, and incomplete steps to check again (:mod:`.upload_global`)."""
         self.metrics.global_lag.set_function(self.watch.lag)
+        self.fleet = Fleet(lag_bound)
+        """Node-local roots: node 0 proposes the step the other nodes upload next (:mod:`.upload_fleet`)."""
         self._cond = threading.Condition()
         self._queue: dict[str, Upload] = {}
         self._current: Upload | None = None
@@ -319,12 +323,14 @@ class UploadQueue:
 
     def _attempt(self, upload: Upload) -> None:
         upload.attempts += 1
+        upload = self._proposed(upload)
         flight = Flight(self._cond, lambda: self._why_abandon(upload), self._set_progress,
                         self.bytes_per_second)
         try:
             _check_job(upload.job_id)
             with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
                                 self.staging) as ckpt:
+                self.fleet.learn(upload.job_id, ckpt)
                 info = self.durable.upload(ckpt, upload.job_id, progress=flight.progress,
                                            interrupt=flight.interrupt, cleanup=False)
         except Superseded:
@@ -348,8 +354,24 @@ class UploadQueue:
             self.metrics.seconds.observe(info.seconds)
             self.watch.uploaded(upload.job_id, info.step, info.complete, upload.submitted)
             self._finish(upload, info)  # the pointer is written: durable now, published before any delete
+            self.fleet.uploaded(self.durable, upload.job_id, info.step, info.complete)
             self.durable.cleanup(info)  # a slow or stalled delete delays nothing a client waits for
-            self.retention.run(upload.job_id)
+            if not self.fleet.follows(upload.job_id):  # node-local roots: node 0 prunes for the fleet
+                self.retention.run(upload.job_id)
+
+    def _proposed(self, upload: Upload) -> Upload:
+        """The upload to send: ``upload``, or on a node other than node 0 the older step node 0
+        proposed (:mod:`.upload_fleet`), ``upload`` then queued again behind it."""
+        step = self.fleet.target(self.durable.store, upload.job_id, upload.step, upload.path,
+                                 self.watch.global_step(upload.job_id))
+        if step is None:
+            return upload
+        older = Upload(upload.job_id, str(Path(upload.path).parent / step_name(step)), step,
+                       submitted=upload.submitted)
+        with self._cond:
+            self._current = older
+            self._enqueue(upload)
+        return older
 
     def _set_progress(self, done: int, total: int) -> None:
         self._progress = (done, total)  # lock held (Flight)
@@ -358,7 +380,9 @@ class UploadQueue:
         """Superseded by a newer commit of its job, or pre-empted by another job's newer commit
         (ready to go) while a notice is pending; lock held."""
         if upload.job_id in self._queue and not self.finish_superseded and not self._stop:
-            if not self.watch.finish_anyway(upload.job_id, upload.step):
+            if self.fleet.finishes(upload.job_id, upload.step):
+                pass  # node 0 proposed it: the fleet completes this step
+            elif self.fleet.follows(upload.job_id) or not self.watch.finish_anyway(upload.job_id, upload.step):
                 return Superseded
         now = time.time()
         if any(u.submitted > upload.submitted and u.not_before <= now for u in self._queue.values()) \
@@ -397,7 +421,7 @@ class UploadQueue:
         ``durable`` event); retention runs only after this, so it never delays durability."""
         with self._cond:
             self._current = None
-            if info is not None:
+            if info is not None and info.step >= self._durable.get(upload.job_id, {}).get("step", -1):
                 self._durable[upload.job_id] = {"step": info.step, "at": time.time(),
                                                 "key": info.manifest_key}
                 self.metrics.durable_step.set(info.step)

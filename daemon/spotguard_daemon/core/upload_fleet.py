@@ -1,0 +1,152 @@
+"""Node-local roots: the step the fleet completes next, so that slow nodes converge on one step.
+
+A step is global only once every node's part of it is in the store. When every node uploads slower
+than the job saves, each node finishes *some* upload (:mod:`.upload_global` bounds the lag per
+node), but each decides alone, so two slow nodes may finish different steps and none becomes
+global. So the nodes agree by design, through one small object::
+
+    jobs/<job>/parts/next.json      {"step": N, "proposed": <unix time>}
+
+* **Node 0 proposes.** After its part of a step ``N`` is in the store and the step is not global
+  yet, node 0's daemon names ``N`` in ``next.json``, unless the step named there is newer than
+  nothing it replaces: an open proposal (not global yet, younger than
+  ``storage.durable_lag_seconds``) stays, so the others are never sent chasing a moving target. A
+  stale proposal (a node lost its local copy of it) is replaced after that bound.
+* **The other nodes follow.** Before each upload a follower reads ``next.json`` (one GET). When it
+  names a step it still holds locally, newer than the last global one and not uploaded by it
+  already, it uploads that step first (its newer commit waits in the queue) and finishes it even
+  if superseded; its own newest commit is uploaded as usual otherwise, and a follower never
+  finishes a superseded upload of a step node 0 did not propose (that is how nodes diverged).
+
+Node 0's daemon is also the only one to run the bucket's retention of the job (the others leave
+it to node 0: one prune per step, not N). Cost: one GET per upload on the followers; on node 0, per part whose step is not global, a GET, the
+global pointer's GET and HEAD, and at most one PUT: O(1) per node per step, whatever N. A job
+without a ``node`` section (one node) never reads or writes ``next.json``. Any store error only
+skips the coordination for that upload (logged at INFO); a ``next.json`` that is not what node 0
+writes is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from spotguard.storage._local import MANIFEST, read_manifest, step_name
+from spotguard.storage.base import IntegrityError, NotFound, StoreError
+
+__all__ = ["Fleet", "LEADER", "next_key", "read_next"]
+
+log = logging.getLogger(__name__)
+
+LEADER = 0
+"""The node whose parts propose the step: it exists in every incarnation."""
+MAX_NEXT_BYTES = 256
+
+
+def next_key(job: str) -> str:
+    return f"jobs/{job}/parts/next.json"
+
+
+def read_next(store: Any, job: str) -> tuple[int, float] | None:
+    """The proposed step and when it was proposed; None when there is none or it is unreadable."""
+    try:
+        body = store.get_bytes(next_key(job), max_size=MAX_NEXT_BYTES)
+    except NotFound:
+        return None
+    except IntegrityError as exc:  # larger than node 0 ever writes
+        log.warning("ignoring %s: not what node 0 writes (%s)", next_key(job), exc)
+        return None
+    try:
+        data = json.loads(body)
+        step, proposed = data["step"], data["proposed"]
+        if type(step) is not int or step < 0 or type(proposed) not in (int, float) or not math.isfinite(proposed):
+            raise ValueError("not a step and a time")
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
+        log.warning("ignoring %s: not what node 0 writes (%s)", next_key(job), exc)
+        return None
+    return step, float(proposed)
+
+
+class Fleet:
+    """Per job: this node's index (learned from each upload's manifest) and the step it follows."""
+
+    def __init__(self, lag_bound: float) -> None:
+        self.lag_bound = lag_bound
+        self._lock = threading.Lock()
+        self._node: dict[str, int] = {}
+        self._following: dict[str, int] = {}
+        """job -> the proposed step being uploaded now (finished although superseded)."""
+        self._followed: dict[str, int] = {}
+        """job -> the last proposed step this node uploaded (not sent again)."""
+
+    def learn(self, job: str, ckpt: Path) -> None:
+        """Note this node's index from the staged checkpoint's manifest (no ``node``: one node)."""
+        node = read_manifest(ckpt).get("node")
+        with self._lock:
+            if isinstance(node, dict) and type(node.get("index")) is int:
+                self._node[job] = node["index"]
+            else:
+                self._node.pop(job, None)
+
+    def follows(self, job: str) -> bool:
+        """Whether this node follows node 0's proposals for ``job`` (it is another node of it)."""
+        with self._lock:
+            return self._node.get(job, LEADER) != LEADER
+
+    def finishes(self, job: str, step: int) -> bool:
+        """Whether the upload of ``step`` is the proposed one: finished although superseded."""
+        with self._lock:
+            return self._following.get(job) == step
+
+    def target(self, store: Any, job: str, step: int, path: str, global_step: int) -> int | None:
+        """A follower about to upload ``step`` (at ``path``): the proposed step to upload instead,
+        or None (upload ``step``; marked as followed when it is the proposed one)."""
+        with self._lock:
+            self._following.pop(job, None)
+            if self._node.get(job, LEADER) == LEADER:
+                return None
+            followed = self._followed.get(job)
+        try:
+            found = read_next(store, job)
+        except StoreError as exc:
+            log.info("could not read %s (%s); uploading step %d", next_key(job), exc, step)
+            return None
+        if found is None or found[0] <= global_step or found[0] == followed or found[0] > step:
+            return None
+        proposed = found[0]
+        if proposed != step and not (Path(path).parent / step_name(proposed) / MANIFEST).is_file():
+            return None  # this node's retention deleted it: node 0 proposes another after the bound
+        with self._lock:
+            self._following[job] = proposed
+        if proposed != step:
+            log.info("uploading %s step %d before step %d: node 0's part of it is in the store", job, proposed, step)
+        return None if proposed == step else proposed
+
+    def uploaded(self, durable: Any, job: str, step: int, complete: bool) -> None:
+        """This node's part of ``step`` is in the store: a follower notes it; node 0 proposes the step
+        when it is not global and nothing open is proposed."""
+        with self._lock:
+            if self._following.get(job) == step:
+                self._followed[job] = step
+            leader = self._node.get(job) == LEADER
+        if not leader or complete:
+            return
+        try:
+            found = read_next(durable.store, job)
+            if found is not None and found[0] == step:
+                return
+            if found is not None and found[0] < step and time.time() - found[1] < self.lag_bound:
+                newest = durable.latest(job)
+                if newest is None or newest < found[0]:
+                    return  # the others are still completing that one
+            body = json.dumps({"step": step, "proposed": time.time()}).encode()
+            durable.store.put_bytes(next_key(job), body)
+            log.info("durable %s step %d: node 0's part is in the store; the other nodes upload it next",
+                     job, step)
+        except StoreError as exc:
+            log.info("could not propose %s step %d to the other nodes: %s", job, step, exc)

@@ -1,0 +1,71 @@
+"""Issue 28 item 2: node 0 proposes the step the other nodes upload next (upload_fleet), with a real
+file store and real committed node-local checkpoints; the queue test is in test_upload_long_run.py."""
+
+from __future__ import annotations
+
+import time
+
+from spotguard.storage.durable import Durable, manifest_key
+from spotguard.storage.file import FileStore
+
+from conftest import write_checkpoint
+from test_upload_long_run import node_ckpt
+from spotguard_daemon.core.upload_fleet import Fleet, next_key, read_next
+
+
+def _node(tmp_path, index: int, steps) -> tuple[Fleet, list]:
+    fleet = Fleet(lag_bound=60.0)
+    paths = [node_ckpt(tmp_path / f"ckpt{index}", s, index, {"w.bin": bytes([s])}) for s in steps]
+    fleet.learn("job", paths[-1])
+    return fleet, paths
+
+
+def _global(durable: Durable, step: int) -> None:
+    durable.store.put_bytes(manifest_key("job", step), b"{}")
+    durable.store.put_bytes("jobs/job/latest", f"step-{step:010d}\n".encode())
+
+
+def test_node_0_proposes_one_step_at_a_time_and_the_others_follow_it(tmp_path):
+    durable = Durable(FileStore(tmp_path / "bucket"))
+    leader, _ = _node(tmp_path, 0, [5, 9])
+    follower, paths = _node(tmp_path, 1, [5, 7, 9])
+    assert follower.follows("job") and not leader.follows("job")
+    leader.uploaded(durable, "job", 5, complete=True)  # global already: nothing to propose
+    assert read_next(durable.store, "job") is None
+    leader.uploaded(durable, "job", 5, complete=False)
+    assert read_next(durable.store, "job")[0] == 5
+    leader.uploaded(durable, "job", 9, complete=False)  # 5 is open: the others are completing it
+    assert read_next(durable.store, "job")[0] == 5
+
+    assert follower.target(durable.store, "job", 9, str(paths[-1]), global_step=-1) == 5
+    assert follower.finishes("job", 5) and not follower.finishes("job", 9)
+    follower.uploaded(durable, "job", 5, complete=True)
+    assert follower.target(durable.store, "job", 9, str(paths[-1]), global_step=-1) is None  # sent already
+    assert follower.target(durable.store, "job", 5, str(paths[0]), global_step=5) is None  # global: done
+
+    _global(durable, 5)
+    leader.uploaded(durable, "job", 9, complete=False)  # 5 is global: 9 is next
+    assert read_next(durable.store, "job")[0] == 9
+    assert follower.target(durable.store, "job", 9, str(paths[-1]), global_step=5) is None
+    assert follower.finishes("job", 9)  # the upload in flight is the proposed one: finished
+
+
+def test_a_stale_proposal_is_replaced_and_one_not_held_locally_is_skipped(tmp_path, caplog):
+    durable = Durable(FileStore(tmp_path / "bucket"))
+    leader, _ = _node(tmp_path, 0, [3])
+    follower, paths = _node(tmp_path, 1, [7])
+    durable.store.put_bytes(next_key("job"), b'{"step": 3, "proposed": %f}' % (time.time() - 61))
+    assert follower.target(durable.store, "job", 7, str(paths[-1]), global_step=-1) is None  # 3 is gone here
+    assert not follower.finishes("job", 3)
+    leader.uploaded(durable, "job", 7, complete=False)  # 3 open for longer than the bound: replaced
+    assert read_next(durable.store, "job")[0] == 7
+    for junk in (b"[", b'{"step": true, "proposed": 1}', b'{"step": 1, "proposed": NaN}', b"x" * 300):
+        durable.store.put_bytes(next_key("job"), junk)
+        assert follower.target(durable.store, "job", 7, str(paths[-1]), global_step=-1) is None
+        leader.uploaded(durable, "job", 8, complete=False)  # junk is replaced by node 0's proposal
+        assert read_next(durable.store, "job")[0] == 8
+    assert "not what node 0 writes" in caplog.text
+    one = Fleet(lag_bound=60.0)  # a job on one node (no node section) never reads next.json
+    one.learn("job", write_checkpoint(tmp_path / "single", 1, {"w.bin": b"w"}))
+    assert not one.follows("job")
+    assert one.target(durable.store, "job", 7, str(paths[-1]), global_step=-1) is None

@@ -443,9 +443,9 @@ class Daemon:
         grace = self.settings.signal.grace
         self._drain_until = utcnow() + timedelta(seconds=grace)
         if not self.handler.clients:  # nobody to warn: no notice, so no NO CLIENT outcome, no alert
-            log.warning("%s: stopping; no client is registered, so no notice is raised%s",
-                        signal_source.signal_name(signum),
-                        "" if self.queue.idle() else f" (uploads in flight get up to {grace:g} s)")
+            log.info("%s: stopping; no client is registered, so no notice is raised%s",
+                     signal_source.signal_name(signum),
+                     "" if self.queue.idle() else f" (uploads in flight get up to {grace:g} s)")
         else:
             notice = signal_source.signal_notice(signum, grace=grace, platform=self.platform)
             self._signal_notice = notice

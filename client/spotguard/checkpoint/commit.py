@@ -82,11 +82,11 @@ class _Writer:
         self.syncer = Workers(1, "spotguard-ckpt-fsync", nice)
         self.pace = throttle.run if throttle else None
         self.pools = (self.hashers, self.writers, self.syncer)
-        self.pending: list[tuple[str, int, Future[str], Future[Any]]] = []
+        self.pending: list[tuple[str, int, Future[Any], Future[Any]]] = []
 
     def write(self, directory: Path, relpath: str, data: memoryview) -> None:
         fd = _fs.open_new(directory / relpath)
-        digest = self.hashers.submit(_fs.sha256_of, data, self.pace)
+        digest = self.hashers.submit(_fs.digests_of, data, self.pace)
         self.pending.append((relpath, len(data), digest, self.writers.submit(self._write, fd, data)))
 
     def _write(self, fd: int, data: memoryview) -> Future[None]:
@@ -107,7 +107,7 @@ class _Writer:
             files = {}
             for relpath, size, digest, written in self.pending:
                 self._wait(written)
-                files[relpath] = {"size": size, "sha256": digest.result()}
+                files[relpath] = _entry(size, digest.result())
             return files
         finally:
             for pool in self.pools:
@@ -123,6 +123,11 @@ class _Writer:
             pass
 
 
+def _entry(size: int, digest: str | dict[str, Any]) -> dict[str, Any]:
+    """A manifest entry: ``{size, sha256}``, plus the chunks' crc32 where the hasher gave them."""
+    return {"size": size, **digest} if isinstance(digest, dict) else {"size": size, "sha256": digest}
+
+
 def _fsync_close(fd: int) -> None:
     try:
         os.fsync(fd)
@@ -132,7 +137,7 @@ def _fsync_close(fd: int) -> None:
 
 def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None,
                throttle: Throttle | None = None, writer: _Writer | None = None) -> tuple[dict[str, dict], str]:
-    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}`` and the part's
+    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256, crc32...}}`` and the part's
     :func:`part_digest`. ``nice`` applies to the writer, hashing and fsync threads, ``throttle`` to
     writing and hashing; an emergency save passes its ``writer`` (see :mod:`.emergency`), same files."""
     index, small_size = _layout(snap, large_bytes)

@@ -113,6 +113,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             layout.remove_stale(self.root)
         self._stager = Stager(pin_memory)
+        self._read_buffers: list[Any] = []
         self._shards: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -368,6 +369,10 @@ class Checkpointer:
             below = step
             if ok:
                 restore(state, entries)
+                del entries
+                if self._read_buffers:  # the restore's memory becomes the staging copy
+                    self._stager.adopt(self._read_buffers, state)
+                self._read_buffers = []
                 self.prepare(state)
                 info = check(found[step])
                 if self.resized_from is not None and self.rank == 0:
@@ -393,7 +398,10 @@ class Checkpointer:
             resized = saved_world != self.world_size  # then every rank reads the replicated part only
             if "node" in manifest and not resized and f"rank-{self.rank}/{commit.TREE}" not in manifest["files"]:
                 raise CheckpointCorruptError(f"{path}: this node's checkpoint holds no part of rank {self.rank}")
-            entries = read_entries(path, manifest, base, verify=self.verify)
+            # One process: the snapshot's positions are the part's (see Stager.adopt); else not adopted.
+            self._read_buffers = []
+            entries = read_entries(path, manifest, base, verify=self.verify,
+                                   buffers=self._read_buffers if self._coord is None else None)
             self.resized_from = saved_world if resized else None
             if self.resized_from is not None:
                 entries = self._rederive(entries)

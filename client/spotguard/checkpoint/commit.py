@@ -75,8 +75,9 @@ class _Writer:
     :class:`~.emergency.LiveWriter` is a variant with pools of its own."""
 
     def __init__(self, nice: int | None, throttle: Throttle | None) -> None:
-        # Capped: one writer and one hasher share the cap. Uncapped: two of each keep up with the disk.
-        threads = 1 if throttle and throttle.share else 2
+        # A fixed cap: one writer and one hasher share it. Uncapped or adaptive (the budget may grow
+        # to the disk's speed, see ._budget): two of each keep up with the disk.
+        threads = 1 if throttle and throttle.share and not throttle.adaptive else 2
         self.hashers = Workers(threads, "spotguard-ckpt-hash", nice)
         self.writers = Workers(threads, "spotguard-ckpt-write", nice)
         self.syncer = Workers(1, "spotguard-ckpt-fsync", nice)

@@ -121,16 +121,19 @@ class _PartReader:
 
             def check_chunk(offset: int, piece: memoryview) -> None:
                 expected = crcs[offset // chunk] if offset // chunk < len(crcs) else None
-                self.hashes.append((rel, f"crc32 of bytes {offset}+", expected, self.pool.submit(zlib.crc32, piece)))
+                computed = self.pool.submit(zlib.crc32, piece)
+                self.hashes.append((rel, f"crc32 of bytes {offset}+", expected, computed))
             try:
-                _fs.read_into(self.path / rel, memoryview(buf.numpy()), chunk, check_chunk if crcs is not None else None)
+                _fs.read_into(self.path / rel, memoryview(buf.numpy()), chunk,
+                              check_chunk if crcs is not None else None)
             except (OSError, EOFError) as exc:
                 raise CheckpointCorruptError(f"{self.path}: cannot read {rel}: {exc}") from exc
             if self.verify and crcs is None:
                 self.hashes.append((rel, "sha256", meta.get("sha256"),
                                     self.pool.submit(_fs.sha256_of, memoryview(buf.numpy()))))
             elif crcs is not None and len(crcs) != -(-meta["size"] // chunk):
-                raise CheckpointCorruptError(f"{self.path}: {rel} lists {len(crcs)} crc32 chunks for {meta['size']} bytes")
+                raise CheckpointCorruptError(
+                    f"{self.path}: {rel} lists {len(crcs)} crc32 chunks for {meta['size']} bytes")
             self.cache[rel] = buf
         return self.cache[rel]
 

@@ -77,8 +77,8 @@ class Checkpointer:
     (:meth:`observe_step`), takes what the loop leaves spare while its steps stay within
     ``background_inflation`` (3 %) of their time before the save; ``background_inflation=None`` keeps
     the share fixed. A ``blocking`` save (the emergency one) uses neither and lifts the cap of the
-    save it has to wait for. ``verify=False`` skips the checksums on load. Tensors of ``large_tensor_bytes`` or more get a file each. ``timeout``
-    bounds every wait for the other ranks.
+    save it has to wait for. ``verify=False`` skips the checksums on load. Tensors of
+    ``large_tensor_bytes`` or more get a file each. ``timeout`` bounds every wait for the other ranks.
 
     Retention: the newest ``keep`` committed checkpoints stay; older ones are deleted in the
     background after each commit is reported (never inside an emergency save, which leaves that to

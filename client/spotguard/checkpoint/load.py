@@ -87,17 +87,25 @@ def check(path: Path) -> CommitInfo:
 def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: bool,
                  buffers: list[torch.Tensor | None] | None = None) -> dict[str, Any]:
     """``{name: (kind, value)}`` of one part (``rank-<r>``), every byte read checked first. With
-    ``buffers`` (a list), it receives the tensor of each snapshot position that has a file of its
-    own (None for the packed ones): for :meth:`.Stager.adopt`."""
+    ``buffers`` (a list), it receives ``(tensor, entry name)`` for each snapshot position that has a
+    file of its own (None for the packed ones): for :meth:`.Stager.adopt`."""
     try:
         with Workers(2, "spotguard-ckpt-verify") as pool:
             reader = _PartReader(path, manifest["files"], part, pool, verify)
             tree = json.loads(reader.read_file(TREE).numpy().tobytes())
             tensors = reader.tensors(tree["tensors"])
             reader.check_hashes()
+        owners: dict[int, str] = {}
+
+        def tensor_of(name: str, i: int) -> torch.Tensor:
+            owners[i] = name
+            return tensors[i]
+        entries = {name: (kind, decode(value, lambda i, n=name: tensor_of(n, i)))
+                   for name, kind, value in tree["entries"]}
         if buffers is not None:
-            buffers[:] = [t if e["file"] != SMALL else None for e, t in zip(tree["tensors"], tensors)]
-        return {name: (kind, decode(value, tensors.__getitem__)) for name, kind, value in tree["entries"]}
+            buffers[:] = [(t, owners.get(i)) if e["file"] != SMALL else None
+                          for i, (e, t) in enumerate(zip(tree["tensors"], tensors))]
+        return entries
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointCorruptError(f"{path}: malformed tree: {exc!r}") from exc
 

@@ -50,7 +50,8 @@ GiB = 1 << 30
 MAX_STEPS_DURING = 200
 INFLATION_STATE = 256 << 20
 INFLATION_SETTINGS = [(19, 0.25), (19, 0.5), (None, None)]
-"""(background_nice, background_cpu_share) pairs; the first is the default."""
+"""(background_nice, background_cpu_share) pairs; the first is the default (the share an adaptive
+budget starts from: the loop reports its steps, see ``observed``)."""
 """Training steps measured per background save at most (a niced save under a saturated CPU is slow)."""
 CHUNK = 16 << 20
 
@@ -205,11 +206,11 @@ def bench_inflation(workdir: Path, nice: int | None, share: float | None, rounds
     base, during, windows = [], [], []
     for r in range(1, rounds + 1):
         settle()
-        base += [step() for _ in range(10)]
+        base += [observed(ck, step()) for _ in range(10)]
         start = time.perf_counter()
         ck.save(r, state)
         while ck.in_flight and len(during) < r * MAX_STEPS_DURING:
-            during.append(step())
+            during.append(observed(ck, step()))
         windows.append(time.perf_counter() - start)
         ck.wait()
     ck.close()
@@ -218,6 +219,12 @@ def bench_inflation(workdir: Path, nice: int | None, share: float | None, rounds
     return {"nice": nice, "cpu_share": share, "state_bytes": INFLATION_STATE, "base_step_s": b, "during_step_s": d,
             "steps_during": len(during), "inflation": d / b - 1, "persist_window_s": windows,
             "persist_finished_in_window": len(during) < rounds * MAX_STEPS_DURING}
+
+
+def observed(ck: Checkpointer, seconds: float) -> float:
+    """Report a step's time as Run does: the adaptive CPU budget of a default save steers by it."""
+    ck.observe_step(seconds)
+    return seconds
 
 
 def bench_emergency(state: dict, workdir: Path) -> dict:

@@ -296,7 +296,9 @@ class Run(Stopping):
                 return
             while self.step < total:
                 self._open_step = (self._optimizer_steps, self._loader_mark())
+                began = time.perf_counter()
                 yield self.step
+                self.checkpointer.observe_step(time.perf_counter() - began)  # steers the save's CPU budget
                 self._open_step = None
                 self.step += 1
                 if self._at_boundary(self.step):

@@ -53,15 +53,33 @@ def test_truncated_file_falls_back(tmp_path, caplog):
     assert_falls_back(tmp_path, caplog, "bytes, manifest says")
 
 
-def test_flipped_byte_falls_back_unless_verify_is_off(tmp_path, caplog):
-    path = big_file(two_checkpoints(tmp_path))
+def flip_byte(path: Path, at: int = 12345) -> None:
     with open(path, "r+b") as f:
-        f.seek(12345)
+        f.seek(at)
         byte = f.read(1)
-        f.seek(12345)
+        f.seek(at)
         f.write(bytes([byte[0] ^ 0x01]))
-    assert_falls_back(tmp_path, caplog, "sha256 mismatch")
+
+
+def test_flipped_byte_falls_back_unless_verify_is_off(tmp_path, caplog):
+    ckpt = two_checkpoints(tmp_path)
+    meta = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert all(len(m["crc32"]) == -(-m["size"] // m["crc32_chunk"]) and len(m["sha256"]) == 64 for m in meta.values())
+    flip_byte(big_file(ckpt))
+    assert_falls_back(tmp_path, caplog, "crc32 of bytes 0+ mismatch in rank-0/tensors/")
     assert load(tmp_path, verify=False)[0] == 2  # the flag really skips hashing
+
+
+def test_a_checkpoint_without_chunk_crcs_is_checked_by_its_sha256(tmp_path, caplog):
+    """Checkpoints written before the per-chunk crc32 list only a sha256 per file: they still load,
+    and a flipped byte in them is still caught."""
+    ckpt = two_checkpoints(tmp_path)
+    strip = lambda m: [f.pop(k) for f in m["files"].values() for k in ("crc32", "crc32_chunk")]  # noqa: E731
+    rewrite_manifest(ckpt, strip)
+    rewrite_manifest(tmp_path / "step-0000000001", strip)
+    assert load(tmp_path)[0] == 2
+    flip_byte(big_file(ckpt))
+    assert_falls_back(tmp_path, caplog, "sha256 mismatch in rank-0/tensors/")
 
 
 @pytest.mark.parametrize("victim", ["manifest.json", "rank-0/tree.json", "rank-0/small.bin"])

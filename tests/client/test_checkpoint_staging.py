@@ -174,3 +174,22 @@ def test_a_process_exits_zero_with_a_checkpointer_left_open_while_it_prepares(tm
                               capture_output=True, text=True, timeout=120)
         assert (done.returncode, done.stdout.strip()) == (0, "loaded 3"), \
             f"run {run} exited {done.returncode}: {done.stderr[-2000:]}"
+
+
+def test_a_restore_hands_its_read_buffers_to_the_staging_copy_but_never_live_state(tmp_path):
+    """The model's read buffers become staging buffers (one copy of the state, not two); the
+    optimizer's are its live state after load_state_dict, so they are never staged into."""
+    model = torch.nn.Linear(512, 512, bias=False)  # 1 MiB: a file of its own
+    opt = torch.optim.AdamW(model.parameters())
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.step()
+    with Checkpointer(tmp_path, background_cpu_share=None) as ck:
+        ck.save(1, {"model": model, "optimizer": opt})
+    with Checkpointer(tmp_path) as ck:
+        ck.load_latest({"model": model, "optimizer": opt})
+        assert ck._stager.wait_prepared(30)
+        staged = ck._stager.buffers
+        live = {t.untyped_storage().data_ptr() for t in [model.weight, *opt.state[model.weight].values()]}
+        assert not live & {b.untyped_storage().data_ptr() for b in staged}
+        assert torch.equal(staged[0], model.weight.detach())  # the bytes read: adopted, not allocated anew
+        assert staged[0].data_ptr() % 4096 == 0  # page aligned, for O_DIRECT writes

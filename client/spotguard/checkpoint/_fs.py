@@ -5,6 +5,13 @@ weights and must stay private to their owner. Writes go straight from the caller
 chunks (``os.write`` releases the GIL; ``O_DIRECT`` from page-aligned staging buffers), and
 directories are fsynced after entries change, because a rename is only durable once its parent
 directory is.
+
+Integrity: every file gets its sha256 (the content address the buckets store it under) and, for the
+local restore, a crc32 of each :data:`CHUNK_BYTES` chunk (:func:`digests_of`). A restore checks the
+chunks' crc32 in a thread pool while the next chunk is read (:func:`read_into`'s ``on_chunk``), so
+verification overlaps the reading: zlib's crc32 is about 2x sha256 with SHA-NI on this machine, and
+per-chunk values need no ordering between threads. A file without them (written before, or by DCP)
+is checked against its sha256.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import zlib
+
 import numpy as np
 
 from spotguard._fsync import fsync_dir
@@ -32,6 +41,7 @@ __all__ = [
     "start_writeback",
     "write_file",
     "sha256_of",
+    "digests_of",
     "read_into",
     "remove_tree",
     "free_bytes",
@@ -158,16 +168,39 @@ def sha256_of(data: memoryview | bytes, pace: Callable[..., Any] | None = None) 
     return digest.hexdigest()
 
 
-def read_into(path: Path, out: memoryview) -> None:
-    """Fill ``out`` from the start of ``path``; a short file is an error, never silent zeros."""
+def digests_of(data: memoryview | bytes, pace: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """A file's digests for its manifest entry: ``sha256`` (hex, of the whole) and ``crc32`` (one
+    value per ``crc32_chunk`` bytes, for the restore's verification; see the module docstring).
+    Chunk by chunk, each through ``pace(fn, *args)`` when given; both run while the chunk is warm."""
+    digest, view, crcs = hashlib.sha256(), _flat(memoryview(data)), []
+
+    def one(piece: memoryview) -> None:
+        digest.update(piece)
+        crcs.append(zlib.crc32(piece))
+    for offset in range(0, len(view), CHUNK_BYTES):
+        piece = view[offset : offset + CHUNK_BYTES]
+        pace(one, piece) if pace else one(piece)
+    return {"sha256": digest.hexdigest(), "crc32": crcs, "crc32_chunk": CHUNK_BYTES}
+
+
+def read_into(path: Path, out: memoryview, chunk: int = CHUNK_BYTES,
+              on_chunk: Callable[[int, memoryview], Any] | None = None) -> None:
+    """Fill ``out`` from the start of ``path``; a short file is an error, never silent zeros.
+    ``on_chunk(offset, piece)`` is called with each whole ``chunk`` bytes (the last one shorter) as
+    soon as it is read, while the next one is read (the restore hashes it in another thread)."""
     view = _flat(out)
     with open(path, "rb", buffering=0) as f:
         offset, total = 0, len(view)
         while offset < total:
-            n = f.readinto(view[offset : offset + CHUNK_BYTES])
-            if not n:
-                raise EOFError(f"{path}: file shorter than {total} bytes")
-            offset += n
+            end = min(offset + chunk, total)
+            start = offset
+            while offset < end:
+                n = f.readinto(view[offset:end])
+                if not n:
+                    raise EOFError(f"{path}: file shorter than {total} bytes")
+                offset += n
+            if on_chunk is not None:
+                on_chunk(start, view[start:end])
 
 
 def remove_tree(path: Path) -> None:

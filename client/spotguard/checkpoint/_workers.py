@@ -24,21 +24,30 @@ class Throttle:
     """Caps the CPU used by the threads that call :meth:`run` to ``share`` of one CPU in total,
     split evenly over ``threads`` of them: after a piece of work that used ``c`` CPU seconds
     (user + system: a page-cache write counts), the thread sleeps ``c * (1 - s) / s`` with
-    ``s = share / threads``. Niceness alone does not keep a save from slowing training: the loop's
-    idle gaps, SMT siblings and memory bandwidth are shared whatever the priority. Setting
-    :attr:`share` to None lifts the cap at once (an emergency save waits for this one)."""
+    ``s = share / threads`` (no sleep from ``s >= 1`` on). Niceness alone does not keep a save from
+    slowing training: the loop's idle gaps, SMT siblings and memory bandwidth are shared whatever
+    the priority. :meth:`lift` lifts the cap at once and for good (an emergency save waits for this
+    one); an ``adaptive`` throttle's share is moved by :class:`~._budget.Budget` with :meth:`set`."""
 
-    def __init__(self, share: float | None, threads: int = 2) -> None:
+    def __init__(self, share: float | None, threads: int = 2, adaptive: bool = False) -> None:
         if share is not None and not 0 < share <= threads:
             raise ValueError(f"cpu share must be in (0, {threads}]")
         self.share = None if share is None or share >= threads else share
-        self.threads = threads
+        self.threads, self.adaptive, self.lifted = threads, adaptive, False
+
+    def set(self, share: float) -> None:
+        """A new share (cores), unless the cap was lifted."""
+        if not self.lifted:
+            self.share = share
+
+    def lift(self) -> None:
+        self.lifted, self.share = True, None
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         start = time.thread_time()
         result = fn(*args)
         share = self.share
-        if share is not None:
+        if share is not None and share < self.threads:
             per_thread = share / self.threads
             time.sleep((time.thread_time() - start) * (1 - per_thread) / per_thread)
         return result

@@ -75,18 +75,19 @@ class _Writer:
     :class:`~.emergency.LiveWriter` is a variant with pools of its own."""
 
     def __init__(self, nice: int | None, throttle: Throttle | None) -> None:
-        # Capped: one writer and one hasher share the cap. Uncapped: two of each keep up with the disk.
-        threads = 1 if throttle and throttle.share else 2
+        # A fixed cap: one writer and one hasher share it. Uncapped or adaptive (the budget may grow
+        # to the disk's speed, see ._budget): two of each keep up with the disk.
+        threads = 1 if throttle and throttle.share and not throttle.adaptive else 2
         self.hashers = Workers(threads, "spotguard-ckpt-hash", nice)
         self.writers = Workers(threads, "spotguard-ckpt-write", nice)
         self.syncer = Workers(1, "spotguard-ckpt-fsync", nice)
         self.pace = throttle.run if throttle else None
         self.pools = (self.hashers, self.writers, self.syncer)
-        self.pending: list[tuple[str, int, Future[str], Future[Any]]] = []
+        self.pending: list[tuple[str, int, Future[Any], Future[Any]]] = []
 
     def write(self, directory: Path, relpath: str, data: memoryview) -> None:
         fd = _fs.open_new(directory / relpath)
-        digest = self.hashers.submit(_fs.sha256_of, data, self.pace)
+        digest = self.hashers.submit(_fs.digests_of, data, self.pace)
         self.pending.append((relpath, len(data), digest, self.writers.submit(self._write, fd, data)))
 
     def _write(self, fd: int, data: memoryview) -> Future[None]:
@@ -107,7 +108,7 @@ class _Writer:
             files = {}
             for relpath, size, digest, written in self.pending:
                 self._wait(written)
-                files[relpath] = {"size": size, "sha256": digest.result()}
+                files[relpath] = _entry(size, digest.result())
             return files
         finally:
             for pool in self.pools:
@@ -123,6 +124,11 @@ class _Writer:
             pass
 
 
+def _entry(size: int, digest: str | dict[str, Any]) -> dict[str, Any]:
+    """A manifest entry: ``{size, sha256}``, plus the chunks' crc32 where the hasher gave them."""
+    return {"size": size, **digest} if isinstance(digest, dict) else {"size": size, "sha256": digest}
+
+
 def _fsync_close(fd: int) -> None:
     try:
         os.fsync(fd)
@@ -132,7 +138,7 @@ def _fsync_close(fd: int) -> None:
 
 def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None,
                throttle: Throttle | None = None, writer: _Writer | None = None) -> tuple[dict[str, dict], str]:
-    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256}}`` and the part's
+    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256, crc32...}}`` and the part's
     :func:`part_digest`. ``nice`` applies to the writer, hashing and fsync threads, ``throttle`` to
     writing and hashing; an emergency save passes its ``writer`` (see :mod:`.emergency`), same files."""
     index, small_size = _layout(snap, large_bytes)

@@ -176,7 +176,7 @@ class LiveWriter(_Writer):
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         offsets = range(0, max(len(view), 1), SEGMENT_BYTES)
         file = _File(_fs.open_new(directory / relpath), len(offsets))
-        digest = self.hashers.submit(_fs.sha256_of, view)
+        digest = self.hashers.submit(_fs.digests_of, view)
         for offset in offsets:
             self.syncer.submit(file.write, view[offset : offset + SEGMENT_BYTES], offset)
         self.pending.append((relpath, len(view), digest, file.done))

@@ -3,9 +3,15 @@
 Verification before anything is restored: the manifest parses and names this format; every listed
 file is a regular file (no symlink) inside the checkpoint, has an allowed name (``.bin``/``.json``,
 or DCP's ``.metadata``/``__r_i.distcp`` in a part's ``dcp/``, whose pickle :mod:`.sharded` reads
-restricted: nothing is unpickled freely) and the listed size; with ``verify`` its sha256 matches,
-computed in a thread pool while the next file is read. Only then are values decoded and handed to
-``load_state_dict`` / ``copy_``, so a corrupt checkpoint never half-overwrites a live state.
+restricted: nothing is unpickled freely) and the listed size; with ``verify`` the crc32 of each of
+its chunks matches the manifest's, computed in a thread pool while the next chunk is read, or, for a
+file listed without them (older checkpoints), its sha256, while the next file is read. Only then are
+values decoded and handed to ``load_state_dict`` / ``copy_``, so a corrupt checkpoint never
+half-overwrites a live state. The sha256 stays the content address of buckets (the daemon's uploads
+and :mod:`spotguard.storage` check it); the local restore needs integrity only, at the disk's speed.
+
+Large files are read into page-aligned buffers that the Checkpointer then adopts as its staging
+buffers (:meth:`.Stager.adopt`): a restore costs one copy of the state, not two.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import math
 import os
 import re
+import zlib
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from pathlib import Path, PurePosixPath
@@ -24,10 +31,11 @@ import torch
 
 from spotguard.checkpoint import _fs
 from spotguard.checkpoint._workers import Workers
-from spotguard.checkpoint.commit import FORMAT, TREE, VERSION
+from spotguard.checkpoint.commit import FORMAT, SMALL, TREE, VERSION
 from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.format import decode, dtype_from_name
 from spotguard.checkpoint.layout import MANIFEST, CommitInfo
+from spotguard.checkpoint.staging import aligned_bytes
 
 __all__ = ["read_manifest", "check", "read_entries", "restore"]
 
@@ -76,15 +84,28 @@ def check(path: Path) -> CommitInfo:
                       digest)
 
 
-def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: bool) -> dict[str, Any]:
-    """``{name: (kind, value)}`` of one part (``rank-<r>``), every byte read checked first."""
+def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: bool,
+                 buffers: list[torch.Tensor | None] | None = None) -> dict[str, Any]:
+    """``{name: (kind, value)}`` of one part (``rank-<r>``), every byte read checked first. With
+    ``buffers`` (a list), it receives ``(tensor, entry name)`` for each snapshot position that has a
+    file of its own (None for the packed ones): for :meth:`.Stager.adopt`."""
     try:
         with Workers(2, "spotguard-ckpt-verify") as pool:
             reader = _PartReader(path, manifest["files"], part, pool, verify)
             tree = json.loads(reader.read_file(TREE).numpy().tobytes())
             tensors = reader.tensors(tree["tensors"])
             reader.check_hashes()
-        return {name: (kind, decode(value, tensors.__getitem__)) for name, kind, value in tree["entries"]}
+        owners: dict[int, str] = {}
+
+        def tensor_of(name: str, i: int) -> torch.Tensor:
+            owners[i] = name
+            return tensors[i]
+        entries = {name: (kind, decode(value, lambda i, n=name: tensor_of(n, i)))
+                   for name, kind, value in tree["entries"]}
+        if buffers is not None:
+            buffers[:] = [(t, owners.get(i)) if e["file"] != SMALL else None
+                          for i, (e, t) in enumerate(zip(tree["tensors"], tensors))]
+        return entries
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointCorruptError(f"{path}: malformed tree: {exc!r}") from exc
 
@@ -92,7 +113,8 @@ def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: boo
 class _PartReader:
     def __init__(self, path: Path, files: dict, part: str, pool: Workers, verify: bool) -> None:
         self.path, self.files, self.part, self.pool, self.verify = path, files, part, pool, verify
-        self.hashes: list[tuple[str, Future[str]]] = []
+        self.hashes: list[tuple[str, str, Any, Future[Any]]] = []
+        """(relpath, what, expected, computed) of every check still to compare."""
         self.cache: dict[str, torch.Tensor] = {}
 
     def read_file(self, name: str) -> torch.Tensor:
@@ -100,13 +122,26 @@ class _PartReader:
         if rel not in self.files:
             raise CheckpointCorruptError(f"{self.path}: {rel} is not listed in the manifest")
         if rel not in self.cache:
-            buf = torch.empty(self.files[rel]["size"], dtype=torch.uint8)
+            meta = self.files[rel]
+            buf = aligned_bytes(meta["size"])
+            crcs = _chunk_crcs(meta) if self.verify else None
+            chunk = meta["crc32_chunk"] if crcs is not None else _fs.CHUNK_BYTES
+
+            def check_chunk(offset: int, piece: memoryview) -> None:
+                expected = crcs[offset // chunk] if offset // chunk < len(crcs) else None
+                computed = self.pool.submit(zlib.crc32, piece)
+                self.hashes.append((rel, f"crc32 of bytes {offset}+", expected, computed))
             try:
-                _fs.read_into(self.path / rel, memoryview(buf.numpy()))
+                _fs.read_into(self.path / rel, memoryview(buf.numpy()), chunk,
+                              check_chunk if crcs is not None else None)
             except (OSError, EOFError) as exc:
                 raise CheckpointCorruptError(f"{self.path}: cannot read {rel}: {exc}") from exc
-            if self.verify:
-                self.hashes.append((rel, self.pool.submit(_fs.sha256_of, memoryview(buf.numpy()))))
+            if self.verify and crcs is None:
+                self.hashes.append((rel, "sha256", meta.get("sha256"),
+                                    self.pool.submit(_fs.sha256_of, memoryview(buf.numpy()))))
+            elif crcs is not None and len(crcs) != -(-meta["size"] // chunk):
+                raise CheckpointCorruptError(
+                    f"{self.path}: {rel} lists {len(crcs)} crc32 chunks for {meta['size']} bytes")
             self.cache[rel] = buf
         return self.cache[rel]
 
@@ -124,9 +159,17 @@ class _PartReader:
         return t if nbytes == raw.numel() else t.clone()
 
     def check_hashes(self) -> None:
-        for rel, digest in self.hashes:
-            if digest.result() != self.files[rel].get("sha256"):
-                raise CheckpointCorruptError(f"{self.path}: sha256 mismatch in {rel}")
+        for rel, what, expected, digest in self.hashes:
+            if digest.result() != expected:
+                raise CheckpointCorruptError(f"{self.path}: {what} mismatch in {rel}")
+
+
+def _chunk_crcs(meta: dict[str, Any]) -> list[int] | None:
+    """The per-chunk crc32 of a manifest entry when it has a usable set (else None: use its sha256)."""
+    crcs, chunk = meta.get("crc32"), meta.get("crc32_chunk")
+    if not isinstance(crcs, list) or type(chunk) is not int or not 4096 <= chunk <= 1 << 30:
+        return None
+    return crcs
 
 
 def restore(state: Mapping[str, Any], entries: dict[str, tuple[str, Any]]) -> None:

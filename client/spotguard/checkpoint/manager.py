@@ -34,6 +34,7 @@ import torch
 from spotguard import rng
 from spotguard._optim import hookable
 from spotguard.checkpoint import commit, layout
+from spotguard.checkpoint._budget import Budget
 from spotguard.checkpoint._mounts import refuse_untrusted_rename
 from spotguard.checkpoint._workers import Throttle, lower_priority
 from spotguard.checkpoint.emergency import Emergency, LiveWriter, live_snapshot
@@ -70,12 +71,14 @@ class Checkpointer:
     on a private gloo group). Entries named in ``per_rank`` are saved by every rank, the rest by
     rank 0 only (data-parallel replicas are identical).
 
-    Tuning: ``background_nice`` (niceness of the background threads) and ``background_cpu_share``
-    (the most of one CPU a background save may use in total; None = no cap) keep a periodic save
-    from slowing training; a ``blocking`` save (the emergency one) uses neither and lifts the cap
-    of the save it has to wait for. ``verify=False`` skips
-    sha256 checks on load. Tensors of ``large_tensor_bytes`` or more get a file each. ``timeout``
-    bounds every wait for the other ranks.
+    Tuning: ``background_nice`` (niceness of the background threads) and an adaptive CPU budget keep
+    a periodic save from slowing training (see :mod:`._budget`): a save starts at
+    ``background_cpu_share`` of a CPU (None = no cap at all) and, from the step times ``Run`` reports
+    (:meth:`observe_step`), takes what the loop leaves spare while its steps stay within
+    ``background_inflation`` (3 %) of their time before the save; ``background_inflation=None`` keeps
+    the share fixed. A ``blocking`` save (the emergency one) uses neither and lifts the cap of the
+    save it has to wait for. ``verify=False`` skips the checksums on load. Tensors of
+    ``large_tensor_bytes`` or more get a file each. ``timeout`` bounds every wait for the other ranks.
 
     Retention: the newest ``keep`` committed checkpoints stay; older ones are deleted in the
     background after each commit is reported (never inside an emergency save, which leaves that to
@@ -101,6 +104,7 @@ class Checkpointer:
     def __init__(self, root: str | Path, *, keep: int = 3, job_id: str = "", pin_memory: bool | None = None,
                  process_group: Any = None, on_commit: Callable[[CommitInfo], None] | None = None,
                  verify: bool = True, background_nice: int | None = 19, background_cpu_share: float | None = 0.25,
+                 background_inflation: float | None = 0.03,
                  large_tensor_bytes: int = 1 << 20, per_rank: Iterable[str] = ("rng",),
                  timeout: float = 600.0) -> None:
         if keep < 1:
@@ -111,6 +115,8 @@ class Checkpointer:
         self._nice, self._large, self._per_rank = background_nice, large_tensor_bytes, frozenset(per_rank)
         self._share = background_cpu_share
         self._throttle = Throttle(background_cpu_share)  # of the save in flight; validates the share now
+        self._budget = Budget(background_cpu_share, background_inflation) \
+            if background_cpu_share is not None and background_inflation is not None else None
         self._coord = _coordinator(process_group, timeout)
         self.rank = self._coord.rank if self._coord else 0
         self.world_size = self._coord.world_size if self._coord else 1
@@ -126,6 +132,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             layout.remove_stale(self.root)
         self._stager = Stager(pin_memory)
+        self._read_buffers: list[Any] = []
         self._shards: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -168,7 +175,7 @@ class Checkpointer:
         snap = self._snapshot(state)
         stalled = time.perf_counter() - started
         meta = self._meta(step, epoch, snap)
-        self._throttle = Throttle(self._share)
+        self._throttle = self._budget.begin() if self._budget else Throttle(self._share)
         self._in_flight_bytes = snap.nbytes
         self._hurry.clear()
         self._emergency_saved = False
@@ -177,7 +184,7 @@ class Checkpointer:
         self._thread.start()
 
     def _save_emergency(self, step: int, state: Mapping[str, Any], epoch: int | None) -> None:
-        self._throttle.share = None  # let the save in flight run at full speed
+        self._throttle.lift()  # let the save in flight run at full speed
         try:
             self.wait()
         except CheckpointError as exc:  # it committed nothing; the state it held is older anyway
@@ -192,6 +199,12 @@ class Checkpointer:
         self.wait()
         self.emergency.observe(snap.nbytes, time.perf_counter() - started)
         self._emergency_saved = True  # its retention waits for the next background save
+
+    def observe_step(self, seconds: float) -> None:
+        """One training step took ``seconds``: what the adaptive CPU budget of the background save
+        steers by (see :mod:`._budget`). ``Run`` calls it at every step; call it from a loop of your own."""
+        if self._budget is not None:
+            self._budget.observe(seconds)
 
     def emergency_seconds(self, nbytes: int) -> float:
         """Expected notice-to-committed seconds of an emergency save of ``nbytes`` started now: at
@@ -252,6 +265,8 @@ class Checkpointer:
     def _run_background(self, job: Callable[[], CommitInfo]) -> None:
         self._apply_retention()  # what was left, whole, before writing: at most `keep` + 1 on disk
         self._run(job, self._nice)
+        if self._budget is not None:
+            self._budget.end()
         if self._error is not None:  # also raised at the next wait point; logged in case none comes
             logger.error("background checkpoint save to %s failed: %s", self.root, self._error)
         else:
@@ -295,7 +310,7 @@ class Checkpointer:
         without a timeout lifts the save's CPU cap: the loop is not running, nothing to leave CPU for."""
         if self._thread is not None:
             if timeout is None:
-                self._throttle.share = None
+                self._throttle.lift()
                 self._hurry.set()
             self._waiting_since = time.monotonic()
             try:
@@ -382,6 +397,10 @@ class Checkpointer:
             below = step
             if ok:
                 restore(state, entries)
+                del entries
+                if self._read_buffers:  # the restore's memory becomes the staging copy
+                    self._stager.adopt(self._read_buffers, state)
+                self._read_buffers = []
                 self.prepare(state)
                 info = check(found[step])
                 if self.resized_from is not None and self.rank == 0:
@@ -425,7 +444,10 @@ class Checkpointer:
             resized = saved_world != self.world_size  # then every rank reads the replicated part only
             if "node" in manifest and not resized and f"rank-{self.rank}/{commit.TREE}" not in manifest["files"]:
                 raise CheckpointCorruptError(f"{path}: this node's checkpoint holds no part of rank {self.rank}")
-            entries = read_entries(path, manifest, base, verify=self.verify)
+            # One process: the snapshot's positions are the part's (see Stager.adopt); else not adopted.
+            self._read_buffers = []
+            entries = read_entries(path, manifest, base, verify=self.verify,
+                                   buffers=self._read_buffers if self._coord is None else None)
             self.resized_from = saved_world if resized else None
             if self.resized_from is not None:
                 entries = self._rederive(entries)

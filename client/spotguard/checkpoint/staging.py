@@ -12,7 +12,9 @@ the first snapshot. :meth:`~Stager.prepare` allocates and pre-faults the buffers
 thread once the shapes are known, so the first save is a plain memcpy too. A snapshot that comes
 while the preparation runs stops it after the page range in progress, keeps what is ready and
 allocates the rest itself: the snapshot never depends on the preparation, only its speed does.
-Large buffers start on a page boundary so that the writer can hand them to ``O_DIRECT`` writes.
+Large buffers start on a page boundary so that the writer can hand them to ``O_DIRECT`` writes. A
+restore reads into such buffers and hands them over (:meth:`Stager.adopt`): its memory is the
+staging copy, not one more on top of it.
 
 Interpreter exit: a preparation still running is stopped and joined by an ``atexit`` handler, with
 or without :meth:`~spotguard.checkpoint.Checkpointer.close`. Its thread is a daemon thread that
@@ -37,7 +39,7 @@ from spotguard.checkpoint._workers import Throttle, lower_priority
 from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import encode
 
-__all__ = ["Snapshot", "Stager", "entry_kind", "tensor_specs", "PAGE", "ALIGNED_MIN_BYTES"]
+__all__ = ["Snapshot", "Stager", "entry_kind", "tensor_specs", "aligned_bytes", "PAGE", "ALIGNED_MIN_BYTES"]
 
 PAGE = 4096
 """Alignment of large staging buffers (the ``O_DIRECT`` requirement of common file systems)."""
@@ -103,10 +105,14 @@ def tensor_specs(state: Mapping[str, Any], names: Iterable[str] | None = None) -
     that cannot be staged here (DTensors) are left out: a wrong guess costs an allocation, no more.
     So are stateful entries other than modules and optimizers: their ``state_dict()`` may have side
     effects meant for a save (a data module's one-time checks), and it is not called before one."""
+    return [(t.shape, t.dtype) for t in _sources(state, names)]
+
+
+def _sources(state: Mapping[str, Any], names: Iterable[str] | None = None) -> list[torch.Tensor]:
     pure = {k: v for k, v in state.items() if entry_kind(v) != "stateful" or isinstance(v, _PURE_STATEFUL)}
     sources: list[torch.Tensor] = []
     _collect(pure, names, sources, skip_unsupported=True)
-    return [(t.shape, t.dtype) for t in sources]
+    return sources
 
 
 _PURE_STATEFUL = (torch.nn.Module, torch.optim.Optimizer)
@@ -168,16 +174,43 @@ class Stager:
     def _new_buffer(self, spec: Spec) -> torch.Tensor:
         shape, dtype = spec
         nbytes = shape.numel() * dtype.itemsize
-        if self._pin or nbytes < ALIGNED_MIN_BYTES:  # pinned memory is page aligned already
-            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
-        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE
-        return raw[start : start + nbytes].view(dtype).view(shape)
+        if self._pin:  # pinned memory is page aligned already
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        return aligned_bytes(nbytes).view(dtype).view(shape)
+
+    def adopt(self, buffers: list[tuple[torch.Tensor, str | None] | None], state: Mapping[str, Any]) -> None:
+        """Take a restore's read buffers (``buffers[i]``: the i-th tensor of the snapshot the
+        checkpoint holds and the entry it belongs to, None where none fits) as the staging buffers,
+        so that the restore's memory becomes the staging copy instead of coming on top of it. A
+        buffer the restored ``state`` may hold itself is left out, since the next snapshot must never
+        write into live state: one that a module's or optimizer's state (``Optimizer.load_state_dict``
+        keeps the tensors it is given), a tensor or a mapping references now, and every one of other
+        stateful entries (their ``state_dict()`` is not called outside a save). Not when pinned."""
+        if self._pin:
+            return
+        self._settle()
+        live = {t.untyped_storage().data_ptr() for t in _sources(state)}
+        opaque = {k for k, v in state.items() if entry_kind(v) == "stateful" and not isinstance(v, _PURE_STATEFUL)}
+        self._buffers = [b[0] if b is not None and b[1] is not None and b[1] not in opaque
+                         and b[0].untyped_storage().data_ptr() not in live else _NOTHING for b in buffers]
 
     def release(self) -> None:
         """Drop the staging buffers (the next snapshot allocates again)."""
         self._settle()
         self._buffers = []
+
+
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+"""A placeholder of :meth:`Stager.adopt`: fits only an empty uint8 tensor (which it serves well)."""
+
+
+def aligned_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes``, starting on a page boundary from :data:`ALIGNED_MIN_BYTES` on."""
+    if nbytes < ALIGNED_MIN_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    return raw[start : start + nbytes]
 
 
 def _fits(buf: torch.Tensor, spec: Spec) -> bool:

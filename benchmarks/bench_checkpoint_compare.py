@@ -1,0 +1,316 @@
+"""Checkpoint paths side by side, as a user would pick them: save, durable, step inflation, restore.
+
+Variants, each in a process of its own per round, rounds interleaved (a noisy neighbour hits all
+alike), medians over ``--rounds``: ``torch.save`` (+ fsync), DCP ``save``, DCP ``async_save``,
+spotguard with its defaults (nice 19, adaptive CPU budget fed by the loop's step times, as ``Run``
+does), spotguard uncapped, and ``dd`` (write ``conv=fsync``, cold read) as the disk's yardstick.
+
+The state is a real model plus AdamW (state created by one step); a small separate training loop
+(4 x Linear(1024)) runs before and while an asynchronous save persists, so inflation is
+``median step during / median of the steps before - 1``. "durable" is the save call to committed
+(fsync + rename for spotguard; the future for DCP async). The restore loads into the live model and
+optimizer from a cold cache (``posix_fadvise(DONTNEED)`` on every file after ``sync``); its peak RSS
+is sampled every 2 ms from ``/proc/self/statm`` and counts spotguard's staging buffers, prepared in
+the background after the restore, until they are ready. ``--small`` uses 20,000 tensors of 1 KiB
+plus AdamW instead.
+
+    python benchmarks/bench_checkpoint_compare.py --gib 1 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+VARIANTS = ["torch_save", "dcp", "dcp_async", "spotguard", "spotguard_uncapped", "dd"]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+BATCH, BASE_STEPS = 256, 20
+"""The training loop's batch, and its steps before a save (the smoke test makes both small)."""
+
+
+def build(gib: float, small: bool):
+    import torch
+
+    torch.manual_seed(0)
+    if small:
+        model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(256)) for _ in range(20_000)])
+    else:  # params are a third of model + AdamW's two moments
+        n = max(1, round(gib * (1 << 30) / 3 / (4 << 20)))
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(n)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    return model, opt
+
+
+def loop():
+    import torch
+
+    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    opt, x = torch.optim.SGD(net.parameters(), lr=1e-3), torch.randn(BATCH, 1024)
+
+    def step() -> float:
+        began = time.perf_counter()
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+        return time.perf_counter() - began
+    return step
+
+
+def evict(path: Path) -> None:
+    os.sync()
+    for f in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+class PeakRss:
+    """Peak RSS above the level at entry, sampled every 2 ms."""
+
+    def __enter__(self) -> PeakRss:
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+        self.extra = self.peak - self.base
+
+
+def state_bytes(model, opt) -> int:
+    import torch
+
+    sd = {"m": model.state_dict(), "o": opt.state_dict()["state"]}
+    return sum(t.numel() * t.element_size() for t in _tensors(sd) if isinstance(t, torch.Tensor))
+
+
+def _tensors(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    else:
+        yield obj
+
+
+def run_variant(variant: str, gib: float, small: bool, work: Path) -> dict:
+    """One round of one variant, in this (fresh) process."""
+    import torch
+
+    model, opt = build(gib, small)
+    nbytes = state_bytes(model, opt)
+    out = {"variant": variant, "bytes": nbytes}
+    step = loop()
+    base = [step() for _ in range(BASE_STEPS)]
+    path = work / variant
+    if variant == "dd":
+        blocks = max(1, nbytes >> 24)
+        began = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={blocks}", "conv=fsync"],
+                       check=True, capture_output=True)
+        out["durable_s"] = out["stall_s"] = time.perf_counter() - began
+        evict(path)
+        began = time.perf_counter()
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+        out["restore_s"] = time.perf_counter() - began
+        return out
+    save, restore = VARIANT_FNS[variant]
+    during: list[float] = []
+    began = time.perf_counter()
+    done = save(path, model, opt, base, out)
+    out["stall_s"] = time.perf_counter() - began
+    while not done() and len(during) < 2000:
+        during.append(step())
+    out["durable_s"] = out.pop("durable_at", time.perf_counter()) - began
+    if during:
+        out["inflation"] = statistics.median(during) / statistics.median(base) - 1
+        out["steps_during"] = len(during)
+    if "_ck" in out:  # its staging copy goes before the restore is measured
+        out.pop("_ck").close()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    evict(path)
+    with PeakRss() as rss:
+        began = time.perf_counter()
+        restore(path, model, opt, out)
+        out["restore_s"] = time.perf_counter() - began
+        out.pop("wait_prepared", lambda: None)()
+    out["restore_peak_rss_extra"] = rss.extra / nbytes
+    assert all(bool((p != 0).any()) for p in list(model.parameters())[:3]), "restore left zeros"
+    return out
+
+
+def _sync_done() -> bool:
+    return True
+
+
+def torch_save(path, model, opt, base, out):
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return _sync_done
+
+
+def torch_load(path, model, opt, out):
+    import torch
+
+    sd = torch.load(path)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["opt"])
+
+
+def _dcp_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m, o = get_state_dict(model, opt)
+    return {"model": m, "opt": o}
+
+
+def dcp_save(path, model, opt, base, out):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(model, opt), checkpoint_id=str(path))
+    return _sync_done
+
+
+def dcp_async(path, model, opt, base, out):
+    import torch.distributed.checkpoint as dcp
+
+    future = dcp.async_save(_dcp_state(model, opt), checkpoint_id=str(path))
+    future = getattr(future, "upload_completion", future)
+    future.add_done_callback(lambda _: out.setdefault("durable_at", time.perf_counter()))
+    return future.done
+
+
+def dcp_load(path, model, opt, out):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(model, opt)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["opt"])
+
+
+def _spotguard_save(uncapped: bool):
+    def save(path, model, opt, base, out):
+        from spotguard.checkpoint import Checkpointer
+
+        kwargs = {"background_nice": None, "background_cpu_share": None} if uncapped else {}
+        ck = Checkpointer(path, keep=1, **kwargs, on_commit=lambda _: out.setdefault("durable_at", time.perf_counter()))
+        ck.load_latest({"model": model, "optimizer": opt})  # a fresh start: prepares the staging buffers
+        ck._stager.wait_prepared()  # as the steps before a job's first save would give it time to
+        for s in base:
+            ck.observe_step(s)  # what Run reports at each step
+        ck.save(1, {"model": model, "optimizer": opt})
+        out["_ck"] = ck
+        return lambda: not ck.in_flight
+    return save
+
+
+def spotguard_load(path, model, opt, out):
+    from spotguard.checkpoint import Checkpointer
+
+    ck = Checkpointer(path, keep=1)
+    ck.load_latest({"model": model, "optimizer": opt})
+    out["wait_prepared"] = ck._stager.wait_prepared  # counted in the peak RSS, not in the time
+
+
+VARIANT_FNS = {"torch_save": (torch_save, torch_load), "dcp": (dcp_save, dcp_load),
+               "dcp_async": (dcp_async, dcp_load), "spotguard": (_spotguard_save(False), spotguard_load),
+               "spotguard_uncapped": (_spotguard_save(True), spotguard_load)}
+
+
+def child(args) -> None:
+    import torch.distributed as dist
+
+    work = Path(tempfile.mkdtemp(prefix="ckcmp-", dir=args.dir))
+    dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
+    try:
+        result = run_variant(args.variant, args.gib, args.small, work)
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({k: v for k, v in result.items() if not k.startswith("_") and k != "wait_prepared"}))
+
+
+def table(rows: dict[str, dict]) -> str:
+    ref = rows.get("torch_save", {})
+    dd = rows.get("dd", {})
+    lines = ["| variant | stall | durable | durable / dd write | step inflation while persisting | restore (cold) "
+             "| restore / torch.load | restore / dd read | restore peak RSS above the state |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        infl = f"{r['inflation']:+.1%}" if "inflation" in r else "-"
+        rss = f"{r['restore_peak_rss_extra']:.2f}x" if "restore_peak_rss_extra" in r else "-"
+        lines.append(f"| {name} | {r['stall_s']:.3f} s | {r['durable_s']:.2f} s | "
+                     f"{r['durable_s'] / dd['durable_s']:.2f}x | {infl} | {r['restore_s']:.2f} s | "
+                     f"{r['restore_s'] / ref['restore_s']:.2f}x | {r['restore_s'] / dd['restore_s']:.2f}x | {rss} |"
+                     if dd and ref else f"| {name} | {r} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="model + AdamW state size")
+    parser.add_argument("--small", action="store_true", help="20,000 x 1 KiB tensors + AdamW instead")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # a child: one variant, one round
+    args = parser.parse_args()
+    if args.variant:
+        return child(args)
+    samples: dict[str, list[dict]] = {}
+    variants = args.variants.split(",")
+    load = []
+    for r in range(args.rounds):
+        for v in variants[r % len(variants):] + variants[: r % len(variants)]:  # rotated order
+            cmd = [sys.executable, __file__, "--variant", v, "--gib", str(args.gib), "--rounds", "1"]
+            cmd += (["--small"] if args.small else []) + (["--dir", args.dir] if args.dir else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if proc.returncode:
+                sys.exit(f"{v} failed:\n{proc.stdout}{proc.stderr}")
+            samples.setdefault(v, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            load.append(os.getloadavg()[0])
+    medians = {v: {k: statistics.median(s[k] for s in runs) for k in runs[0] if isinstance(runs[0][k], float)}
+               for v, runs in samples.items()}
+    results = {"gib": args.gib, "small": args.small, "rounds": args.rounds, "cpus": os.cpu_count(),
+               "load_average": [min(load), max(load)], "medians": medians, "samples": samples}
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        "checkpoint_compare_small.json" if args.small else "checkpoint_compare.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores")
+    print(table(medians))
+
+
+if __name__ == "__main__":
+    main()

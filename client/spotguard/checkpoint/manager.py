@@ -95,7 +95,9 @@ class Checkpointer:
     :param on_commit: Called with each :class:`CommitInfo` once a save is committed.
     :param verify: Check every file's sha256 on load.
     :param background_nice: Niceness of the background save threads (None: unchanged).
-    :param background_cpu_share: The most of one CPU a background save may use (None: no cap).
+    :param background_cpu_share: The share of one CPU a background save starts with (None: no cap).
+    :param background_inflation: The step-time slowdown a background save may cause (0.03: 3 %):
+        the share adapts to it (:mod:`spotguard.checkpoint._budget`); None keeps the share fixed.
     :param large_tensor_bytes: Tensors of this many bytes or more get a file each.
     :param per_rank: Entries saved by every rank (the rest by rank 0 only).
     :param timeout: Seconds any wait for the other ranks may take.

@@ -72,6 +72,10 @@ def run_variant(platform: str, env: dict[str, str], seconds: float, warmup: floa
     sim = SimProcess("aws")
     daemon = DaemonProcess(platform, sim.url if platform == "aws" else None, env=env)
     try:
+        started = time.monotonic()  # the warm-up counts from the daemon's first poll: its start-up
+        while (platform == "aws" and sim.control("state")["requests"]["total"] == 0  # can take
+               and daemon.proc.poll() is None and time.monotonic() - started < 60):  # seconds under load
+            time.sleep(0.1)
         time.sleep(warmup)
         if daemon.proc.poll() is not None:
             raise BenchError(f"the daemon exited: {daemon.output()[-2000:]}")

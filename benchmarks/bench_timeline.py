@@ -100,8 +100,7 @@ def main() -> None:
     if args.quick:
         args.rounds = 3
     with tempfile.TemporaryDirectory(prefix="sgb-timeline-") as work:
-        os.chdir(work)  # the daemon's checkpoint root is the directory it starts in
-        daemon = DaemonProcess()
+        daemon = DaemonProcess(env={"SPOTGUARD_CHECKPOINT_ROOT": work})  # the jobs' roots lie below it
         try:
             wait_for(lambda: daemon_status(daemon.request_endpoint), 30, "the daemon did not answer")
             rounds = [one_round(daemon, Path(work), number, args.step_sleep) for number in range(args.rounds)]

@@ -166,7 +166,7 @@ def test_a_real_daemon_answers_progress_and_cadence_with_the_job_rate(daemon_fac
         runs.end()
     known = JobRate.model_validate(daemon.request(CadenceRequest(job_id="r")).data["rate"])
     assert known.interruptions == 1 and known.mtbf_s == pytest.approx(cad.learned_mtbf(HOUR, 1, known.running_s))
-    assert daemon.request(CadenceRequest(job_id="nobody")).data == {"rate": None}
+    assert daemon.request(CadenceRequest(job_id="nobody")).data == {"rate": None, "durable_s": None}
     url = daemon.request(StatusRequest()).data["metrics"]
     wait_for(lambda: 'spotguard_job_interruptions{job="r"} 1.0' in httpx.get(url, timeout=5).text,
              "the gauge (a snapshot taken every housekeeping round)", 10)

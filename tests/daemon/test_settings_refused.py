@@ -155,3 +155,21 @@ def test_a_daemon_without_checkpoint_root_uploads_nothing_from_its_start_directo
     assert len(refused) == 1 and "--checkpoint-root" in refused[0], log
     watching = [line for line in log.splitlines() if "watching no checkpoints" in line]
     assert len(watching) == 1 and "every commit will be refused" in watching[0], log
+
+
+def test_every_variable_the_library_reads_passes_the_daemons_check():
+    """A ``SPOTGUARD_*`` variable the client library reads (``SPOTGUARD_FRESH=1 spotguard run ...``)
+    is not refused as a mistyped daemon setting: each is a setting or listed in CLIENT_VARIABLES."""
+    import re
+
+    from spotguard_daemon.core.settings import CLIENT_VARIABLES, Settings
+
+    client = Path(__file__).resolve().parents[2] / "client" / "spotguard"
+    read = {name for path in client.rglob("*.py")
+            for name in re.findall(r"[\"'](SPOTGUARD_[A-Z_]+?)[\"']", path.read_text())}
+    settings = {f"SPOTGUARD_{name.upper()}" for name in Settings.model_fields}
+    unknown = {name for name in read if name not in CLIENT_VARIABLES and name.split("__")[0] not in settings}
+    assert read and not unknown, f"read by the library, refused by the daemon: {sorted(unknown)}"
+    done = spotguard("run", "--no-daemon", "--", sys.executable, "-c", "pass",
+                     env={"SPOTGUARD_FRESH": "1", "SPOTGUARD_SAVE_EVERY": "5"})
+    assert done.returncode == 0, done.stderr

@@ -41,7 +41,10 @@ DEFAULT_CONFIG_PATH = Path("/etc/spotguard/spotguard.toml")
 
 Platform = Literal["auto", "aws", "gcp", "azure", "alibaba", "none"]
 
-CLIENT_VARIABLES = frozenset({"SPOTGUARD_RECORD", "SPOTGUARD_VENV", "SPOTGUARD_JOB_ID"})
+CLIENT_VARIABLES = frozenset({
+    "SPOTGUARD_RECORD", "SPOTGUARD_RECORD_ELASTIC", "SPOTGUARD_VENV", "SPOTGUARD_JOB_ID", "SPOTGUARD_FRESH",
+    "SPOTGUARD_SAVE_EVERY", "SPOTGUARD_FAST_EXIT", "SPOTGUARD_FUSE_RENAME_IS_ATOMIC",
+    "SPOTGUARD_HANDLED_NOTICES", "SPOTGUARD_PROGRESS_SECONDS"})
 """``SPOTGUARD_*`` variables that are not daemon settings (read by the client or the scripts); any
 other name that is no setting is a typo, refused at start."""
 

@@ -444,6 +444,7 @@ class Guard:
         if self._closed.is_set():
             return
         self._closed.set()
+        _LIVE.discard(self)  # a closed Guard's stop is over: no longer this process's (stop_pending)
         self._thread.join(timeout=5)
         if self._link is not None:
             self._send_progress(now=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -227,26 +229,36 @@ def test_workers_and_their_forkserver_outlive_sigterm_and_sigint_to_the_process_
         assert lines["child"] == str(-signal.SIGTERM), done.stdout
 
 
-def test_workers_lost_while_stopping_start_again_at_the_same_batch():
-    """Workers that die once the process is stopping (they were starting when torchrun's SIGTERM
-    came, before they could ignore it) are started again at the same position: the loop gets the
-    very batches an uninterrupted pass gives (persistent workers too), finishes its step and stops
-    at the boundary. Without a stop pending, their death is an error as before."""
-    from spotguard.guard import Guard
+LOST_WHILE_STOPPING_JOB = """
+import os, random, signal
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+import spotguard
+from spotguard.guard import Guard
 
-    def loader(persistent=False):
-        return spotguard.DataLoader(Noisy(), batch_size=2, shuffle=True, num_workers=2, seed=3,
-                                    persistent_workers=persistent)
+class Noisy(Dataset):
+    def __len__(self):
+        return 10
 
-    def batches(dl, kill_after=None):
-        out = []
-        for i, batch in enumerate(dl):
-            out.append(batch.tolist())
-            if i == kill_after:
-                for pid in dl.worker_pids():
-                    os.kill(pid, signal.SIGKILL)
-        return out
+    def __getitem__(self, i):
+        return torch.tensor([float(i), torch.rand(()).item() + np.random.rand() + random.random()])
 
+def loader(persistent=False):
+    return spotguard.DataLoader(Noisy(), batch_size=2, shuffle=True, num_workers=2, seed=3,
+                                persistent_workers=persistent)
+
+def batches(dl, kill_after=None):
+    out = []
+    for i, batch in enumerate(dl):
+        out.append(batch.tolist())
+        if i == kill_after:
+            for pid in dl.worker_pids():
+                os.kill(pid, signal.SIGKILL)
+    return out
+
+if __name__ == "__main__":
     expected = batches(loader())
     with pytest.raises((RuntimeError, EOFError, ConnectionError)):  # torch's, or the pipe's
         batches(loader(), kill_after=1)
@@ -258,6 +270,20 @@ def test_workers_lost_while_stopping_start_again_at_the_same_batch():
         assert batches(loader(persistent=True), kill_after=3) == expected
     finally:
         guard.close()
+    print("SAME BATCHES", flush=True)
+"""
+
+
+def test_workers_lost_while_stopping_start_again_at_the_same_batch(tmp_path):
+    """Workers that die once the process is stopping (they were starting when torchrun's SIGTERM
+    came, before they could ignore it) are started again at the same position: the loop gets the
+    very batches an uninterrupted pass gives (persistent workers too), finishes its step and stops
+    at the boundary. Without a stop pending, their death is an error as before. In a process of
+    its own: torch's SIGCHLD handler raises for the killed workers wherever that process is."""
+    script = tmp_path / "lost_while_stopping.py"
+    script.write_text(LOST_WHILE_STOPPING_JOB)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0 and "SAME BATCHES" in done.stdout, done.stdout + done.stderr
 
 
 LOST_LOADER_JOB = """

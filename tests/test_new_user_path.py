@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ask
-from spotguard.protocol import StatusRequest
+from spotguard_daemon.commands.common import daemon_status
 
 TRAIN = '''
 import argparse
@@ -108,7 +107,7 @@ def test_readme_getting_started_run_and_drill_on_your_own_job(tmp_path, sock_dir
     try:
         endpoint = f"ipc://{sock_dir}/run/requests.sock"
         deadline = time.monotonic() + 30
-        while ask(endpoint, StatusRequest(), timeout=1.0) is None:
+        while daemon_status(endpoint, timeout=1.0) is None:
             assert daemon.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "daemon.log").read_text()
             time.sleep(0.2)
@@ -143,8 +142,8 @@ def test_readme_getting_started_run_and_drill_on_your_own_job(tmp_path, sock_dir
 
     # docs/drill.md on the same job, in a checkpoint directory of its own
     start = time.monotonic()
-    out = sh(*spotguard, "drill", "-n", "1", "--", python, "train.py", "--steps", "40",
-             "--step-sleep", "0.03", "--ckpt-dir", "drill-checkpoints", timeout=280)
+    out = sh(*spotguard, "drill", "-n", "1", "--", python, "train.py", "--steps", "80",
+             "--step-sleep", "0.05", "--ckpt-dir", "drill-checkpoints", timeout=280)
     assert "spotguard drill: PASSED" in out, out
     logs = list(tmp_path.glob("spotguard-drill-*/*.log"))
     assert len(logs) >= 3, logs  # the reference's and two launches'

@@ -193,6 +193,7 @@ class Guard:
         self._stopping = False
         self._unsent: dict[tuple[str, str], CommitRequest] = {}
         self._commit_refusals: set[str] = set()
+        self._told_no_root = False
         self._resend_at = 0.0
         self._progress: tuple[int, datetime] | None = None
         self._progress_sent: tuple[int, datetime] | None = None
@@ -346,8 +347,8 @@ class Guard:
         if self._link is None:
             return False
         if "checkpoint_root" in self._link.registered and self._link.registered["checkpoint_root"] is None:
-            if not self._commit_refusals:  # the daemon watches no root: nobody asked for uploads
-                self._commit_refusals.add("")
+            if not self._told_no_root:  # the daemon watches no root: nobody asked for uploads
+                self._told_no_root = True
                 log.info("the daemon watches no checkpoint root: checkpoints stay local (start it with "
                          "--checkpoint-root DIR to make them durable)")
             return False

@@ -380,9 +380,10 @@ class UploadQueue:
         """Superseded by a newer commit of its job, or pre-empted by another job's newer commit
         (ready to go) while a notice is pending; lock held."""
         if upload.job_id in self._queue and not self.finish_superseded and not self._stop:
-            if self.fleet.finishes(upload.job_id, upload.step):
-                pass  # node 0 proposed it: the fleet completes this step
-            elif self.fleet.follows(upload.job_id) or not self.watch.finish_anyway(upload.job_id, upload.step):
+            # finished all the same: the step node 0 proposed (the fleet completes it), or, on node 0
+            # or a single node, one whose lag behind the global step passed its bound
+            if not self.fleet.finishes(upload.job_id, upload.step) and (
+                    self.fleet.follows(upload.job_id) or not self.watch.finish_anyway(upload.job_id, upload.step)):
                 return Superseded
         now = time.time()
         if any(u.submitted > upload.submitted and u.not_before <= now for u in self._queue.values()) \

@@ -41,6 +41,12 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: torchrun runs the ranks unbuffered (``python -u``), where
+    print() writes the text and its newline apart and two ranks' lines interleave."""
+    os.write(1, f"{line}\n".encode())
+
+
 def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of ``step`` on ``rank``: deterministic, independent of any global RNG."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + rank)
@@ -88,7 +94,7 @@ def main() -> None:
 
     def on_commit(info) -> None:
         if rank == 0:
-            print(f"checkpoint step={info.step} path={info.path}", flush=True)
+            say(f"checkpoint step={info.step} path={info.path}")
 
     run = spotguard.Run(args.ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler,
               save_every=args.save_every, on_commit=on_commit,
@@ -97,7 +103,7 @@ def main() -> None:
         with run:
             for step in run.steps(args.steps):
                 if step == run.start_step:
-                    print(f"rank={rank} pid={os.getpid()} start step={step}", flush=True)
+                    say(f"rank={rank} pid={os.getpid()} start step={step}")
                 x, y = batch(args.seed, step, rank)
                 loss = nn.functional.mse_loss(model(x), y)
                 optimizer.zero_grad(set_to_none=True)
@@ -107,10 +113,10 @@ def main() -> None:
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
     except SystemExit as stop:  # raised by run.steps() after a clean stop: status 75
-        print(f"rank={rank} stopped step={run.step} status={stop.code}", flush=True)
+        say(f"rank={rank} stopped step={run.step} status={stop.code}")
         raise
     if rank == 0:
-        print(f"final step={run.step} digest={digest(core, optimizer)}", flush=True)
+        say(f"final step={run.step} digest={digest(core, optimizer)}")
     if distributed:
         torch.distributed.destroy_process_group()
 

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
 
+from spotguard._hold import released
+
 __all__ = ["Agreement", "Decision", "PeerLostError"]
 
 _NO_DEADLINE = 1e18
@@ -166,6 +168,8 @@ class Agreement:
             raise PeerLostError(_lost(step, started, exc)) from exc
         if done is False:
             raise PeerLostError(_lost(step, started, "timed out"))
+        del work
+        released(tensor)  # gloo's worker let go of it (see spotguard._hold)
         return tensor.tolist()
 
 

@@ -207,6 +207,11 @@ class Run(Stopping):
         self.save_margin, self.stop_lead, self.exit_on_stop = save_margin, stop_lead, exit_on_stop
         self._far_notices: set[str] = set()
         process_group = default_group(process_group)
+        job_id, given = _jobid.resolve(job_id)
+        derived = not given
+        # Before anything that makes a group or a thread: a refusal here leaves nothing behind
+        # (a private gloo group leaked by a refused Run once aborted its rank at exit).
+        self.job_id = job_id = _jobid.agree(job_id, given=given, process_group=process_group)  # rank 0's
         self.agreement = Agreement(process_group, timeout=peer_timeout)
         self.peer_timeout = peer_timeout
         stalled = (f"no step boundary for {(peer_timeout or 0) + PEER_LOST_GRACE:.0f} s (Run(peer_timeout="
@@ -218,9 +223,6 @@ class Run(Stopping):
         self.cadence = make_cadence(save_every, cadence)
         self._cadence_source = cadence_source(save_every, cadence)
         self._user_on_commit = on_commit
-        job_id, given = _jobid.resolve(job_id)
-        derived = not given
-        self.job_id = job_id = _jobid.agree(job_id, given=given, process_group=process_group)  # rank 0's
         log.info("job id %s%s", job_id, " (derived from the command line and working directory; pass "
                  "job_id= to choose one)" if derived else "")
         try:

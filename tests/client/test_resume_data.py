@@ -292,6 +292,8 @@ import torch
 import spotguard
 
 def main():
+    import faulthandler
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where, before the test's timeout
     os.setsid()  # its own group, as torchrun starts a rank
     ckpt, kill_at, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.manual_seed(0)

@@ -2,9 +2,8 @@
 an elastic resume promises (the state loaded, the sample sequence, the loss curve), never by
 bit-identity.
 
-End to end (real torchrun, gloo, CPU, the README's DDP loop in ``drill_ddp_job.py`` with 10 steps
-an epoch on 2 ranks, so that the resize lands mid-epoch): 2 ranks preempted by a notice and
-relaunched on 3 pass; the twin that restarts its data at epoch 0 fails, naming the epoch it left
+End to end (real torchrun, gloo, CPU, the README's DDP loop in ``drill_ddp_job.py``): 2 ranks preempted
+by a notice mid-epoch and relaunched on 3 pass; the twin (10 steps an epoch) that restarts its data at epoch 0 fails, naming the epoch it left
 and the one it started over. On records written by real ``ResumableSampler``s (2 ranks, a step lost
 to a kill, 3 ranks resumed from rank 0's state, padding at the epoch's end): the samples check
 passes, and fails for a relaunch that restarts its position or keeps it without re-splitting. A
@@ -14,6 +13,7 @@ after the resume, fail by name.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +43,10 @@ def report_of(tmp_path: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_ddp_job_resized_from_2_to_3_ranks_passes_on_what_is_promised(tmp_path):
-    done = drill(tmp_path, "-n", "1", "--seed", "9", "--resize", "3", job=job())
+    # 200 samples: one epoch spans the whole job, so that wherever the load puts the preemption,
+    # the relaunch goes on mid-epoch and the re-split is exercised (at 40, 10 steps an epoch, a
+    # stop at a multiple of 10 left nothing to re-split, and the drill was rightly inconclusive)
+    done = drill(tmp_path, "-n", "1", "--seed", "9", "--resize", "3", job=job("--samples", "200"))
     assert done.returncode == 0, done.stdout + done.stderr
     report = report_of(tmp_path)
     assert report["verdict"] == "PASSED" and report["effective_preemptions"] == 1
@@ -63,11 +66,13 @@ def test_a_ddp_job_resized_from_2_to_3_ranks_passes_on_what_is_promised(tmp_path
 def test_a_resized_job_that_restarts_its_data_fails_naming_where_it_started_over(tmp_path):
     done = drill(tmp_path, "-n", "1", "--seed", "9", "--resize", "3", job=job("--own-epoch-counter"))
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "spotguard drill: FAILED (samples): epoch 0 (pass 4) was drawn by launch 2 (3 ranks) after " \
-           "epoch 2 (pass 3), " in done.stderr
+    # which epoch the stop came in depends on the machine's load: the message names it, whichever
+    left = re.search(r"spotguard drill: FAILED \(samples\): epoch 0 \(pass (\d)\) was drawn by launch 2 "
+                     r"\(3 ranks\) after epoch (\d) \(pass (\d)\)", done.stderr)
+    assert left and int(left[1]) == int(left[3]) + 1 and int(left[2]) == int(left[3]) - 1 >= 1, done.stderr
     assert "samples never drawn: the data started over" in done.stderr
     failed = {check["name"] for check in report_of(tmp_path)["checks"] if not check["ok"]}
-    assert failed == {"samples"}  # the state loaded and the loss went on; the data did not
+    assert "samples" in failed and not failed & {"loaded state", "loss"}  # the state and the loss went on
 
 
 def test_resize_needs_a_torchrun_command_with_another_number_of_ranks(tmp_path):

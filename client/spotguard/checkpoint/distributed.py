@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spotguard._hold import released
 from spotguard.checkpoint import _fs, commit
 from spotguard.checkpoint._workers import Throttle
 from spotguard.checkpoint.errors import CheckpointError
@@ -91,6 +92,8 @@ class Coordinator:
             self.exchanging = False
         if done is False:
             raise CheckpointError(self._failed(time.monotonic() - started, None))
+        del work
+        released(t)  # gloo's worker let go of it (see spotguard._hold)
         return t.tolist()
 
     def _failed(self, waited: float, exc: BaseException | None) -> str:

@@ -11,6 +11,7 @@ from spotguard import _exit
 from spotguard._console import console
 from spotguard._record import stop_times
 from spotguard._run_parts import rank
+from spotguard._worker_signals import worker_errors_deferred
 from spotguard.checkpoint import CheckpointError
 from spotguard.distributed import Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
@@ -22,7 +23,8 @@ log = logging.getLogger("spotguard.run")
 
 
 def _from_loader(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised in torch's DataLoader (a worker died, its pipe broke)."""
+    """Whether ``exc`` was raised in torch's DataLoader (a worker died, its pipe broke), or by its
+    SIGCHLD handler, which raises wherever the main thread is when a worker dies."""
     tb = exc.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code.co_filename.endswith(_TORCH_LOADER):
@@ -31,7 +33,8 @@ def _from_loader(exc: BaseException) -> bool:
     return False
 
 
-_TORCH_LOADER = os.path.join("torch", "utils", "data", "dataloader.py")
+_TORCH_LOADER = (os.path.join("torch", "utils", "data", "dataloader.py"),
+                 os.path.join("torch", "utils", "data", "_utils", "signal_handling.py"))
 
 
 def save_fits(save_seconds: float | None, seconds_left: float | None, margin: float) -> bool:
@@ -171,8 +174,9 @@ class Stopping:
             self._stop_between(self._between.wait())
         if self.agreement.enabled or not self._between.enabled:
             log.error("the loader failed while stopping (%s: %s) and the last step cannot be saved here "
-                      "(%s); the last commit (step %s) stands. spotguard.DataLoader, or a torch loader "
-                      "passed to spotguard.ignore_stop_signals(), keeps its workers through the signal",
+                      "(%s); the last commit (step %s) stands. spotguard.DataLoader starts dead workers "
+                      "again at the same position instead; a loader started with spawn or forkserver keeps "
+                      "its workers through the signal when passed to spotguard.ignore_stop_signals()",
                       type(exc).__name__, exc, "several ranks" if self.agreement.enabled else "no optimizer= "
                       "given to Run", self._saved_step)
             return
@@ -190,7 +194,8 @@ class Stopping:
     def _save_emergency(self, done: int, state: Any = None) -> bool:
         """Commit the state now, the loop stopped; False (logged) when the save failed."""
         try:
-            self._save(done, "emergency", state=state)
+            with worker_errors_deferred(for_good=self.exit_on_stop):  # a worker's death can't abort it
+                self._save(done, "emergency", state=state)
         except CheckpointError as exc:  # the previous commit is still valid: stop anyway
             log.error("the emergency save failed (%s); the previous checkpoint stands", exc)
             return False

@@ -55,12 +55,10 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import multiprocessing
 import os
 import random
 import signal
 import sys
-import threading
 import time
 import warnings
 import weakref
@@ -71,6 +69,7 @@ import torch
 import torch.utils.data as tud
 
 from spotguard import _fork, _watchdog
+from spotguard._worker_signals import keep_through_stop_signals
 from spotguard.guard import stop_pending
 from spotguard.sampler import ResumableSampler, SamplerStateError
 
@@ -404,25 +403,9 @@ def _worker_died(it: Any, wait: float = 1.0) -> bool:
 def _worker_init(user_init: Any, worker_id: int) -> None:
     """In each worker: ignore SIGTERM and SIGINT (the main process decides when workers stop), exit
     with the main process, then the user's init."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        threading.Thread(target=_exit_with, args=(parent,), name="spotguard-worker-orphan", daemon=True).start()
+    keep_through_stop_signals()
     if user_init is not None:
         user_init(worker_id)
-
-
-def _exit_with(parent: Any) -> None:
-    """End this worker once its main process is gone, however it died.
-
-    torch's own check compares ``os.getppid()`` with the parent pid it reads when its loop starts,
-    after the init functions: a main process SIGKILLed while its workers start (a preemption at
-    start-up) leaves them orphaned before that read, and they then wait on their queue forever,
-    holding their memory. The parent's sentinel is a pipe that closes when it dies, whatever the
-    start method."""
-    parent.join()
-    os._exit(0)
 
 
 def _resumable(dataset: Any, sampler: Any, shuffle: bool | None, seed: int) -> ResumableSampler:

@@ -70,7 +70,7 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
-from spotguard import _exit, _record
+from spotguard import _exit, _record, _worker_signals
 from spotguard._daemon_client import DaemonLink
 from spotguard._watchdog import Watchdog
 from spotguard.exit_codes import EXIT_FORCED
@@ -112,6 +112,21 @@ GRACE_ENV = "SPOTGUARD_SIGNAL__GRACE"
 
 
 _LIVE: "weakref.WeakSet[Guard]" = weakref.WeakSet()
+
+
+def _forked_child() -> None:
+    """In every child forked from this process: drop the Guards' inherited signal handlers (the
+    child's own handlers from before them come back; no thread of the child would read what they
+    note), after telling spotguard._worker_signals whether the parent was guarded."""
+    try:
+        _worker_signals.forked(any(guard._previous for guard in list(_LIVE)))
+        for guard in list(_LIVE):
+            guard._restore_handlers()
+    except Exception:  # noqa: BLE001  (a fork hook must never fail the fork)
+        log.debug("restoring the signal handlers in a forked child failed", exc_info=True)
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def stop_pending() -> bool:
@@ -500,6 +515,7 @@ class Guard:
         for signum in self._signal_deadlines:
             self._previous[signum] = signal.signal(signum, self._on_signal)
         self._handles_daemon_signal = (self._daemon_signal or signal.SIGUSR1) in self._previous
+        _worker_signals.protect()  # plain loaders' workers outlive a killpg too
 
     def _ignore_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():

@@ -18,6 +18,9 @@ least ``$JOB_STEP_SLEEP`` seconds (0.05, so that a signal lands mid-run), a save
 Accelerate loop draw them inside the step, under DDP's ``no_sync`` for all but the last; Lightning's
 ``accumulate_grad_batches``, the Trainer's ``gradient_accumulation_steps``). ``$JOB_WORKERS``: the
 loaders' worker processes (0 by default; Lightning's and the Trainer's loaders too).
+``$JOB_VALIDATE=K``: Lightning and the Trainer also validate every K steps, on 2 batches of a
+validation loader with the same workers (a plain ``DataLoader`` Lightning is given, the Trainer's
+own evaluation loader).
 Each rank writes ``OUT/pid.<rank>`` at start and ``OUT/exit.<rank>`` (its exit status) at the
 end; rank 0 writes ``OUT/progress`` (the steps done) after each step, adds a line to ``OUT/starts``
 with the steps done at its first step end (more than one step in a launch that resumed), and prints ``DIGEST`` (the
@@ -49,6 +52,7 @@ DAEMON = os.environ.get("JOB_DAEMON") == "1"
 AUTOCAST = os.environ.get("JOB_AUTOCAST") == "1"
 ACCUM = int(os.environ.get("JOB_ACCUM", "1"))
 WORKERS = int(os.environ.get("JOB_WORKERS", "0"))
+VALIDATE = int(os.environ.get("JOB_VALIDATE", "0"))
 JOB_ID = "torchrun"
 _started: list[int] = []
 
@@ -128,8 +132,9 @@ def run_job(out: Path) -> None:
 
 def loaders_job(out: Path) -> None:
     """Each step trains on one batch of a ``spotguard.DataLoader`` and one of a plain torch
-    ``DataLoader`` over a ``ResumableSampler`` (its workers kept through SIGTERM by
-    ``spotguard.ignore_stop_signals``, its iterators' seeds from a generator of its own), both with
+    ``DataLoader`` over a ``ResumableSampler`` (nothing of spotguard's on it: its forked workers
+    outlive SIGTERM because the Run's Guard is live, its iterators' seeds from a generator of its
+    own), both with
     ``$JOB_WORKERS`` workers (not persistent: they start again every epoch)."""
     import torch.distributed as dist
 
@@ -141,8 +146,8 @@ def loaders_job(out: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ours = spotguard.DataLoader(dataset(), batch_size=BATCH, shuffle=True, seed=0, num_workers=WORKERS)
     sampler = spotguard.ResumableSampler(dataset(), shuffle=True, seed=1)
-    plain = spotguard.ignore_stop_signals(torch.utils.data.DataLoader(
-        dataset(), batch_size=BATCH, sampler=sampler, num_workers=WORKERS, generator=torch.Generator()))
+    plain = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, sampler=sampler, num_workers=WORKERS,
+                                        generator=torch.Generator())
     run = spotguard.Run(out / "ckpt", model=model, optimizer=opt, loader=ours, sampler=sampler, save_every=4,
                         daemon=DAEMON, job_id=JOB_ID)
     a, b = endless(ours), endless(plain)
@@ -204,6 +209,10 @@ def lightning_job(out: Path) -> None:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=0.01)
 
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     pl.seed_everything(0)
     module = Module()
     callback = SpotguardCallback(out / "ckpt", save_every=4, daemon=DAEMON, job_id=JOB_ID)
@@ -211,9 +220,12 @@ def lightning_job(out: Path) -> None:
                          precision="bf16-mixed" if AUTOCAST else "32-true",
                          devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), deterministic=True,
                          logger=False, callbacks=[callback], enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False,
+                         **({"val_check_interval": VALIDATE, "limit_val_batches": 2, "num_sanity_val_steps": 0,
+                             "check_val_every_n_epoch": None} if VALIDATE else {}))
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=True, num_workers=WORKERS)
-    trainer.fit(module, loader)
+    validation = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, num_workers=WORKERS)
+    trainer.fit(module, loader, validation if VALIDATE else None)
     callback.exit_if_stopped()
     say("DIGEST", digest(module.state_dict(), trainer.optimizers[0].state_dict()["state"]))
 
@@ -231,10 +243,12 @@ def hf_job(out: Path) -> None:
     args = transformers.TrainingArguments(
         str(out), max_steps=STEPS, per_device_train_batch_size=BATCH, save_steps=4, seed=0,
         use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=WORKERS, learning_rate=0.01, bf16=AUTOCAST, gradient_accumulation_steps=ACCUM)
+        dataloader_num_workers=WORKERS, learning_rate=0.01, bf16=AUTOCAST, gradient_accumulation_steps=ACCUM,
+        **({"eval_strategy": "steps", "eval_steps": VALIDATE, "per_device_eval_batch_size": BATCH} if VALIDATE else {}))
     guard = SpotguardTrainerCallback(daemon=DAEMON, job_id=JOB_ID)
+    evaluate = torch.utils.data.Subset(dataset(), range(2 * BATCH * int(os.environ.get("WORLD_SIZE", "1"))))
     trainer = transformers.Trainer(HFModel(), args, train_dataset=dataset(), data_collator=collate,
-                                   callbacks=[guard, Progress()])
+                                   eval_dataset=evaluate if VALIDATE else None, callbacks=[guard, Progress()])
     trainer.train(resume_from_checkpoint=latest_checkpoint(out, job_id=JOB_ID))
     guard.exit_if_stopped()
     say("DIGEST", digest(trainer.model.state_dict(), trainer.optimizer.state_dict()["state"]))

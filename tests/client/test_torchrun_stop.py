@@ -222,6 +222,23 @@ def test_every_rank_stops_at_one_step_with_one_save_and_resumes_exactly(kind, ra
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", ["lightning", "hf"])
+def test_framework_loaders_with_workers_outlive_sigterm_to_torchrun_and_resume_exactly(kind, tmp_path,
+                                                                                      daemon_factory):
+    """Lightning and the Hugging Face ``Trainer`` with 2 loader workers, their train loader and a
+    validation loader every 5 steps (built by the user for Lightning, by the Trainer itself for
+    evaluation: nothing of spotguard's on them), at 2 or 3 ranks (the seed picks): SIGTERM to
+    torchrun alone at a random step stops every rank with 75 at one committed step, and the relaunch
+    ends bit-identical to an uninterrupted run."""
+    pytest.importorskip(IMPORTS[kind])
+    rng = random.Random(f"{SEED}-{kind}-workers")
+    ranks = rng.choice((2, 3))
+    print(f"SPOTGUARD_MATRIX_SEED={SEED} ranks={ranks}")
+    stop_and_resume(kind, ranks, "launcher", tmp_path, daemon_factory, rng, JOB_WORKERS="2", JOB_VALIDATE="5")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["accelerate", "hf"])
 def test_one_signalled_rank_stops_both_at_the_next_boundary_and_the_job_resumes_exactly(kind, tmp_path):
     """Rank 1 alone sends itself SIGTERM once 5 steps are done. The Accelerate loop (prepared
@@ -260,7 +277,7 @@ def test_a_lost_peer_ends_the_other_rank_with_77(kind, tmp_path):
 @pytest.mark.timeout(900)
 def test_loader_workers_outlive_sigterm_to_torchrun_and_to_the_whole_job(tmp_path):
     """3 ranks, each step on a batch of a ``spotguard.DataLoader`` and one of a plain torch
-    ``DataLoader`` (``ignore_stop_signals``), 2 workers each, started again every epoch. torchrun
+    ``DataLoader`` (nothing of spotguard's on it), 2 workers each, started again every epoch. torchrun
     passes SIGTERM on with ``killpg`` to each rank's group, workers included: the workers go on, and
     every rank exits 75 at one agreed step, committed. First SIGTERM to torchrun alone (Kubernetes) at
     a random step, then, right after the resume, to every process group of the job at once (a

@@ -1,0 +1,87 @@
+"""Every torch DataLoader worker forked from a guarded process outlives the stop signals (issue 34).
+
+A plain ``torch.utils.data.DataLoader`` that nobody handed to spotguard (the user's own, a
+framework's validation loader) has its workers in the rank's process group, where torchrun's
+``killpg``, Ctrl-C and ``scancel`` reach them. While a signal-handling ``Guard`` lives, they ignore
+SIGTERM and SIGINT and the loop gets every batch; without one (before, and after it closed) they
+die of it as torch makes them; another forked child still ends at ``terminate()``; a process that
+exits with a live iterator of such workers does not hang (``multiprocessing`` would SIGTERM and
+join them).
+In a process of its own (torch's SIGCHLD handler raises for dead workers wherever it runs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+JOB = """
+import multiprocessing, os, signal, time
+import torch
+import spotguard
+from spotguard.guard import Guard
+
+got = []
+
+def plain(persistent=False):
+    data = torch.utils.data.TensorDataset(torch.arange(48.0).view(-1, 1))
+    return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, num_workers=2,
+                                       multiprocessing_context="fork", persistent_workers=persistent,
+                                       generator=torch.Generator().manual_seed(0))
+
+def signalled(loader, *signals):
+    it = iter(loader)
+    drawn = [next(it)[0].tolist()]
+    for sig in signals:  # the whole group, as torchrun's killpg, Ctrl-C, scancel
+        os.killpg(0, sig)
+        time.sleep(0.3)
+    try:
+        drawn += [b[0].tolist() for b in it]
+    except RuntimeError as exc:  # torch: "DataLoader worker (pid(s) ...) exited unexpectedly"
+        return "died" if "DataLoader worker" in str(exc) else repr(exc)
+    return drawn
+
+def noting():
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: got.append(signum))
+
+def main():
+    os.setsid()  # as torchrun starts each rank: a session and process group of its own
+    noting()
+    expected = [b[0].tolist() for b in plain()]
+    print("before", signalled(plain(), signal.SIGTERM))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what a forked child gets back below
+    guard = Guard(daemon=False, force_exit=False)
+    print("guarded", signalled(plain(), signal.SIGTERM, signal.SIGINT) == expected)
+    print("persistent", signalled(plain(persistent=True), signal.SIGTERM) == expected)
+    print("stop", guard.stop_requested)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    child.start()  # another child, not a loader's worker: SIGTERM's default (Pool.terminate relies on it)
+    time.sleep(0.5)
+    child.terminate()
+    child.join(10)
+    print("child", child.exitcode)
+    guard.close()
+    noting()
+    print("after", signalled(plain(), signal.SIGTERM))
+    Guard(daemon=False, force_exit=False)  # guarded again, and left so: the process ends with it
+    global KEPT
+    KEPT = iter(plain(persistent=True))  # referenced at exit: torch never shuts its workers down
+    next(KEPT)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_plain_loaders_outlive_stop_signals_while_a_guard_lives_and_only_then(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]  # no hang at exit
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines == {"before": "died", "guarded": "True", "persistent": "True", "stop": "True",
+                     "child": str(-signal.SIGTERM), "after": "died"}, done.stdout + done.stderr[-3000:]

@@ -167,7 +167,13 @@ class Stopping:
         stands). Returns (the error goes on) in any other case: no stop pending, not a loader's
         error, no ``optimizer=`` to tell where the loop is, or several ranks, whose other ranks are
         inside the step's collectives and cannot reach the boundary with this one
-        (``spotguard.DataLoader`` fetches the batch again instead, so every rank stops together)."""
+        (``spotguard.DataLoader`` fetches the batch again instead, so every rank stops together).
+        torch's SIGCHLD handler, which raises the next worker's death wherever the process is, waits
+        from the start (for good when the stop ends the process)."""
+        with worker_errors_deferred(for_good=lambda: self.stopped and self.exit_on_stop):
+            self._stop_after_loader_error(exc)
+
+    def _stop_after_loader_error(self, exc: BaseException) -> None:
         if self.stopped or self._closed or not _from_loader(exc) or not self.guard.stop_requested:
             return
         if self._between.wait() is not None:  # its save beside the work already ran: take that stop

@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("spotguard")
 
@@ -128,12 +128,13 @@ def _exit_with(parent: Any) -> None:
 
 
 @contextlib.contextmanager
-def worker_errors_deferred(*, for_good: bool = False) -> Iterator[None]:
+def worker_errors_deferred(*, for_good: bool | Callable[[], bool] = False) -> Iterator[None]:
     """torch's SIGCHLD handler raises "DataLoader worker (pid N) is killed by signal" in the main
     thread wherever it is at the instant: inside a stop's save, that aborts the save of a step
     which is complete (the dead workers only matter to batches still to come). While the stop
     saves, SIGCHLD takes its default (the loader's own checks still see the dead workers at its
-    next batch); ``for_good``: the stop ends the process, so the handler is not put back."""
+    next batch); ``for_good`` (or what it returns, asked at the end): the stop ends the process, so
+    the handler is not put back."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -145,5 +146,5 @@ def worker_errors_deferred(*, for_good: bool = False) -> Iterator[None]:
     try:
         yield
     finally:
-        if not for_good:
+        if not (for_good() if callable(for_good) else for_good):
             signal.signal(signal.SIGCHLD, previous)

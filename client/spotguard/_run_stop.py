@@ -106,7 +106,14 @@ class Stopping:
         note_far_notice(log, self.guard.notice, self._far_notices, left, self._stop_needed(save))
 
     def _stop(self, done: int, decision: Decision, state: Any = None) -> bool:
-        """Stop at ``done`` (``state``: what to save instead of the live state, see :meth:`_save`)."""
+        """Stop at ``done`` (``state``: what to save instead of the live state, see :meth:`_save`).
+        torch's SIGCHLD handler, which raises a loader worker's death wherever the process is (the
+        stop's signal may have reached the workers), waits meanwhile: for good when the stop ends
+        the process."""
+        with worker_errors_deferred(for_good=self.exit_on_stop):
+            return self._stop_now(done, decision, state)
+
+    def _stop_now(self, done: int, decision: Decision, state: Any) -> bool:
         if self._progress is not None:
             self._progress.disarm()  # the notice's forced-exit watchdog bounds the stop
         self.guard.begin_stop()
@@ -200,8 +207,7 @@ class Stopping:
     def _save_emergency(self, done: int, state: Any = None) -> bool:
         """Commit the state now, the loop stopped; False (logged) when the save failed."""
         try:
-            with worker_errors_deferred(for_good=self.exit_on_stop):  # a worker's death can't abort it
-                self._save(done, "emergency", state=state)
+            self._save(done, "emergency", state=state)
         except CheckpointError as exc:  # the previous commit is still valid: stop anyway
             log.error("the emergency save failed (%s); the previous checkpoint stands", exc)
             return False

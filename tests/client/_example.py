@@ -144,7 +144,11 @@ class Proc:
         raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n" + self.output)
 
     def finish(self, timeout: float = 60.0) -> int:
-        rc = self.popen.wait(timeout)
+        try:
+            rc = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"pid {self.popen.pid} still running {timeout} s later ({_where(self.popen.pid)}); "
+                                 f"its output so far:\n{self.output}") from None
         # The reader ends at the pipe's EOF; a child that left a grandchild holding the pipe open
         # must not hang the test, so the wait is bounded (a fixed sleep lost lines under load).
         self._reader.join(10)
@@ -170,3 +174,14 @@ def run_to_end(ckpt: Path, steps: int, *extra: str, env: dict[str, str], timeout
     rc = proc.finish(timeout)
     assert rc == 0, proc.output
     return proc
+
+
+def _where(pid: int) -> str:
+    """What a running process waits on, from /proc (its state, and the kernel function it sleeps in)."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        threads = len(list(Path(f"/proc/{pid}/task").iterdir()))
+    except (OSError, StopIteration):
+        return "gone"
+    return f"{state.split(':', 1)[1].strip()}, in {wchan or '?'}, {threads} threads"

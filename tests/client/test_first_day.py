@@ -48,7 +48,7 @@ def launch(ckpt: Path, env: dict[str, str], steps: int = 400) -> Proc:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_a_second_launch_is_refused_ctrl_c_saves_and_a_fresh_start_is_one_variable(tmp_path):
     env, ckpt = isolated_env(tmp_path / "rt"), tmp_path / "ckpt"
     first = launch(ckpt, env)
@@ -66,7 +66,7 @@ def test_a_second_launch_is_refused_ctrl_c_saves_and_a_fresh_start_is_one_variab
                                 "another checkpoint root"], second.output
 
         os.killpg(first.popen.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole group
-        assert first.finish(60) == 130, first.output
+        assert first.finish(150) == 130, first.output  # once over 60 s in CI, beside a 3-rank torchrun job
     finally:
         stop(first)
     (line,) = [x for x in first.lines if "Ctrl-C" in x]

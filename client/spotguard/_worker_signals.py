@@ -12,14 +12,19 @@ torch calls ``signal_handling._set_worker_signal_handlers()`` first thing in eve
 installs its SIGBUS/SIGSEGV handlers there). :func:`protect` wraps it, once per process, when a
 :class:`~spotguard.Guard` installs its signal handlers: in a worker whose main process had a live,
 signal-handling Guard when it forked it, the wrapper then also ignores SIGTERM and SIGINT and ends
-the worker when its main process is gone (:func:`keep_through_stop_signals`); at exit, the workers
-still alive are SIGKILLed, as ``multiprocessing`` would SIGTERM them. Every forked child
-first drops the Guard's handlers it inherited (the Guard's at-fork hook): a child that is not a
-loader worker (a ``multiprocessing.Pool``'s, whose ``terminate()`` sends SIGTERM; a helper
-process) gets the handlers from before the Guard back, and dies of SIGTERM as it would without
-spotguard, instead of noting a "notice" no thread of its own will ever read. Workers started with ``spawn`` or ``forkserver``
-begin in a fresh interpreter without the wrapper: for those, ``spotguard.DataLoader`` or
+the worker when its main process is gone (:func:`keep_through_stop_signals`). At exit, the
+daemonic children still alive get SIGTERM and, a second later, SIGKILL, before ``multiprocessing``
+would SIGTERM them and join them for ever. Workers started with ``spawn`` or ``forkserver`` begin
+in a fresh interpreter without the wrapper: for those, ``spotguard.DataLoader`` or
 ``ignore_stop_signals(loader)``, as the docs say.
+
+Every forked child first drops the Guard's handlers it inherited (the Guard's at-fork hook): a
+child that is not a loader worker (a ``multiprocessing.Pool``'s, whose ``terminate()`` sends
+SIGTERM; a helper process) gets the handlers from before the Guard back, and dies of SIGTERM as it
+would without spotguard, instead of noting a "notice" no thread of its own will ever read.
+
+torch's SIGCHLD handler raises a worker's death in the main thread wherever it is;
+:func:`worker_errors_deferred` holds it while a stop runs (its save, its messages, its exit).
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def worker_errors_deferred(*, for_good: bool | Callable[[], bool] = False) -> It
     which is complete (the dead workers only matter to batches still to come). While the stop
     saves, SIGCHLD takes its default (the loader's own checks still see the dead workers at its
     next batch); ``for_good`` (or what it returns, asked at the end): the stop ends the process, so
-    the handler is not put back."""
+    the handler is not put back (torch's next loader iterator would install it again)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -153,3 +153,6 @@ def worker_errors_deferred(*, for_good: bool | Callable[[], bool] = False) -> It
     finally:
         if not (for_good() if callable(for_good) else for_good):
             signal.signal(signal.SIGCHLD, previous)
+        elif (torch_signals := sys.modules.get(_MODULE)) is not None:
+            torch_signals._SIGCHLD_handler_set = False  # a process that goes on anyway (an embedding
+            # program caught the SystemExit): torch's next loader iterator installs its handler again

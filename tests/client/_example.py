@@ -91,8 +91,18 @@ class Proc:
             self.popen = Forked(argv, env, Path(out))
             self._reader = threading.Thread(target=self._tail, args=(Path(out),), daemon=True)
         else:
-            self.popen = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, **popen)
+            # As a terminal starts a foreground job: SIGINT not ignored. A child inherits an ignored
+            # SIGINT across exec (a test runner's worker may ignore it), and Python then leaves it
+            # ignored, so a Ctrl-C test would see the job run on to its end.
+            ignored = popen.get("start_new_session") and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            if ignored:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                self.popen = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True, **popen)
+            finally:
+                if ignored:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
             self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

@@ -70,7 +70,7 @@ def test_a_resized_job_that_restarts_its_data_fails_naming_where_it_started_over
     left = re.search(r"spotguard drill: FAILED \(samples\): epoch 0 \(pass (\d)\) was drawn by launch 2 "
                      r"\(3 ranks\) after epoch (\d) \(pass (\d)\)", done.stderr)
     assert left and int(left[1]) == int(left[3]) + 1 and int(left[2]) == int(left[3]) - 1 >= 1, done.stderr
-    assert "samples never drawn: the data started over" in done.stderr
+    assert "the data started over" in done.stderr  # "samples never drawn: ..." when an epoch was left unfinished
     failed = {check["name"] for check in report_of(tmp_path)["checks"] if not check["ok"]}
     assert "samples" in failed and not failed & {"loaded state", "loss"}  # the state and the loss went on
 

@@ -29,11 +29,12 @@ def test_a_job_shorter_than_a_save_is_inconclusive_never_passed(tmp_path):
     assert "spotguard drill: INCONCLUSIVE" in done.stdout and "PASSED" not in done.stdout
     if "leave room for" in done.stdout:  # planned what fits (a loaded machine may end the job first)
         assert "leave room for 1 of the 2 preemptions asked" in done.stdout
-    assert "INCONCLUSIVE (preemptions): 0 of 1 preemption(s) took effect" in done.stderr
+    # 0 of 1 once the plan fitted the job; 0 of 2 when the job ended before any plan (a loaded machine)
+    assert re.search(r"INCONCLUSIVE \(preemptions\): 0 of [12] preemption\(s\) took effect", done.stderr), done.stderr
     assert "Make the job run longer" in done.stderr
     assert re.search(r"the job sets its own cadence \(Run\(save_every=\.\.\.\) or cadence=\), which "
-                     r"wins over the drill's \$SPOTGUARD_SAVE_EVERY: for the drill pass save_every=[1-8]\)",
-                     done.stderr), done.stderr  # the argument, with a number that fits the 8 steps
+                     r"wins over the drill's \$SPOTGUARD_SAVE_EVERY: for the drill pass save_every=(?:[1-8]|N)\)",
+                     done.stderr), done.stderr  # the argument, with a number that fits the 8 steps (N: no plan yet)
     report = report_of(tmp_path)
     assert report["verdict"] == "INCONCLUSIVE" and not report["passed"]
     assert report["effective_preemptions"] == 0 and len(report["launches"]) == 1

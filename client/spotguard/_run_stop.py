@@ -27,13 +27,13 @@ def _from_loader(exc: BaseException) -> bool:
     SIGCHLD handler, which raises wherever the main thread is when a worker dies."""
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(_TORCH_LOADER):
+        if tb.tb_frame.f_code.co_filename.endswith(_TORCH_LOADER_FILES):
             return True
         tb = tb.tb_next
     return False
 
 
-_TORCH_LOADER = (os.path.join("torch", "utils", "data", "dataloader.py"),
+_TORCH_LOADER_FILES = (os.path.join("torch", "utils", "data", "dataloader.py"),
                  os.path.join("torch", "utils", "data", "_utils", "signal_handling.py"))
 
 

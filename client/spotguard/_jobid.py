@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from spotguard._hold import released
+from spotguard._gloo_release import released
 from spotguard.checkpoint import CheckpointError
 
 __all__ = ["derive", "resolve", "agree", "check_matches", "mismatch_message", "LEGACY_JOB", "ENV"]
@@ -99,7 +99,7 @@ def agree(job_id: str, *, given: bool, process_group: Any = None) -> str:
     mine = mine.to(device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(process_group))]
     dist.all_gather(gathered, mine, group=process_group)
-    released(mine, *gathered)  # gloo's worker let go of them (see spotguard._hold)
+    released(mine, *gathered)  # gloo's worker let go of them (see spotguard._gloo_release)
     ids = []
     for row in (g.cpu().tolist() for g in gathered):
         length = row[1] << 8 | row[2]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
 
-from spotguard._hold import released
+from spotguard._gloo_release import released
 
 __all__ = ["Agreement", "Decision", "PeerLostError"]
 
@@ -169,7 +169,7 @@ class Agreement:
         if done is False:
             raise PeerLostError(_lost(step, started, "timed out"))
         del work
-        released(tensor)  # gloo's worker let go of it (see spotguard._hold)
+        released(tensor)  # gloo's worker let go of it (see spotguard._gloo_release)
         return tensor.tolist()
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spotguard._hold import released
+from spotguard._gloo_release import released
 from spotguard.checkpoint import _fs, commit
 from spotguard.checkpoint._workers import Throttle
 from spotguard.checkpoint.errors import CheckpointError
@@ -93,7 +93,7 @@ class Coordinator:
         if done is False:
             raise CheckpointError(self._failed(time.monotonic() - started, None))
         del work
-        released(t)  # gloo's worker let go of it (see spotguard._hold)
+        released(t)  # gloo's worker let go of it (see spotguard._gloo_release)
         return t.tolist()
 
     def _failed(self, waited: float, exc: BaseException | None) -> str:

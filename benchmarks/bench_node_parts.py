@@ -5,8 +5,8 @@ Each trial commits, per node, a node-local checkpoint of its ranks' parts (one r
 node's part with ``Durable.upload`` as each node's daemon does, and measures:
 
 - **global commit**: from the last node's part manifest being in the store to the global manifest
-  and ``latest`` written (listing the parts, reading and checking each, one PUT of the manifest and
-  one of the pointer); baseline in the same run: a shared-directory checkpoint's manifest + pointer
+  and ``latest`` written (listing the parts, reading node 0's, one PUT of the manifest and one of
+  the pointer); baseline in the same run: a shared-directory checkpoint's manifest + pointer
   (``Durable.upload`` of one whole checkpoint whose objects are all in the store already).
 - **fresh node**: a restore into an empty root of only its ranks' parts plus rank 0's
   (``ranks=``), against the whole checkpoint on every node (the baseline): seconds and bytes.
@@ -16,8 +16,10 @@ rank each upload their part of one step with ``Durable.upload``, one after anoth
 last is the one that completes the set), through a store wrapper that counts requests
 (``_counting_store.py``): requests per step, bytes read, global-manifest writes, and the time from
 the last part manifest's PUT to the global manifest's PUT (the requests before the global commit
-include it); ``--retention`` then runs the daemon's ``prune`` once, as node 0's daemon does after its
-upload (the other nodes' daemons leave a node-local job's retention to node 0), counted apart.
+include it); ``--retention`` then runs the daemon's ``prune`` twice, as node 0's daemon does after
+its upload (the other nodes' daemons leave a node-local job's retention to node 0), counted apart:
+the first reads the new step's parts and writes its index, the second shows a prune's cost with
+nothing new.
 
 The store is the S3 emulator (moto) by default, ``--backend file`` for a local directory. The time
 from a relaunch to the first resumed step adds the job's start (torchrun, imports) to the restore;
@@ -62,7 +64,9 @@ def node_part(root: Path, step: int, node: int, ranks: list[int], nodes: int, wo
         data = os.urandom(size)
         (ckpt / f"rank-{r}" / "w.bin").write_bytes(data)
         files[f"rank-{r}/w.bin"] = {"size": size, "sha256": hashlib.sha256(data).hexdigest()}
-    node = {"index": node, "nodes": nodes, "leader": ranks[0], "ranks": ranks, "digests": ["0" * 64] * world}
+    per = world // nodes  # contiguous ranks per node, as torchrun places them
+    node = {"index": node, "nodes": nodes, "leader": ranks[0], "ranks": ranks, "digests": ["0" * 64] * world,
+            "layout": [[k, per] for k in range(nodes)]}
     (ckpt / "manifest.json").write_text(json.dumps({"format": "spotguard-checkpoint", "version": 1, "step": step,
                                                     "world_size": world, "digest": "0" * 64, "job_id": "bench",
                                                     "node": node, "files": files}))
@@ -110,7 +114,9 @@ def trial(durable: Durable, work: Path, step: int, args: argparse.Namespace) -> 
 
 
 def scale(store, work: Path, nodes: int, retention: bool) -> dict:
-    """One step of ``nodes`` one-rank nodes through a :class:`CountingStore`: what it cost."""
+    """One step of ``nodes`` one-rank nodes through a :class:`CountingStore`: what it cost; with
+    ``retention``, node 0's daemon's prune after it (it reads the step's parts and writes the
+    step's index) and a second prune (a prune with no new step: the index and what it read before)."""
     counting = CountingStore(store)
     durable, job = Durable(counting), f"scale-{nodes}"
     parts = [node_part(work / f"scale-{nodes}" / f"node-{k}", 1, k, [k], nodes, nodes, 1024) for k in range(nodes)]
@@ -120,16 +126,18 @@ def scale(store, work: Path, nodes: int, retention: bool) -> dict:
     seconds = time.monotonic() - started
     assert durable.latest(job) == 1, "the global manifest was not written"
     requests, gets, bytes_read = counting.requests, counting.counts["get_bytes"], counting.bytes_read
-    if retention:  # node 0's daemon, once per step (the other nodes' daemons do not prune a node-local job)
-        durable.prune(job, 3, grace=GC_GRACE_SECONDS)
-    prune_requests, prune_gets = counting.requests - requests, counting.counts["get_bytes"] - gets
-    last_part = counting.put_times[f"jobs/{job}/parts/step-0000000001/node-{nodes - 1}.json"][-1]
+    last_part = next(times[-1] for key, times in counting.put_times.items()
+                     if key.startswith(f"jobs/{job}/parts/step-0000000001/node-{nodes - 1}."))
     global_puts = counting.put_times[manifest_key(job, 1)]
+    prunes = []
+    for _ in range(2 if retention else 0):  # node 0's daemon, once per step (the other nodes' do not prune)
+        before, gets_before = counting.requests, counting.counts["get_bytes"]
+        durable.prune(job, 3, grace=GC_GRACE_SECONDS)
+        prunes.append((counting.requests - before, counting.counts["get_bytes"] - gets_before))
     return {"nodes": nodes, "requests": requests, "per_node": round(requests / nodes, 1),
             "gets": gets, "bytes_read": bytes_read,
             "global_writes": len(global_puts), "last_part_to_global_ms": round((global_puts[0] - last_part) * 1000, 1),
-            "seconds": round(seconds, 2), "prune_requests": prune_requests, "prune_gets": prune_gets,
-            "by_method": dict(counting.counts)}
+            "seconds": round(seconds, 2), "prunes": prunes, "by_method": dict(counting.counts)}
 
 
 def in_bucket(args: argparse.Namespace, run) -> list[dict]:
@@ -151,10 +159,10 @@ def main_scale(args: argparse.Namespace) -> None:
     params = {"scale": args.scale, "backend": args.backend, "retention": args.retention}
     path = write_results("node_parts_scale", {"params": params, "results": rows}, args.out)
     print(markdown_table(["nodes", "requests per step", "per node", "GETs", "bytes read", "global writes",
-                          "last part -> global (ms)", "step (s)", "prune requests (GETs)"],
+                          "last part -> global (ms)", "step (s)", "prunes: requests (GETs)"],
                          [[r["nodes"], r["requests"], r["per_node"], r["gets"], r["bytes_read"], r["global_writes"],
                            r["last_part_to_global_ms"], r["seconds"],
-                           f"{r['prune_requests']} ({r['prune_gets']})" if args.retention else "-"] for r in rows]))
+                           ", ".join(f"{n} ({g})" for n, g in r["prunes"]) or "-"] for r in rows]))
     print(f"results: {path}")
 
 

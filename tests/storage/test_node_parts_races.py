@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from spotguard.storage import Durable
+from spotguard.storage import Durable, _parts
 from spotguard.storage._keys import object_key
 from spotguard.storage.durable import GC_GRACE_SECONDS, manifest_key
 from spotguard.storage.file import FileStore
@@ -39,10 +39,9 @@ class ListHook(FileStore):
 def test_retention_on_one_node_never_leaves_a_global_step_without_its_objects(tmp_path, grace):
     """Node 1 completes step 20 and prunes (keep=1): the object X only step 10 named is garbage.
     Right after its reference read, node 0 uploads its part of step 30, finds X present and skips
-    it; then node 1's delete lands, and node 1's part completes step 30. Before, step 30 became
-    global naming a missing X. Now the
-    daemon's grace period spares X (step 30 global and restorable); without a grace (a one-shot
-    prune) X is deleted, and step 30 is not made global: step 20 stays the newest, restorable."""
+    it; then node 1's delete would land, and node 1's part completes step 30. Before, step 30 became
+    global naming a missing X. Now the prune reads the notes and parts again right before its
+    delete (and the daemon's grace period spares X anyway): X stays, step 30 is global and restores."""
     bucket = tmp_path / "bucket"
     node0, node1 = Durable(FileStore(bucket)), Durable(ListHook(bucket))
     for step, body in ((10, X), (20, b"twenty" * 100)):
@@ -53,17 +52,33 @@ def test_retention_on_one_node_never_leaves_a_global_step_without_its_objects(tm
     node1.prune("job", keep=1, grace=grace)
     node1.upload(node_ckpt(tmp_path / "n1", 30, 1, {"w.bin": b"thirty" * 100}), "job")  # completes the set
 
-    x_there = node0.store.exists(object_key(hashlib.sha256(X).hexdigest()))
-    assert x_there == (grace > 0)
+    assert node0.store.exists(object_key(hashlib.sha256(X).hexdigest()))
     checker = Durable(FileStore(bucket))
-    if grace:
-        assert checker.latest("job") == 30 and checker.verify("job", 30) == []
-    else:
-        assert checker.list("job") == [20] and checker.latest("job") == 20  # 30 names a missing object
-        assert not checker.store.exists(manifest_key("job", 30))
-    newest = checker.latest("job")
-    assert checker.verify("job", newest) == []
+    assert checker.latest("job") == 30 and checker.verify("job", 30) == []
     checker.restore("job", tmp_path / "fresh")
+
+
+def test_an_object_deleted_after_a_part_reused_it_is_sent_again_before_the_step_is_global(tmp_path, caplog):
+    """The window no re-read closes: another node's delete of X lands after node 0 found X present
+    and after its part is in the store. Node 0 checks its part's objects once the part is in the
+    store, sends X again and says so; node 1 then completes a step that restores."""
+    bucket = tmp_path / "bucket"
+    x_key = object_key(hashlib.sha256(X).hexdigest())
+
+    class DeleteAfterPart(FileStore):
+        def put_bytes(self, key: str, data: bytes) -> None:
+            super().put_bytes(key, data)
+            if "/parts/step-0000000030/" in key:
+                self.delete([x_key])  # as node 1's prune, landing just then
+
+    node0, node1 = Durable(DeleteAfterPart(bucket)), Durable(FileStore(bucket))
+    node0.upload(node_ckpt(tmp_path / "n0", 10, 0, {"w.bin": X}), "job")
+    node1.upload(node_ckpt(tmp_path / "n1", 10, 1, {"w.bin": b"ten" * 100}), "job")
+    info = node0.upload(node_ckpt(tmp_path / "n0", 30, 0, {"w.bin": X}), "job")
+    assert info.objects_uploaded == 1 and "were gone from the store once its part was written" in caplog.text
+    node1.upload(node_ckpt(tmp_path / "n1", 30, 1, {"w.bin": b"thirty" * 100}), "job")
+    checker = Durable(FileStore(bucket))
+    assert checker.latest("job") == 30 and checker.verify("job", 30) == []
 
 
 def test_objects_named_by_a_part_of_a_step_not_yet_global_are_never_collected(tmp_path):
@@ -96,8 +111,9 @@ def test_concurrent_completions_write_byte_identical_global_manifests(tmp_path):
         seed.store.put_bytes(f"objects/sha256/{hashlib.sha256(bytes([k]) * 1000).hexdigest()}",
                              bytes([k]) * 1000)
         manifest = json.loads((ckpt / "manifest.json").read_text())
-        manifest["durable"] = {"version": 1, "name": ckpt.name, "objects": "objects/sha256/", "uploaded": 1000.0 + k}
-        seed.store.put_bytes(f"jobs/job/parts/step-0000000010/node-{k}.json", json.dumps(manifest).encode())
+        part = _parts.uploaded_part(manifest, {"version": 1, "name": ckpt.name, "objects": "objects/sha256/",
+                                               "uploaded": 1000.0 + k})
+        seed.store.put_bytes(_parts.part_key("job", 10, k, _parts.token(part)), json.dumps(part).encode())
     barrier = threading.Barrier(4)
 
     def complete() -> None:
@@ -129,7 +145,7 @@ def test_an_old_incarnation_still_uploading_never_mixes_into_the_relaunch(tmp_pa
     # the relaunch's node 1: its part is in, but its incarnation's set lacks node 0: nothing global
     assert durable.upload(new[1], "job").complete is False
     assert durable.latest("job") == 10
-    durable.upload(new[0], "job")  # replaces the old node's part: the relaunch's set, global
+    durable.upload(new[0], "job")  # beside the old node's part (another token): the relaunch's set, global
     assert durable.latest("job") == 20
     assert durable.manifest("job", 20)["digest"] == "n" * 64
     assert durable.upload(old, "job").complete is False  # the old node's upload, retried, lands last

@@ -196,7 +196,7 @@ class Coordinator:
         if own != [digests[r] for r in topo.ranks]:
             raise CheckpointError("a part's digest on disk differs from the one its rank reported")
         node = {"index": topo.node, "nodes": len(topo.nodes), "leader": topo.leader, "ranks": topo.ranks,
-                "digests": digests}
+                "digests": digests, "layout": topo.layout}
         commit.write_manifest(tmp, {**meta, "digest": combine_digests(digests), "node": node}, files)
         commit.publish(root, tmp, meta["step"])
 

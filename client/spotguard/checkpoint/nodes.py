@@ -52,6 +52,20 @@ class Topology:
         return self.nodes.index(self.leader)
 
     @property
+    def layout(self) -> list[list[int]]:
+        """Which node holds each rank, as runs ``[[node, count], ...]`` over the ranks in order
+        (contiguous ranks per node: one run a node); the store's global manifest carries node 0's."""
+        runs: list[list[int]] = []
+        position = {leader: k for k, leader in enumerate(self.nodes)}
+        for leader in self.leaders:
+            index = position[leader]
+            if runs and runs[-1][0] == index:
+                runs[-1][1] += 1
+            else:
+                runs.append([index, 1])
+        return runs
+
+    @property
     def ranks(self) -> list[int]:
         """The ranks that share this rank's root."""
         return [r for r, leader in enumerate(self.leaders) if leader == self.leader]

@@ -63,7 +63,7 @@ class Source(Protocol):
 
     def latest(self, job_id: str) -> int | None: ...
 
-    def manifest(self, job_id: str, step: int) -> dict[str, Any]: ...
+    def manifest(self, job_id: str, step: int, ranks: Sequence[int] | None = None) -> dict[str, Any]: ...
 
 
 class Retry:
@@ -179,14 +179,17 @@ def verify(durable: Source, job_id: str, step: int, *, deep: bool) -> list[str]:
         return _fetch(durable, manifest, Path(scratch), Retry(time.monotonic() + durable.retry_seconds))
 
 
-def _manifest(durable: Source, job_id: str, step: int, retry: Retry) -> dict[str, Any]:
-    """The manifest of ``step``, transient errors retried; one that fails to parse is read once
-    more before it counts as damaged (a reply cut short is not damage)."""
+def _manifest(durable: Source, job_id: str, step: int, retry: Retry,
+              ranks: Sequence[int] | None = None) -> dict[str, Any]:
+    """The manifest of ``step`` (with ``ranks``: the files of those ranks' parts and rank 0's at
+    least), transient errors retried; one that fails to parse is read once more before it counts as
+    damaged (a reply cut short is not damage)."""
+    read = lambda: durable.manifest(job_id, step, ranks)  # noqa: E731
     try:
-        return retry(lambda: durable.manifest(job_id, step), f"read the manifest of {step_name(step)}")
+        return retry(read, f"read the manifest of {step_name(step)}")
     except ManifestError as exc:
         log.info("%s; reading it once more", exc)
-    return retry(lambda: durable.manifest(job_id, step), f"read the manifest of {step_name(step)}")
+    return retry(read, f"read the manifest of {step_name(step)}")
 
 
 def select_ranks(manifest: dict[str, Any], ranks: Sequence[int] | None) -> dict[str, Any]:
@@ -203,7 +206,7 @@ def select_ranks(manifest: dict[str, Any], ranks: Sequence[int] | None) -> dict[
 
 def _restore_one(durable: Source, job_id: str, dest_root: Path, step: int, retry: Retry,
                  ranks: Sequence[int] | None = None) -> Path:
-    manifest = select_ranks(_manifest(durable, job_id, step, retry), ranks)
+    manifest = select_ranks(_manifest(durable, job_id, step, retry, ranks), ranks)
     tmp = tmp_dir(dest_root, step)
     try:
         problems = _fetch(durable, manifest, tmp, retry)

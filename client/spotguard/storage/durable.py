@@ -6,7 +6,8 @@ Layout under the store's prefix (object stores have no rename, so order is the c
     jobs/<job>/pending/<unix>-<rand>.json        an upload in progress: {"hashes": [...]}
     jobs/<job>/manifests/step-0000000100.json    the local manifest + a "durable" section
     jobs/<job>/latest                            "step-0000000100\\n"
-    jobs/<job>/parts/step-0000000100/node-<k>.json  a node's part (node-local roots, see :mod:`._parts`)
+    jobs/<job>/parts/step-0000000100/node-<k>.<token>.json  a node's part (node-local roots, see :mod:`._parts`)
+    jobs/<job>/refs/step-0000000100.<token>.json    the objects of a global step of parts (retention's index)
     jobs/<job>/parts/next.json                   the step node 0 proposes the others upload next (the daemon's)
     jobs/<job>/progress.json                     the daemon's goodput record of the job (not a checkpoint)
 
@@ -24,9 +25,9 @@ Errors are :mod:`.base`'s; a checkpoint that fails verification raises :class:`I
 Concurrency note: uploads and :meth:`~Durable.prune` of one prefix should be serialised (the
 daemon's upload queue does this on one node). Across nodes (node-local roots) a prune may race an
 upload that decided to reuse an object it found present; so the daemon prunes with a grace period
-(an object is deleted only once unreferenced for :data:`GC_GRACE_SECONDS`, and the pending notes are
-read again right before the delete), and a global manifest is written only after every object it
-names was checked present: a step whose object was deleted anyway never becomes global.
+(an object is deleted only once unreferenced for :data:`GC_GRACE_SECONDS`, and the pending notes and
+parts are read again right before the delete), and each node checks its part's objects present once
+the part is in the store, sending again any deleted meanwhile.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from spotguard.storage import _parts, _restore
+from spotguard.storage import _parts, _references, _restore
 from spotguard.storage._keys import OBJECTS, object_key
 from spotguard.storage._local import ManifestError, read_manifest, step_name, validate_manifest
 from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError, TransientError
@@ -62,6 +63,8 @@ MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 """A manifest lists files, not data: anything larger is damage or an attack."""
 GC_GRACE_SECONDS = 600.0
 """The daemon's ``prune(grace=)``: an object is deleted only after it was unreferenced this long."""
+REPLICATED_WAIT_SECONDS = 60.0
+"""How long a node other than node 0 waits for node 0's part before sending the replicated state."""
 MAX_POINTER_BYTES = 64
 """``latest`` holds ``step-NNNNNNNNNN\n``."""
 
@@ -148,6 +151,11 @@ class Durable:
         self.store, self.concurrency, self.attempts = store, concurrency, attempts
         self.retry_seconds = retry_seconds
         """How long a restore retries transient errors (see :mod:`._restore`)."""
+        self.replicated_wait = REPLICATED_WAIT_SECONDS
+        """How long a node other than node 0 waits for node 0's part before it sends the
+        replicated state itself (see :meth:`_send_after_node_0`)."""
+        self._refs = _references.References(store, _loads)
+        """What the prunes learnt of the store's immutable keys (parts, indexes)."""
         self._garbage_since: dict[str, float] = {}
         """Objects found unreferenced, and since when (``prune(grace=)``)."""
 
@@ -176,15 +184,20 @@ class Durable:
                                sum(size for _, size in by_hash.values()), time.monotonic() - started)
         pending = f"jobs/{_job(job_id)}/pending/{int(time.time())}-{uuid.uuid4().hex[:8]}.json"
         self.store.put_bytes(pending, json.dumps({"hashes": sorted(by_hash)}).encode())
-        sent = self._send_objects(ckpt, by_hash, progress, interrupt)
+        if "node" in manifest and manifest["node"].get("index", 0) != 0:
+            sent = self._send_after_node_0(ckpt, manifest, job_id, by_hash, progress, interrupt)
+        else:
+            sent = self._send_objects(ckpt, by_hash, progress, interrupt)
         durable = {"version": 1, "name": ckpt.name, "objects": OBJECTS, "uploaded": time.time()}
         uploaded = {**manifest, "durable": durable}
         if "node" in manifest:  # one node's part: the global manifest waits for every node's
             _parts.node_of(manifest, str(ckpt))
-            key = _parts.part_key(job_id, manifest["step"], manifest["node"]["index"])
             uploaded = _parts.uploaded_part(manifest, durable)
+            key = _parts.part_key(job_id, manifest["step"], manifest["node"]["index"], _parts.token(uploaded))
         body = json.dumps(uploaded, indent=1).encode()
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
+        if "node" in manifest:  # named by a part now: another node's prune spares them from here on
+            sent += self._send_missing(ckpt, by_hash, interrupt)
         complete = "node" not in manifest or self._complete(job_id, manifest["step"], json.loads(body))
         if complete:
             self._advance_pointer(job_id, manifest["step"])
@@ -199,8 +212,8 @@ class Durable:
         return info
 
     def complete(self, job_id: str, step: int) -> bool:
-        """Check again whether every node's part of ``step`` is in the store; if so (and its
-        objects are), write the global manifest and advance the pointer. True once ``step`` is
+        """Check again whether every node's part of ``step`` is in the store; if so, write the
+        global manifest and advance the pointer. True once ``step`` is
         global. The daemon calls this for a part whose step was not complete at its upload: the
         other nodes' parts came later, or the store's listing lagged."""
         if self.store.exists(manifest_key(job_id, step)) or self._complete(job_id, step):
@@ -210,32 +223,86 @@ class Durable:
 
     def _complete(self, job_id: str, step: int, own: dict[str, Any] | None = None) -> bool:
         """Write the global manifest of ``step`` if every node's part of ``own``'s incarnation (the
-        part this node uploaded; default: the newest part's) is in the store (see :mod:`._parts`)
-        and every object it names is present (another node's retention may have
-        deleted one this node's part reused: then the step is not made global); True once it is."""
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="spotguard-parts") as pool:
-            manifest = _retrying(lambda: _parts.assemble(self.store, _job(job_id), step, MAX_MANIFEST_BYTES,
-                                                         _loads, own, pool.map), self.attempts, f"parts of step {step}")
-        if manifest is None:
+        part this node uploaded; default: any incarnation's, the newest if several) is in the store
+        (see :mod:`._parts`: one LIST, and one GET of node 0's part unless this node is node 0);
+        True once it is. Each node checked its own objects present after its part was in the store
+        (:meth:`_send_missing`), so the set is not read again here."""
+        job = _job(job_id)
+        found = _retrying(lambda: _parts.listed(self.store, job, step), self.attempts, f"parts of step {step}")
+        tokens = [_parts.token(own)] if own is not None else sorted(found)
+        candidates = []
+        for token in tokens:
+            have = found.get(token, {})
+            if 0 not in have or (own is not None and not set(range(own["node"]["nodes"])) <= set(have)):
+                continue  # one LIST and no GET while some node's part is missing (all but the last node)
+            first = own if own is not None and own["node"]["index"] == 0 else _retrying(
+                lambda: _parts.read_part(self.store, have[0], 0, step, token, MAX_MANIFEST_BYTES, _loads),
+                self.attempts, have[0])
+            if set(range(first["node"]["nodes"])) <= set(have):
+                candidates.append(first)
+        if not candidates:
             log.info("durable %s step %d: this node's part is in the store; waiting for the other nodes'",
                      job_id, step)
             return False
-        missing = self._missing_objects(manifest)
-        if missing:
-            log.warning("durable %s step %d: every node's part is in the store, but %d of its objects are "
-                        "not (e.g. %s); the step is not made global", job_id, step, len(missing), missing[0])
-            return False
+        first = max(candidates, key=lambda part: part["durable"].get("uploaded", 0)
+                    if isinstance(part.get("durable"), dict) else 0)
+        manifest = _parts.global_manifest(first, own if own is not None else first, step)
         key, body = manifest_key(job_id, step), _parts.dumps(manifest)
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
         log.info("durable %s step %d: every node's part is in the store; global manifest written", job_id, step)
         return True
 
-    def _missing_objects(self, manifest: dict[str, Any]) -> list[str]:
-        """The object keys ``manifest`` names that the store lacks (checked in parallel)."""
-        keys = sorted({object_key(meta["sha256"]) for meta in manifest["files"].values()})
+    def _send_missing(self, ckpt: Path, by_hash: dict[str, tuple[str, int]],
+                      interrupt: Callable[[int], None] | None) -> list[int]:
+        """Send again the objects of this node's part that the store lacks, checked after the part
+        is in the store: another node's retention may have deleted one this upload found present
+        (the race :meth:`prune`'s grace narrows), and a step is made global only from parts whose
+        objects were there after the part was."""
+        def gone(sha: str) -> bool:
+            key = object_key(sha)
+            return not _retrying(lambda: self.store.exists(key), self.attempts, key)
+
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="spotguard-check") as pool:
-            present = list(pool.map(self.store.exists, keys))
-        return [key for key, there in zip(keys, present) if not there]
+            missing = [sha for sha, lost in zip(by_hash, pool.map(gone, by_hash)) if lost]
+        if missing:
+            log.warning("durable: %d object(s) of %s were gone from the store once its part was written "
+                        "(e.g. %s; deleted by another node's retention?); sending them again",
+                        len(missing), ckpt, object_key(missing[0]))
+        return [self._send_one(ckpt / by_hash[sha][0], sha, by_hash[sha][1], interrupt) for sha in missing]
+
+    def _send_after_node_0(self, ckpt: Path, manifest: dict[str, Any], job_id: str,
+                           by_hash: dict[str, tuple[str, int]], progress: Progress | None,
+                           interrupt: Callable[[int], None] | None) -> list[int]:
+        """A node other than node 0 sends its own ranks' files first, then waits (at most
+        :attr:`replicated_wait` seconds) for node 0's part of the same save before its leader's
+        files, which hold the replicated state: node 0 has sent those bytes by then, the store
+        proves it (``Store.holds``), and they are not sent again. The replicated state crosses the
+        network once a step, not once a node; the wait never delays the global step, which needs
+        node 0's part anyway."""
+        leader = f"rank-{manifest['node']['leader']}/"
+        later = {sha: v for sha, v in by_hash.items() if v[0].startswith(leader)}
+        first = {sha: v for sha, v in by_hash.items() if sha not in later}
+        total, done_first = sum(size for _, size in by_hash.values()), sum(size for _, size in first.values())
+        say = (lambda base: lambda done, _: progress(base + done, total)) if progress else (lambda base: None)
+        sent = self._send_objects(ckpt, first, say(0), interrupt)
+        self._await_node_0(_parts.part_key(job_id, manifest["step"], 0, _parts.token(manifest)), interrupt)
+        return sent + self._send_objects(ckpt, later, say(done_first), interrupt)
+
+    def _await_node_0(self, key: str, interrupt: Callable[[int], None] | None) -> bool:
+        deadline = time.monotonic() + self.replicated_wait
+        while True:
+            try:
+                if self.store.exists(key):
+                    return True
+            except TransientError:
+                pass
+            if time.monotonic() >= deadline:
+                log.info("durable: node 0's part %s is not in the store after %.0f s; sending the "
+                         "replicated state from this node too", key, self.replicated_wait)
+                return False
+            if interrupt is not None:
+                interrupt(0)
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def cleanup(self, info: DurableInfo) -> None:
         """Remove the pending note of an upload that is durable; a failure is logged (prune removes
@@ -321,21 +388,30 @@ class Durable:
         steps = self.list(job_id)
         return steps[-1] if steps else None
 
-    def manifest(self, job_id: str, step: int) -> dict[str, Any]:
-        """The durable manifest of ``step``. :class:`NotFound`, or :class:`ManifestError` if corrupt,
-        oversized, not plain JSON (NaN, deep nesting) or naming another step than its key."""
+    def manifest(self, job_id: str, step: int, ranks: Sequence[int] | None = None) -> dict[str, Any]:
+        """The durable manifest of ``step``, with every file: a global manifest of node parts has
+        them read from its parts (all of them, or with ``ranks`` only those holding these ranks and
+        rank 0; in parallel). :class:`NotFound`, or :class:`ManifestError` if corrupt, oversized,
+        not plain JSON (NaN, deep nesting), naming another step than its key, or a part that does
+        not match it."""
         key, where = manifest_key(job_id, step), f"{self.store.url}/{manifest_key(job_id, step)}"
+        data = self._read_manifest(key, where)
+        if data["step"] != step:
+            raise ManifestError(f"{where}: says step {data['step']}, its key says {step}")
+        if "parts" not in data:
+            return data
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="spotguard-parts") as pool:
+            return _parts.resolve(self.store, _job(job_id), data, where, MAX_MANIFEST_BYTES, _loads, ranks, pool.map)
+
+    def _read_manifest(self, key: str, where: str) -> dict[str, Any]:
         try:
             body = self.store.get_bytes(key, max_size=MAX_MANIFEST_BYTES)
         except IntegrityError as exc:  # over MAX_MANIFEST_BYTES, or no regular file
             raise ManifestError(f"implausible manifest: {exc}") from exc
         try:
-            data = validate_manifest(json.loads(body, parse_constant=_refuse_constant), where)
+            return validate_manifest(json.loads(body, parse_constant=_refuse_constant), where)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise ManifestError(f"{where}: corrupt manifest") from exc
-        if data["step"] != step:
-            raise ManifestError(f"{where}: says step {data['step']}, its key says {step}")
-        return data
 
     def verify(self, job_id: str, step: int, *, deep: bool = True) -> list[str]:
         """Problems with durable ``step`` (empty when sound). ``deep`` downloads and re-hashes every
@@ -364,30 +440,33 @@ class Durable:
         ``grace`` (seconds; the daemon's is :data:`GC_GRACE_SECONDS`) deletes an object only once
         this :class:`Durable` found it unreferenced ``grace`` seconds ago and again now, and the
         pending notes are read once more right before the delete: an upload on another node that
-        decided to reuse the object meanwhile has named it by then."""
+        decided to reuse the object meanwhile has named it by then. The notes and node parts are read
+        again right before any delete, grace or not (parts already read are not read again)."""
         if keep < 1:
             raise ValueError("keep must be >= 1")
         steps, pointer = self.list(job_id), self.latest(job_id)
         doomed = [s for s in steps[:-keep] if s != pointer]
         self.store.delete(manifest_key(job_id, s) for s in doomed)
         oldest = min((s for s in steps if s not in doomed), default=0)  # older node parts are done with
-        self.store.delete(k for k in self.store.list(f"jobs/{_job(job_id)}/parts/")
-                          if (m := _parts.PART.match(k)) and int(m.group(2)) < oldest)
+        done_with = lambda k: ((m := _parts.PART.match(k) or _references.REFS.match(k))  # noqa: E731
+                               and int(m.group(2)) < oldest)
+        self.store.delete(k for where in ("parts", "refs") for k in self.store.list(f"jobs/{_job(job_id)}/{where}/")
+                          if done_with(k))
         objects, pending = self._collect_garbage(pending_ttl, grace)
         clean = getattr(self.store, "clean_incomplete", None)
         return PruneReport(doomed, objects, pending, clean(pending_ttl) if clean else 0)
 
     def _collect_garbage(self, pending_ttl: float, grace: float) -> tuple[int, int]:
         present = set(self.store.list(OBJECTS))  # listed first: later uploads are never collected
-        referenced, stale = self._references(pending_ttl)
+        referenced, stale = self._refs.collect(pending_ttl)
         if referenced is None:
             return 0, 0
         garbage = [key for key in present if key[len(OBJECTS):] not in referenced]
         if grace > 0:
             garbage = self._past_grace(garbage, grace)
-            if garbage:  # an upload that started since: its note names what it reuses
-                named = self._references(pending_ttl, notes_only=True)[0]
-                garbage = [key for key in garbage if named is not None and key[len(OBJECTS):] not in named]
+        if garbage:  # an upload that started since: its note (then its part) names what it reuses
+            named = self._refs.collect(pending_ttl, live_only=True)[0]
+            garbage = [key for key in garbage if named is not None and key[len(OBJECTS):] not in named]
         self.store.delete(garbage + stale)
         if garbage:
             log.info("durable %s: deleted %d unreferenced objects", self.store.url, len(garbage))
@@ -399,33 +478,3 @@ class Durable:
         for key in set(seen) - set(garbage):
             del seen[key]  # referenced again
         return [key for key in garbage if now - seen.setdefault(key, now) >= grace]
-
-    def _references(self, pending_ttl: float, *, notes_only: bool = False) -> tuple[set[str] | None, list[str]]:
-        """Hashes named by any manifest, node part or live pending note (only the notes with
-        ``notes_only``), and the stale pending keys. ``None`` when some manifest cannot be read:
-        then nothing is collected (its objects are unknown)."""
-        referenced: set[str] = set()
-        stale: list[str] = []
-        for key in self.store.list("jobs/"):
-            try:
-                if notes_only and "/pending/" not in key:
-                    continue
-                if _MANIFEST.match(key) or _parts.PART.match(key):
-                    data = validate_manifest(json.loads(self.store.get_bytes(key)), key)
-                    referenced.update(meta["sha256"] for meta in data["files"].values())
-                elif "/pending/" in key:
-                    if self._pending_is_stale(key, pending_ttl):
-                        stale.append(key)
-                    else:
-                        referenced.update(json.loads(self.store.get_bytes(key))["hashes"])
-            except NotFound:
-                continue
-            except (ValueError, KeyError, TypeError, StoreError) as exc:
-                log.warning("durable %s: not collecting garbage: cannot read %s (%s)", self.store.url, key, exc)
-                return None, []
-        return referenced, stale
-
-    @staticmethod
-    def _pending_is_stale(key: str, ttl: float) -> bool:
-        stamp = key.rsplit("/", 1)[-1].split("-", 1)[0]
-        return not stamp.isdigit() or int(stamp) < time.time() - ttl

@@ -75,11 +75,11 @@ def step_done(out: Path, step: int) -> None:
     ``$JOB_SIGNAL_AT=S`` and ``$JOB_SIGNAL_RANK=R``, rank R sends itself SIGTERM once S steps are
     done (in a resumed run only past the step it resumed from)."""
     if RANK == 0:
-        write(out / "progress", str(step))
-        if not _started:
+        if not _started:  # before the progress: a test that saw the progress finds the start line
             _started.append(step)
             with open(out / "starts", "a") as starts:
                 starts.write(f"{step}\n")
+        write(out / "progress", str(step))
     if str(RANK) == os.environ.get("JOB_SIGNAL_RANK") and step == int(os.environ.get("JOB_SIGNAL_AT", "-1")) \
             and not (out / "signalled").exists():
         write(out / "signalled", str(step))

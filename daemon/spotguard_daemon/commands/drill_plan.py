@@ -24,6 +24,8 @@ __all__ = ["Planning", "SAVE_MARGIN_S", "SHORT_S", "SIGTERM_GRACE_S"]
 SAVE_MARGIN_S = 2.0
 """``Run``'s default ``save_margin``: an emergency save is taken only when it fits this far before
 the deadline."""
+AGREEMENT_LAG_S = 0.5
+"""How late the ranks of a multi-rank job may act on a notice (``Agreement``'s ``max_lag``)."""
 SHORT_S = 1.0
 """Deadline of a notice too close to save (under the library's margin)."""
 SIGTERM_GRACE_S = 30.0
@@ -66,12 +68,12 @@ class Planning:
 
     def deadline(self, kind: str, save_s: float, step_s: float) -> float:
         """Seconds from delivery to the kill: for ``notice`` room for the job's emergency save
-        (twice the measured cost), the library's margin and two steps, so that the job stops at
-        once and saves; for ``sigterm`` Kubernetes' default grace; ``short-notice`` less than the
+        (twice the measured cost), the library's margin, two steps and the ranks' agreement lag,
+        so that the job stops at once and saves; for ``sigterm`` Kubernetes' default grace; ``short-notice`` less than the
         margin; ``sigkill`` 0."""
         if kind in ("short-notice", "sigkill", "sigterm"):
             return {"short-notice": SHORT_S, "sigkill": 0.0, "sigterm": SIGTERM_GRACE_S}[kind]
-        return round(max(3.0, SAVE_MARGIN_S + 2 * save_s + 2 * step_s + 1.0), 1)
+        return round(max(3.0, SAVE_MARGIN_S + AGREEMENT_LAG_S + 2 * save_s + 2 * step_s + 1.0), 1)
 
     @staticmethod
     def landing(kind: str, save_s: float, step_s: float) -> float:

@@ -56,7 +56,7 @@ def fetch_common_step(run: Any, url: str | None, options: StoreOptions | None) -
         try:
             log.warning("node-local roots: the ranks agree on step %d, which this node lacks (its newest: "
                         "%s); fetching it from %s", step, max(local, default=None), durable.store.url)
-            durable.restore(job, ckpt.root, step=step, ranks=ckpt.node_ranks)
+            durable.restore(job, ckpt.root, step=step, ranks=ckpt.node_ranks, world_size=ckpt.world_size)
         except (StoreError, OSError) as exc:
             log.error("could not fetch step %d from the store: %s", step, exc)
             ok = 0

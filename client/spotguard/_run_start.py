@@ -16,7 +16,8 @@ from spotguard._run_parts import distributed, local_rank
 from spotguard.checkpoint import CheckpointCorruptError, CheckpointError, layout
 from spotguard.checkpoint.load import read_manifest
 from spotguard.storage import Durable, StoreError, open_store, restore_newer, store_from_env
-from spotguard.storage.fresh_node import RestoreFailed
+from spotguard.storage.fresh_node import DEFAULT_JOB, RestoreFailed
+from spotguard.storage.shards import from_store
 
 __all__ = ["load_latest", "restore_from_store", "start_fresh", "fresh_requested", "plan", "FRESH_ENV"]
 
@@ -60,7 +61,8 @@ def restore_from_store(run: Any) -> None:
     if url and local_rank() == 0:
         try:
             if restore_newer(run.checkpointer.root, run._job_id, url, options,
-                             ranks=getattr(run.checkpointer, "node_ranks", None)) is not None:
+                             ranks=getattr(run.checkpointer, "node_ranks", None),
+                             world_size=getattr(run.checkpointer, "world_size", None)) is not None:
                 run._restored_from = f"restored from the store {url.split('?', 1)[0]}:"
         except RestoreFailed as exc:
             log.error("%s; going on with local checkpoints (steps after them are trained again)", exc)
@@ -74,6 +76,8 @@ def restore_from_store(run: Any) -> None:
         fetch_common_step(run, url, options)
     except StoreError as exc:
         log.warning("could not agree on a step with the store (%s); going on with local checkpoints", exc)
+    if url and getattr(run.checkpointer, "node_ranks", None) is not None:
+        run.checkpointer.remote_shards = from_store(url, run._job_id or DEFAULT_JOB, options)
 
 
 def daemon_store(run: Any) -> str | None:

@@ -123,6 +123,9 @@ def fsdp_worker(root: str, out: str, tag: str) -> None:
 
     from spotguard.checkpoint import Checkpointer
 
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -142,7 +145,10 @@ def fsdp_worker(root: str, out: str, tag: str) -> None:
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     state = {"app": App()}
+    per = int(os.environ.get("JOB_RANKS_PER_NODE", "0"))  # node-local roots: node-<k> of `per` ranks each
+    root = os.path.join(root, f"node-{rank // per}") if per else root
     ck = Checkpointer(root, process_group=dist.group.WORLD, timeout=60)
+    fetched = _from_bucket(ck, root, rank, per, world) if os.environ.get("JOB_STORE_URL") else None
     App().state_dict()  # optimizer state to load into, as get_state_dict creates it
     info = ck.load_latest(state)
     dumps = {"loaded": _tensors(model, opt)} if info else {}
@@ -156,8 +162,50 @@ def fsdp_worker(root: str, out: str, tag: str) -> None:
     for what, tensors in dumps.items():
         if rank == 0:
             Path(out, f"{tag}-{what}.json").write_text(json.dumps(tensors))
+    if fetched is not None:
+        Path(out, f"{tag}-fetched-rank{rank}.json").write_text(json.dumps(fetched))
     ck.close()
     dist.destroy_process_group()
+
+
+def _from_bucket(ck, root: str, rank: int, per: int, world: int) -> dict:
+    """As ``spotguard.Run`` does with a store (``$JOB_STORE_URL``): the node's leader fetches what
+    the store holds newer than its root (its ranks' parts and rank 0's, no sharded files when
+    resized), and a resharding load reads the other nodes' shards from the store. Returns what this
+    rank reads from the store, counted: ``{"whole": bytes, "ranges": bytes, "chunks": n}``."""
+    import torch.distributed as dist
+
+    from spotguard.storage import StoreOptions, restore_newer
+    from spotguard.storage.shards import from_store
+
+    url, job = os.environ["JOB_STORE_URL"], "fsdp"
+    options = StoreOptions(endpoint_url=os.environ.get("JOB_STORE_ENDPOINT") or None)
+    if rank % per == 0:
+        restore_newer(root, job, url, options, ranks=ck.node_ranks, world_size=world)
+    dist.barrier()
+    fetched = {"whole": 0, "ranges": 0, "chunks": 0}
+    shards = from_store(url, job, options)
+
+    def counted(step: int):
+        remote = shards(step)
+        whole, ranged = remote.read_whole, remote.read_range
+
+        def read_whole(rel):
+            data = whole(rel)
+            fetched["whole"] += len(data)
+            return data
+
+        def read_range(rel, offset, length):
+            data = ranged(rel, offset, length)
+            fetched["ranges"] += len(data)
+            fetched["chunks"] += 1
+            return data
+
+        remote.read_whole, remote.read_range = read_whole, read_range
+        return remote
+
+    ck.remote_shards = counted
+    return fetched
 
 
 def _env(**knobs: str) -> dict[str, str]:

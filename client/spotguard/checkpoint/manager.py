@@ -129,6 +129,10 @@ class Checkpointer:
         self._leads = self.rank == (self._coord.leader if self._coord else 0)
         """This rank creates and commits its root's checkpoints, and saves the replicated state."""
         self.node_ranks = self._coord.topology.ranks if self._coord and self._coord.node_local else None
+        self.remote_shards: Callable[[int], Any] | None = None
+        """``remote_shards(step)``: the durable store's files of ``step`` (``read_whole``,
+        ``read_range``; :class:`spotguard.storage.shards.StoreShards`), for a resharding load on
+        node-local roots; set by :class:`spotguard.Run` when the job has a store."""
         """The ranks sharing this node-local root (None: one root, shared or single-process)."""
         if self._leads:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -460,14 +464,11 @@ class Checkpointer:
             if any(kind == "sharded" for kind, _ in entries.values()):
                 from spotguard.checkpoint.sharded import load_entries
 
-                if "node" in manifest and self.resized_from is not None:
-                    raise CheckpointCorruptError(
-                        f"{path}: resharding from {saved_world} to {self.world_size} ranks needs every "
-                        "rank's shards, and a node-local checkpoint holds only its own node's: resume "
-                        f"on {saved_world} ranks, or with one checkpoint directory every node shares")
-
+                remote = None  # node-local roots resharded: the other nodes' shards are in the store
+                if "node" in manifest and self.resized_from is not None and self.remote_shards is not None:
+                    remote = self.remote_shards(manifest["step"])
                 load_entries(path, manifest, f"rank-{self.rank}", entries, state, verify=self.verify,
-                             parts=self.resized_from)
+                             parts=self.resized_from, remote=remote)
             return entries
         except CheckpointCorruptError as exc:
             self._skip(path, exc)

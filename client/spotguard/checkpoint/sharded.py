@@ -157,26 +157,46 @@ def write_dcp(part: Path, snap: Snapshot, throttle: Throttle | None = None) -> d
             dcp.save(dtensors, storage_writer=dcp.FileSystemWriter(out, sync_files=True), no_dist=True)
         except CheckpointException as exc:  # a BaseException: unwrap, so ENOSPC is still recognised
             raise _unwrap(exc) from exc
+    names = sorted(os.listdir(out))
+    chunks = _chunks(out, set(names))
     files = {}
-    for name in sorted(os.listdir(out)):
+    for name in names:
         os.chmod(out / name, 0o600)
-        size, digest = _hash_file(out / name, throttle.run if throttle else None)
-        files[f"{DCP_DIR}/{name}"] = {"size": size, "sha256": digest}
+        size, digest, ranges = _hash_file(out / name, throttle.run if throttle else None, chunks.get(name, ()))
+        files[f"{DCP_DIR}/{name}"] = {"size": size, "sha256": digest, **({"ranges": ranges} if ranges else {})}
     _fs.fsync_dir(out)
     return files
 
 
-def _hash_file(path: Path, pace: Any = None) -> tuple[int, str]:
-    """``(size, sha256)`` of a file read back in chunks (from the page cache, just written)."""
+def _chunks(out: Path, names: set[str]) -> dict[str, list[tuple[int, int]]]:
+    """Where each saved chunk lies: ``{file: [(offset, length), ...]}`` from the metadata just
+    written, so that each chunk gets a sha256 of its own (a resharding load that reads only some
+    chunks of a file from the store checks each; see :mod:`.remote_shards`)."""
+    metadata = SafeFileSystemReader(out, names).read_metadata()
+    found: dict[str, set[tuple[int, int]]] = {}
+    for info in metadata.storage_data.values():
+        found.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
+    return {name: sorted(spans) for name, spans in found.items()}
+
+
+def _hash_file(path: Path, pace: Any = None,
+               spans: Any = ()) -> tuple[int, str, list[list[Any]]]:
+    """``(size, sha256, ranges)`` of a file read back in chunks (from the page cache, just
+    written): ``ranges`` is ``[[offset, length, sha256], ...]`` of each span in ``spans``, hashed in
+    the same pass."""
     digest, size = hashlib.sha256(), 0
+    open_spans = [(offset, length, hashlib.sha256()) for offset, length in spans]
+    update = (lambda h, b: pace(h.update, b)) if pace else (lambda h, b: h.update(b))  # noqa: E731
     with open(path, "rb") as f:
         while chunk := f.read(_fs.CHUNK_BYTES):
-            if pace:
-                pace(digest.update, chunk)
-            else:
-                digest.update(chunk)
+            update(digest, chunk)
+            view = memoryview(chunk)
+            for offset, length, hasher in open_spans:
+                lo, hi = max(offset, size), min(offset + length, size + len(chunk))
+                if lo < hi:
+                    update(hasher, view[lo - size:hi - size])
             size += len(chunk)
-    return size, digest.hexdigest()
+    return size, digest.hexdigest(), [[o, n, h.hexdigest()] for o, n, h in open_spans]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -233,11 +253,15 @@ class _TensorOnlyPlanner(DefaultLoadPlanner):
 class _MergedReader(SafeFileSystemReader):
     """Reads the DCP shards of every part of a checkpoint as one: the parts' metadata, each read
     by a :class:`SafeFileSystemReader` of its own part (restricted unpickling, verified names), merged
-    with every chunk's file named relative to the checkpoint directory."""
+    with every chunk's file named relative to the checkpoint directory. ``where(part)`` is the
+    directory holding that part's ``dcp/.metadata`` (the checkpoint's, or a scratch directory for a
+    part fetched from the store)."""
 
-    def __init__(self, path: Path, parts: list[str], allowed: set[str]) -> None:
+    def __init__(self, path: Path, parts: list[str], allowed: set[str],
+                 where: Any = None) -> None:
         super().__init__(path, allowed)
         self.parts = parts
+        self.where = where or (lambda part: path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         merged = None
@@ -246,7 +270,7 @@ class _MergedReader(SafeFileSystemReader):
             own = {rel.removeprefix(prefix) for rel in self.allowed if rel.startswith(prefix)}
             if ".metadata" not in own:
                 raise CheckpointCorruptError(f"{self.path}: the manifest lists no {prefix}.metadata")
-            metadata = SafeFileSystemReader(Path(self.path, part, DCP_DIR), own).read_metadata()
+            metadata = SafeFileSystemReader(Path(self.where(part), part, DCP_DIR), own).read_metadata()
             storage = {index: dataclasses.replace(info, relative_path=prefix + info.relative_path)
                        for index, info in metadata.storage_data.items()}
             if merged is None:
@@ -262,20 +286,96 @@ class _MergedReader(SafeFileSystemReader):
         return merged
 
 
+class _RemoteMergedReader(_MergedReader):
+    """A :class:`_MergedReader` whose parts not on this node are read from the store: only the
+    chunks DCP's planner asks for (those overlapping this rank's new shards), each one ranged GET,
+    checked against the chunk's sha256 recorded at save (``remote.read_range``), fetched in
+    parallel in batches of at most :data:`REMOTE_BATCH_BYTES`."""
+
+    def __init__(self, path: Path, parts: list[str], allowed: set[str], where: Any,
+                 remote: Any, remote_parts: set[str]) -> None:
+        super().__init__(path, parts, allowed, where)
+        self.remote, self.remote_parts = remote, remote_parts
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from torch.futures import Future
+
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
+            raise CheckpointCorruptError(f"{self.path}: DCP metadata holds a non-tensor value (refused)")
+        infos = [self.storage_data[item.storage_index] for item in plan.items]
+        if any(getattr(info, "transform_descriptors", None) for info in infos):
+            raise CheckpointCorruptError(f"{self.path}: DCP chunks with transforms (refused)")
+
+        def span(info: Any) -> bytes:
+            rel, offset, length = info.relative_path, int(info.offset), int(info.length)
+            if rel.split("/", 1)[0] in self.remote_parts:
+                return self.remote.read_range(rel, offset, length)
+            with open(Path(self.path, rel), "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+            if len(data) != length:
+                raise CheckpointCorruptError(f"{self.path}: {rel} is shorter than its DCP metadata says")
+            return data
+
+        batches: list[list[int]] = [[]]
+        size = 0
+        for i, info in enumerate(infos):
+            if batches[-1] and size + int(info.length) > REMOTE_BATCH_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += int(info.length)
+        with ThreadPoolExecutor(REMOTE_CONCURRENCY, thread_name_prefix="spotguard-shards") as pool:
+            for batch in batches:
+                for i, data in zip(batch, pool.map(lambda i: span(infos[i]), batch)):
+                    item = plan.items[i]
+                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        if length < tensor.size(dim):  # the part of the saved chunk this shard needs
+                            tensor = tensor.narrow(dim, offset, length)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != tensor.size():
+                        raise CheckpointCorruptError(f"{self.path}: a saved chunk has another shape than "
+                                                     "its DCP metadata says")
+                    target.copy_(tensor)
+                    planner.commit_tensor(item, target)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+REMOTE_BATCH_BYTES = 256 << 20
+"""At most this many bytes of chunks read from the store are held at once by a resharding load."""
+REMOTE_CONCURRENCY = 8
+
+
 def load_entries(path: Path, manifest: dict[str, Any], part: str,
                  entries: dict[str, tuple[str, Any]], state: Mapping[str, Any], *, verify: bool,
-                 parts: int | None = None) -> None:
+                 parts: int | None = None, remote: Any = None) -> None:
     """Replace each ``"sharded"`` entry's skeleton in ``entries`` by its full state_dict, read from
     ``path/part/dcp`` after checking every file there against the manifest's sha256 (``verify``).
     With ``parts`` (the saved world size, when it is not this job's), reshard from every part's
-    ``dcp/`` instead."""
+    ``dcp/`` instead; parts this checkpoint lacks (node-local roots: other nodes' ranks) are read
+    from ``remote`` (see :mod:`spotguard.storage.shards`): their ``.metadata`` whole and only the
+    chunks this rank's new shards overlap, each checked against its sha256."""
     names = [f"rank-{r}" for r in range(parts)] if parts else [part]
+    absent = {n for n in names if f"{n}/{DCP_DIR}/.metadata" not in manifest["files"]} if parts else set()
+    if absent and remote is None:
+        raise CheckpointCorruptError(
+            f"{path}: resharding from {parts} to another number of ranks needs every rank's shards, and "
+            f"this node's checkpoint lacks {', '.join(sorted(absent))}'s, with no durable store to read "
+            "them from: give the job its store (storage.url), or resume on the saved number of ranks")
     prefixes = tuple(f"{n}/{DCP_DIR}/" for n in names)
     files = {rel: meta for rel, meta in manifest["files"].items() if rel.startswith(prefixes)}
     if verify:
         for rel, meta in files.items():
             if _hash_file(path / rel)[1] != meta.get("sha256"):
                 raise CheckpointCorruptError(f"{path}: sha256 mismatch in {rel}")
+    if absent:
+        _load_remote(path, names, absent, files, entries, state, remote)
+        return
     if parts:
         def reader() -> SafeFileSystemReader:
             return _MergedReader(path, names, set(files))
@@ -285,6 +385,39 @@ def load_entries(path: Path, manifest: dict[str, Any], part: str,
     for name, (kind, value) in list(entries.items()):
         if kind == SHARDED and name in state:
             entries[name] = (kind, _load_entry(path, reader, state[name], value, name))
+
+
+def _load_remote(path: Path, names: list[str], absent: set[str], files: dict[str, Any],
+                 entries: dict[str, tuple[str, Any]], state: Mapping[str, Any], remote: Any) -> None:
+    """The resharding load with some parts in the store: their ``.metadata`` fetched (verified)
+    into a private scratch directory, their chunks read on demand."""
+    import tempfile
+
+    prefixes = tuple(f"{n}/{DCP_DIR}/" for n in sorted(absent))
+    with tempfile.TemporaryDirectory(prefix="spotguard-shards-") as scratch:
+        try:
+            theirs = {rel: meta for rel, meta in remote.files().items() if rel.startswith(prefixes)}
+            for n in sorted(absent):
+                rel = f"{n}/{DCP_DIR}/.metadata"
+                if rel not in theirs:
+                    raise CheckpointCorruptError(f"{path}: the store's checkpoint lists no {rel}")
+                target = Path(scratch, rel)
+                _fs.mkdir_private(target.parent.parent)
+                _fs.mkdir_private(target.parent)
+                target.write_bytes(remote.read_whole(rel))
+        except CheckpointCorruptError:
+            raise
+        except Exception as exc:  # the store's errors: this step cannot be resharded here
+            raise CheckpointCorruptError(f"{path}: cannot read the other nodes' shards from the store: {exc}") from exc
+        allowed = set(files) | set(theirs)
+        where = lambda part: Path(scratch) if part in absent else path  # noqa: E731
+
+        def reader() -> SafeFileSystemReader:
+            return _RemoteMergedReader(path, names, allowed, where, remote, absent)
+
+        for name, (kind, value) in list(entries.items()):
+            if kind == SHARDED and name in state:
+                entries[name] = (kind, _load_entry(path, reader, state[name], value, name))
 
 
 def _load_entry(path: Path, reader: Any, target: Any, value: Any, name: str) -> Any:

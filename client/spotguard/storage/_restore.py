@@ -34,9 +34,22 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from spotguard.storage._keys import object_key
-from spotguard.storage._local import MANIFEST, ManifestError, commit_dir, sha256_file, step_name, tmp_dir
-from spotguard.storage.base import (CredentialsError, IntegrityError, NotFound, Store, StoreError,
-                                    TransientError)
+from spotguard.storage._local import (
+    MANIFEST,
+    ManifestError,
+    commit_dir,
+    sha256_file,
+    step_name,
+    tmp_dir,
+)
+from spotguard.storage.base import (
+    CredentialsError,
+    IntegrityError,
+    NotFound,
+    Store,
+    StoreError,
+    TransientError,
+)
 from spotguard.storage.file import make_private_dirs
 
 __all__ = ["restore", "verify"]
@@ -192,21 +205,27 @@ def _manifest(durable: Source, job_id: str, step: int, retry: Retry,
     return retry(read, f"read the manifest of {step_name(step)}")
 
 
-def select_ranks(manifest: dict[str, Any], ranks: Sequence[int] | None) -> dict[str, Any]:
+def select_ranks(manifest: dict[str, Any], ranks: Sequence[int] | None,
+                 world_size: int | None = None) -> dict[str, Any]:
     """A global manifest cut down to what a node of node-local roots needs: its ``ranks``' parts
     and rank 0's (the replicated state, fetched once per node). A ``node`` section marks the result
-    as restored (its daemon has nothing to upload) and names rank 0's part as the replicated one."""
+    as restored (its daemon has nothing to upload) and names rank 0's part as the replicated one.
+    When the job's ``world_size`` is not the saved one, sharded (DCP) files are left out: the
+    resharding load reads only the chunks each rank needs, from the store
+    (:mod:`spotguard.storage.shards`)."""
     if ranks is None:
         return manifest
     held = sorted({0, *ranks})
     prefixes = tuple(f"rank-{r}/" for r in held)
-    files = {rel: meta for rel, meta in manifest["files"].items() if rel.startswith(prefixes)}
+    resized = world_size is not None and world_size != manifest.get("world_size")
+    files = {rel: meta for rel, meta in manifest["files"].items()
+             if rel.startswith(prefixes) and not (resized and rel.split("/")[1:2] == ["dcp"])}
     return {**manifest, "files": files, "node": {"leader": 0, "ranks": held, "restored": True}}
 
 
 def _restore_one(durable: Source, job_id: str, dest_root: Path, step: int, retry: Retry,
-                 ranks: Sequence[int] | None = None) -> Path:
-    manifest = select_ranks(_manifest(durable, job_id, step, retry, ranks), ranks)
+                 ranks: Sequence[int] | None = None, world_size: int | None = None) -> Path:
+    manifest = select_ranks(_manifest(durable, job_id, step, retry, ranks), ranks, world_size)
     tmp = tmp_dir(dest_root, step)
     try:
         problems = _fetch(durable, manifest, tmp, retry)
@@ -230,17 +249,18 @@ def _candidates(durable: Source, job_id: str) -> list[int]:
 
 
 def restore(durable: Source, job_id: str, dest_root: Path, step: int | None,
-            retry_until: float | None = None, ranks: Sequence[int] | None = None) -> Path:
+            retry_until: float | None = None, ranks: Sequence[int] | None = None,
+            world_size: int | None = None) -> Path:
     make_private_dirs(dest_root)
     retry = Retry(time.monotonic() + durable.retry_seconds if retry_until is None else retry_until)
     if step is not None:
-        return _restore_one(durable, job_id, dest_root, step, retry, ranks)
+        return _restore_one(durable, job_id, dest_root, step, retry, ranks, world_size)
     candidates = retry(lambda: _candidates(durable, job_id), f"list the checkpoints of {job_id}")
     if not candidates:
         raise NotFound(f"{durable.store.url}: job {job_id!r} has no durable checkpoint")
     for number in candidates:
         try:
-            path = _restore_one(durable, job_id, dest_root, number, retry, ranks)
+            path = _restore_one(durable, job_id, dest_root, number, retry, ranks, world_size)
         except (IntegrityError, ManifestError, NotFound) as exc:
             log.error("durable %s: skipping %s, which is damaged, for the previous checkpoint: %s",
                       job_id, step_name(number), exc)

@@ -30,6 +30,7 @@ from spotguard.storage.base import (
     StoreOptions,
     TransientError,
     cause_of,
+    check_range,
     check_size,
     cut_headers_are_errors,
     join_key,
@@ -140,6 +141,15 @@ class AzureStore:
             check_size(what, stream.size, max_size)
             stream.readinto(BoundedWriter(buffer, max_size, what))
         return buffer.getvalue()
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from ``start`` (one ranged GET; the caller checks them)."""
+        what = f"{self.url}: get {key} [{start}, +{length})"
+        if not length:
+            return b""
+        with _translate(what):
+            data = self._container.download_blob(self._name(key), offset=start, length=length).readall()
+        return check_range(what, data, length)
 
     def exists(self, key: str) -> bool:
         with _translate(f"{self.url}: head {key}"):

@@ -121,6 +121,11 @@ class Store(Protocol):
         """Read a small object whole. :class:`NotFound` when absent; :class:`IntegrityError` when
         it is over ``max_size`` (no more than ``max_size + 1`` bytes are read)."""
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from offset ``start`` (a resharding load reads only the
+        saved shards it needs); :class:`IntegrityError` if the object is shorter."""
+        ...
+
     def exists(self, key: str) -> bool: ...
 
     def holds(self, key: str, path: Path, sha256: str, size: int) -> bool:
@@ -251,6 +256,14 @@ def check_size(what: str, size: int | None, max_size: int | None) -> None:
     must not fill the disk)."""
     if max_size is not None and size is not None and size > max_size:
         raise IntegrityError(f"{what}: object is {size} bytes, its manifest says {max_size}")
+
+
+def check_range(what: str, data: bytes, length: int) -> bytes:
+    """``data`` if it is the ``length`` bytes a ranged read asked for (an object shorter than the
+    range, or a reply cut short, is an :class:`IntegrityError`)."""
+    if len(data) != length:
+        raise IntegrityError(f"{what}: {len(data)} bytes where {length} were asked for")
+    return data
 
 
 def check_key(key: str) -> str:

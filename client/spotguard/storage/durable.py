@@ -419,14 +419,16 @@ class Durable:
         return _restore.verify(self, job_id, step, deep=deep)
 
     def restore(self, job_id: str, dest_root: Path, step: int | None = None, *,
-                retry_until: float | None = None, ranks: Sequence[int] | None = None) -> Path:
+                retry_until: float | None = None, ranks: Sequence[int] | None = None,
+                world_size: int | None = None) -> Path:
         """Download ``step`` (default: the newest sound checkpoint) into ``dest_root/step-...``, commit
         it like a local checkpoint (``latest`` updated) and return its path. Transient errors are
         retried until ``retry_until`` (monotonic; default ``retry_seconds`` from now). Raises
         :class:`NotFound` when the job has no checkpoint, :class:`IntegrityError` when none is sound,
         :class:`TransientError` when the store kept failing. ``ranks`` (a node of node-local roots)
-        fetches only those ranks' parts and rank 0's (see :func:`._restore.select_ranks`)."""
-        return _restore.restore(self, _job(job_id), Path(dest_root), step, retry_until, ranks)
+        fetches only those ranks' parts and rank 0's, without their sharded files when the job's
+        ``world_size`` differs from the saved one (see :func:`._restore.select_ranks`)."""
+        return _restore.restore(self, _job(job_id), Path(dest_root), step, retry_until, ranks, world_size)
 
     # -- retention -------------------------------------------------------------------------------
 

@@ -20,7 +20,15 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 
 from spotguard._fsync import fsync_dir
 from spotguard.storage._bounded import BoundedWriter, read_bounded
-from spotguard.storage.base import MAX_SMALL_BYTES, IntegrityError, NotFound, StoreError, check_key, check_size
+from spotguard.storage.base import (
+    MAX_SMALL_BYTES,
+    IntegrityError,
+    NotFound,
+    StoreError,
+    check_key,
+    check_range,
+    check_size,
+)
 
 __all__ = ["FileStore", "TMP_PREFIX", "atomic_write", "fsync_dir", "make_private_dirs"]
 
@@ -126,6 +134,14 @@ class FileStore:
         what = f"{self.url}: read {key}"
         with self._reading(key, what, max_size) as src:
             return read_bounded(src.read, max_size, what)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from ``start``; IntegrityError when the object is shorter."""
+        what = f"{self.url}: read {key} [{start}, +{length})"
+        with self._reading(key, what, None) as src:
+            src.seek(start)
+            data = src.read(length)  # a regular file: short only at its end
+        return check_range(what, data, length)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

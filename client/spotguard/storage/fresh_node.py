@@ -90,11 +90,13 @@ def store_from_env(environ: Mapping[str, str] = os.environ) -> tuple[str | None,
 
 
 def restore_newer(root: str | os.PathLike[str], job_id: str, url: str | None,
-                  options: StoreOptions | None = None, ranks: Sequence[int] | None = None) -> Path | None:
+                  options: StoreOptions | None = None, ranks: Sequence[int] | None = None,
+                  world_size: int | None = None) -> Path | None:
     """Restore the store's newest checkpoint of ``job_id`` into ``root`` if it is newer than every
     local one; return the restored directory, or None when the local copy is as new (or the store
     holds nothing for the job, or ``url`` names no store: ``none``). ``ranks``: a node of node-local
-    roots fetches only its ranks' parts and rank 0's."""
+    roots fetches only its ranks' parts and rank 0's (``world_size``: the job's; sharded files are
+    left to the resharding load when it differs from the saved one)."""
     if no_store(url):
         return None
     if not job_id:
@@ -121,7 +123,7 @@ def restore_newer(root: str | os.PathLike[str], job_id: str, url: str | None,
                 f"no local checkpoint under {root}", url.split("?", 1)[0], job, remote)
     root.mkdir(parents=True, exist_ok=True)
     try:
-        path = durable.restore(job, root, retry_until=retry.until, ranks=ranks)
+        path = durable.restore(job, root, retry_until=retry.until, ranks=ranks, world_size=world_size)
     except StoreError as exc:
         raise RestoreFailed(f"{durable.store.url} holds step {remote} of {job!r}, newer than "
                             f"{_local(local)}, and it was not restored: {exc}", remote, local) from exc

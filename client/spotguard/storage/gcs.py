@@ -35,6 +35,7 @@ from spotguard.storage.base import (
     StoreOptions,
     TransientError,
     cause_of,
+    check_range,
     check_size,
     cut_headers_are_errors,
     join_key,
@@ -151,6 +152,16 @@ class GcsStore:
             self._blob(key).download_to_file(BoundedWriter(buffer, max_size, what), checksum="crc32c",
                                              retry=self._retry, timeout=self._timeout)
         return buffer.getvalue()
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from ``start`` (one ranged GET; the caller checks them)."""
+        what = f"{self.url}: get {key} [{start}, +{length})"
+        if not length:
+            return b""
+        with _translate(what):
+            data = self._blob(key).download_as_bytes(start=start, end=start + length - 1, checksum=None,
+                                                     retry=self._retry, timeout=self._timeout)
+        return check_range(what, data, length)
 
     def exists(self, key: str) -> bool:
         with _translate(f"{self.url}: head {key}"):

@@ -36,6 +36,7 @@ from spotguard.storage.base import (
     StoreOptions,
     TransientError,
     cause_of,
+    check_range,
     check_size,
     cut_headers_are_errors,
     join_key,
@@ -176,6 +177,17 @@ class S3Store:
                     raise TransientError(f"{what}: reply without Content-Length (its header block was cut short)")
                 check_size(what, reply.get("ContentLength"), max_size)
                 return read_bounded(body.read, max_size, what)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from ``start`` (one ranged GET)."""
+        what = f"{self.url}: get {key} [{start}, +{length})"
+        if not length:
+            return b""
+        with _translate(what):
+            reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                            Range=f"bytes={start}-{start + length - 1}")
+            with contextlib.closing(reply["Body"]) as body:
+                return check_range(what, read_bounded(body.read, length, what), length)
 
     def exists(self, key: str) -> bool:
         try:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from spotguard.storage import NotFound, StoreError, StoreOptions, open_store
+from spotguard.storage import IntegrityError, NotFound, StoreError, StoreOptions, open_store
 
 
 def test_put_get_list_delete_roundtrip(store, tmp_path):
@@ -24,6 +24,19 @@ def test_put_get_list_delete_roundtrip(store, tmp_path):
     assert store.get_bytes("jobs/j/latest") == b"step-0000000001\n"
     store.delete(["objects/sha256/aa", "never/existed"])
     assert list(store.list("")) == ["jobs/j/latest"]
+
+
+def test_a_range_reads_those_bytes_and_no_more(store):
+    """``get_range`` (a resharding load reads single DCP chunks): the bytes asked for, from the
+    start, the middle and up to the end; a range past the end is an IntegrityError, never short data."""
+    body = bytes(range(256)) * 40
+    store.put_bytes("ranged/blob", body)
+    for start, length in ((0, 1), (1000, 2345), (len(body) - 7, 7), (5, 0)):
+        assert store.get_range("ranged/blob", start, length) == body[start:start + length]
+    with pytest.raises(IntegrityError):
+        store.get_range("ranged/blob", len(body) - 3, 10)
+    with pytest.raises(NotFound):
+        store.get_range("ranged/none", 0, 4)
 
 
 def test_overwrite_replaces_whole_object(store):

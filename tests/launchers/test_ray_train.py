@@ -6,8 +6,11 @@
    then replaced by a fresh one (a fresh node: the old node's notice stays behind);
 2. a SIGTERM to one worker process (Ray runs the loop in a thread; RayRun's handlers in the actor's
    main thread turn it into a stop with a save instead of Ray's own exit);
+3. a SIGKILL of one worker process (no notice): Ray restarts the workers, which resume from the
+   last periodic commit;
 and ends with the state of an uninterrupted run computed here without Ray, bit for bit, with 0
-steps redone after (1) and (2), and Ray's reported checkpoint = spotguard's newest commit."""
+steps redone after (1) and (2), at most a save interval after (3), and Ray's reported checkpoint =
+spotguard's newest commit."""
 
 from __future__ import annotations
 
@@ -74,7 +77,7 @@ def train_loop(config: dict) -> None:
     (work / f"pid-{rank}").write_text(str(os.getpid()))
     model, opt = _model_and_optimizer()
     run = RayRun(config["root"], model=model, optimizer=opt, save_every=EVERY, peer_timeout=20.0)
-    phase = next((p for p in ("notice", "term") if not (work / p).exists()), None)
+    phase = next((p for p in ("notice", "term", "kill") if not (work / p).exists()), None)
     action_at = None
     with open(work / f"steps-{rank}", "a") as log:
         for step in run.steps(TOTAL):
@@ -93,7 +96,7 @@ def train_loop(config: dict) -> None:
                     subprocess.run([sys.executable, "-m", "spotguard_daemon", "notify", "--kind", "preempt"],
                                    check=True, capture_output=True)
                 else:
-                    os.kill(peer, signal.SIGTERM)
+                    os.kill(peer, signal.SIGTERM if phase == "term" else signal.SIGKILL)
     try:
         run.finish()
     except RayStopped:
@@ -113,7 +116,7 @@ def _attempts(path: Path) -> list[list[int]]:
     return list(runs.values())
 
 
-def test_ray_train_notice_and_sigterm(daemon_factory, tmp_path):
+def test_ray_train_notice_sigterm_and_sigkill(daemon_factory, tmp_path):
     import ray.cloudpickle
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -134,7 +137,7 @@ def test_ray_train_notice_and_sigterm(daemon_factory, tmp_path):
             torch_config=TorchConfig(backend="gloo"),
             scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
             run_config=RunConfig(name="sg-ray-test", storage_path=str(tmp_path / "ray"),
-                                 failure_config=FailureConfig(max_failures=2),
+                                 failure_config=FailureConfig(max_failures=3),
                                  checkpoint_config=CheckpointConfig(num_to_keep=None)))
         result: dict = {}
         fit = threading.Thread(target=lambda: result.update(r=trainer.fit()), daemon=True)
@@ -146,7 +149,7 @@ def test_ray_train_notice_and_sigterm(daemon_factory, tmp_path):
                 daemon.start()
                 (work / "hold").unlink()
             fit.join(0.05)
-        print(f"Ray session (init + fit with 2 restarts): {time.monotonic() - started:.1f} s")
+        print(f"Ray session (init + fit with 3 restarts): {time.monotonic() - started:.1f} s")
     finally:
         ray.shutdown()
     ray_result = result["r"]
@@ -156,9 +159,11 @@ def test_ray_train_notice_and_sigterm(daemon_factory, tmp_path):
     assert all(torch.equal(final[k], expected[k]) for k in expected)
     for rank in (0, 1):
         attempts = _attempts(work / f"steps-{rank}")
-        assert len(attempts) == 3, attempts
-        for before, after in zip(attempts, attempts[1:]):  # the notice, the SIGTERM
+        assert len(attempts) == 4, attempts
+        for before, after in zip(attempts[:2], attempts[1:3]):  # the notice, the SIGTERM
             assert after[0] == before[-1] + 1, (before, after)  # 0 steps redone
+        killed, resumed = attempts[2], attempts[3]  # the SIGKILL: back to the last commit, a save interval at most
+        assert killed[-1] - EVERY < resumed[0] <= killed[-1] + 1, (killed, resumed)
         assert attempts[-1][-1] == TOTAL - 1
     # Ray's latest checkpoint points to spotguard's newest commit
     pointer = json.loads((Path(ray_result.checkpoint.path) / POINTER).read_text())

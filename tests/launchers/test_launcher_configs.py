@@ -5,7 +5,7 @@ bucket as a durable-store URL, the checkpoint root on node-local disk and never 
 
 SkyPilot's parser is `sky.Task.from_yaml` (PyPI `skypilot`; needs no credentials or API server).
 skypilot 0.14.1 requires click<8.2 and huggingface-hub 2.x click>=8.4.2, so it lives in a venv of
-its own (`scripts/test` makes `.venv-sky`; `$SPOTGUARD_SKY_PYTHON` names its python), and the
+its own (`scripts/test` makes `.venv-sky`; `$SKY_TEST_PYTHON` names its python), and the
 parser runs there, in a subprocess that prints what the test checks as JSON.
 dstack has no public parser for a configuration file: `parse_run_configuration` from
 `dstack._internal.core.models.configurations` is what its CLI's `dstack apply` uses (no server)."""
@@ -49,8 +49,8 @@ print(json.dumps({"num_nodes": task.num_nodes, "use_spot": resources.use_spot,
 
 
 def _sky_python() -> str:
-    """A python that imports ``sky``: this one, ``$SPOTGUARD_SKY_PYTHON``, or ``.venv-sky``'s."""
-    candidates = [sys.executable, os.environ.get("SPOTGUARD_SKY_PYTHON", ""),
+    """A python that imports ``sky``: this one, ``$SKY_TEST_PYTHON``, or ``.venv-sky``'s."""
+    candidates = [sys.executable, os.environ.get("SKY_TEST_PYTHON", ""),
                   str(DEPLOY.parent / ".venv-sky" / "bin" / "python")]
     for python in filter(None, candidates):
         if Path(python).exists() and subprocess.run([python, "-c", "import sky"], capture_output=True).returncode == 0:

@@ -39,6 +39,16 @@ def test_a_range_reads_those_bytes_and_no_more(store):
         store.get_range("ranged/none", 0, 4)
 
 
+def test_a_write_if_absent_writes_once_and_never_replaces(store):
+    """``put_bytes_if_absent`` (one global-manifest write a step, issue 28 item 9): the first write
+    lands, a second one is refused and leaves the first's bytes; a deleted key can be written again."""
+    assert store.put_bytes_if_absent("once/key", b"first") is True
+    assert store.put_bytes_if_absent("once/key", b"second") is False
+    assert store.get_bytes("once/key") == b"first"
+    store.delete(["once/key"])
+    assert store.put_bytes_if_absent("once/key", b"third") is True and store.get_bytes("once/key") == b"third"
+
+
 def test_overwrite_replaces_whole_object(store):
     store.put_bytes("k", b"first version, longer")
     store.put_bytes("k", b"second")

@@ -35,7 +35,9 @@ def node_part(make_ckpt, root, step: int, index: int, ranks: list[int], nodes: i
 
 @pytest.fixture
 def durable(new_bucket):
-    return Durable(new_bucket("s3"))
+    durable = Durable(new_bucket("s3"))
+    durable.replicated_wait = 0.5  # tests that upload node 1 before node 0 wait this for node 0's part
+    return durable
 
 
 def test_the_global_manifest_appears_once_every_nodes_part_is_durable(durable, make_ckpt, tmp_path):

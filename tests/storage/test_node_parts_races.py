@@ -93,12 +93,22 @@ def test_objects_named_by_a_part_of_a_step_not_yet_global_are_never_collected(tm
     assert durable.latest("job") == 30 and durable.verify("job", 30) == []
 
 
-def test_concurrent_completions_write_byte_identical_global_manifests(tmp_path):
-    """Item 7: four daemons find the set complete at once: every global manifest written is the
-    same bytes, whoever wrote it and when."""
+def test_concurrent_completions_write_the_global_manifest_once(tmp_path):
+    """Items 7 and 9: four daemons find the set complete at once: the global manifest is written
+    once (``put_bytes_if_absent``), the others find it there with their own bytes, and nothing is
+    written twice."""
     writes: list[bytes] = []
+    tried: list[bytes] = []
 
     class Recording(FileStore):
+        def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+            wrote = super().put_bytes_if_absent(key, data)
+            if key == manifest_key("job", 10):
+                tried.append(data)
+                if wrote:
+                    writes.append(data)
+            return wrote
+
         def put_bytes(self, key: str, data: bytes) -> None:
             if key == manifest_key("job", 10):
                 writes.append(data)
@@ -125,8 +135,21 @@ def test_concurrent_completions_write_byte_identical_global_manifests(tmp_path):
         t.start()
     for t in threads:
         t.join(30)
-    assert len(writes) >= 2 and len(set(writes)) == 1, f"{len(writes)} writes, {len(set(writes))} distinct"
+    assert len(writes) == 1 and len(tried) == 4 and len(set(tried)) == 1, (len(writes), len(tried))
     assert Durable(FileStore(bucket)).latest("job") == 10
+
+
+def test_a_relaunchs_global_step_replaces_an_abandoned_runs_of_the_same_number(tmp_path):
+    """A step N made global by a run the relaunch abandoned (it resumed from N-1) is replaced by
+    the relaunch's own step N once its set is complete: a write-once never keeps the old one."""
+    durable = Durable(FileStore(tmp_path / "bucket"))
+    for digest, body in (("o", b"old"), ("n", b"new")):
+        for k in (0, 1):
+            durable.upload(node_ckpt(tmp_path / f"{digest}{k}", 20, k, {"w.bin": body * 100 + bytes([k])},
+                                     digest=digest), "job")
+        assert durable.manifest("job", 20)["digest"] == digest * 64
+    restored = durable.restore("job", tmp_path / "fresh")
+    assert (restored / "rank-0" / "w.bin").read_bytes() == b"new" * 100 + b"\x00"
 
 
 def test_an_old_incarnation_still_uploading_never_mixes_into_the_relaunch(tmp_path):
@@ -136,6 +159,7 @@ def test_an_old_incarnation_still_uploading_never_mixes_into_the_relaunch(tmp_pa
     the relaunch's parts, and the old upload, landing last, completes nothing and leaves the global
     step alone."""
     durable = Durable(FileStore(tmp_path / "bucket"))
+    durable.replicated_wait = 0.5  # node 1 of the relaunch uploads before its node 0
     for k in (0, 1):
         durable.upload(node_ckpt(tmp_path / f"old{k}", 10, k, {"w.bin": bytes([k]) * 100}), "job")
     old = node_ckpt(tmp_path / "old0", 20, 0, {"w.bin": b"old" * 100}, digest="o")

@@ -125,6 +125,18 @@ class AzureStore:
         with _translate(f"{self.url}: put {key}"):
             self._container.upload_blob(self._name(key), data, overwrite=True, validate_content=True)
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if no blob is there (``overwrite=False``: ``If-None-Match: *``): True
+        when this call wrote it."""
+        from azure.core.exceptions import ResourceExistsError
+
+        with _translate(f"{self.url}: put {key} if absent"):
+            try:
+                self._container.upload_blob(self._name(key), data, overwrite=False, validate_content=True)
+            except ResourceExistsError:
+                return False
+        return True
+
     def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         what = f"{self.url}: download {key}"
         with _translate(what):

@@ -121,6 +121,13 @@ class Store(Protocol):
         """Read a small object whole. :class:`NotFound` when absent; :class:`IntegrityError` when
         it is over ``max_size`` (no more than ``max_size + 1`` bytes are read)."""
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if no object is there, atomically where the store can (S3
+        ``If-None-Match``, GCS ``ifGenerationMatch=0``, Azure ``If-None-Match``, a hard link on a
+        directory): True when this call wrote it. Optional: a store without it is written with
+        :meth:`put_bytes`."""
+        ...
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``key`` from offset ``start`` (a resharding load reads only the
         saved shards it needs); :class:`IntegrityError` if the object is shorter."""

@@ -248,8 +248,31 @@ class Durable:
                     if isinstance(part.get("durable"), dict) else 0)
         manifest = _parts.global_manifest(first, own if own is not None else first, step)
         key, body = manifest_key(job_id, step), _parts.dumps(manifest)
+        if self._write_once(key, body, manifest["parts"]["token"]):
+            log.info("durable %s step %d: every node's part is in the store; global manifest written", job_id, step)
+        return True
+
+    def _write_once(self, key: str, body: bytes, token: str) -> bool:
+        """Write the global manifest ``key`` unless another node wrote it first (one write a step
+        where the store can tell, ``put_bytes_if_absent``); a global manifest of another incarnation
+        under the key (a relaunch's step N replacing the abandoned run's) is replaced. True when
+        this call wrote it."""
+        put_new = getattr(self.store, "put_bytes_if_absent", None)
+        if put_new is None:
+            _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
+            return True
+        if _retrying(lambda: put_new(key, body), self.attempts, key):
+            return True
+        try:
+            there = _loads(_retrying(lambda: self.store.get_bytes(key, max_size=MAX_MANIFEST_BYTES), self.attempts, key))
+        except (ManifestError, NotFound, IntegrityError):
+            there = None
+        parts = there.get("parts") if isinstance(there, dict) else None
+        if isinstance(parts, dict) and parts.get("token") == token:
+            log.info("durable: %s was written by another node first (the same bytes)", key)
+            return False
+        log.warning("durable: %s held another save's global manifest (an abandoned run's); replacing it", key)
         _retrying(lambda: self.store.put_bytes(key, body), self.attempts, key)
-        log.info("durable %s step %d: every node's part is in the store; global manifest written", job_id, step)
         return True
 
     def _send_missing(self, ckpt: Path, by_hash: dict[str, tuple[str, int]],

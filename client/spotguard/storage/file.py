@@ -124,6 +124,29 @@ class FileStore:
             except OSError as exc:
                 raise StoreError(f"{what}: {exc.strerror}") from exc
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if no object is there (a hard link of the fsynced file, which fails
+        on an existing name): True when this call wrote it."""
+        final = self._path(key)
+        try:
+            make_private_dirs(final.parent)
+            fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + final.name + "-", dir=final.parent)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    return False
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+            fsync_dir(final.parent)
+            return True
+        except OSError as exc:
+            raise StoreError(f"{self.url}: cannot write {key}: {exc.strerror}") from exc
+
     def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         """Copies at most ``max_size`` bytes: a file that grows while it is read is refused too."""
         what = f"{self.url}: read {key}"

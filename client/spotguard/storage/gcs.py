@@ -126,6 +126,19 @@ class GcsStore:
         with _translate(f"{self.url}: put {key}"):
             self._blob(key).upload_from_string(data, checksum="crc32c", retry=self._retry, timeout=self._timeout)
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if no object is there (``ifGenerationMatch=0``): True when this call
+        wrote it."""
+        from google.api_core import exceptions as gex
+
+        with _translate(f"{self.url}: put {key} if absent"):
+            try:
+                self._blob(key).upload_from_string(data, checksum="crc32c", if_generation_match=0,
+                                                   retry=self._retry, timeout=self._timeout)
+            except gex.PreconditionFailed:
+                return False
+        return True
+
     def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         """Large objects are read as ``part_size`` ranges (of the size checked) by ``concurrency``
         threads, then the whole file's CRC32C is checked against the object's."""

@@ -158,6 +158,25 @@ class S3Store:
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
                                     ChecksumSHA256=_b64(hashlib.sha256(data).digest()))
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if no object is there (``If-None-Match: *``, atomic in S3): True when
+        this call wrote it. A store that does not implement the condition (501) is written anyway."""
+        import botocore.exceptions as bex
+
+        with _translate(f"{self.url}: put {key} if absent"):
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*",
+                                        ChecksumSHA256=_b64(hashlib.sha256(data).digest()))
+            except bex.ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return False
+                if status != 501 and code != "NotImplemented":
+                    raise
+                self.put_bytes(key, data)
+        return True
+
     def get_file(self, key: str, path: Path, *, max_size: int | None = None) -> None:
         what = f"{self.url}: download {key}"
         with _translate(what):

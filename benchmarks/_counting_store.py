@@ -12,7 +12,7 @@ _BYTES_READ = {"get_bytes"}
 
 class CountingStore:
     """Forwards every call to ``store``; ``counts[method]``, ``bytes_read`` (get_bytes bodies) and
-    ``put_times[key]`` (when each ``put_bytes`` of a key returned) are what the benchmark reads."""
+    ``put_times[key]`` (when each ``put_bytes``, or ``put_bytes_if_absent`` that wrote, of a key returned) are what the benchmark reads."""
 
     def __init__(self, store: Any) -> None:
         self._store, self._lock = store, threading.Lock()
@@ -43,7 +43,7 @@ class CountingStore:
                 self.counts[name] += max(1, len(result) // 1000 + 1) if name == "list" else 1
                 if name in _BYTES_READ:
                     self.bytes_read += len(result)
-                if name == "put_bytes":
+                if name == "put_bytes" or (name == "put_bytes_if_absent" and result):  # a write that landed
                     self.put_times.setdefault(args[0], []).append(time.monotonic())
             return result
 

@@ -382,6 +382,11 @@ def load_entries(path: Path, manifest: dict[str, Any], part: str,
     else:
         def reader() -> SafeFileSystemReader:
             return SafeFileSystemReader(path / part / DCP_DIR, {rel.removeprefix(prefixes[0]) for rel in files})
+    _load_all(path, reader, entries, state)
+
+
+def _load_all(path: Path, reader: Any, entries: dict[str, tuple[str, Any]], state: Mapping[str, Any]) -> None:
+    """Load every ``"sharded"`` entry of ``entries`` that ``state`` holds through ``reader()``."""
     for name, (kind, value) in list(entries.items()):
         if kind == SHARDED and name in state:
             entries[name] = (kind, _load_entry(path, reader, state[name], value, name))
@@ -415,9 +420,7 @@ def _load_remote(path: Path, names: list[str], absent: set[str], files: dict[str
         def reader() -> SafeFileSystemReader:
             return _RemoteMergedReader(path, names, allowed, where, remote, absent)
 
-        for name, (kind, value) in list(entries.items()):
-            if kind == SHARDED and name in state:
-                entries[name] = (kind, _load_entry(path, reader, state[name], value, name))
+        _load_all(path, reader, entries, state)
 
 
 def _load_entry(path: Path, reader: Any, target: Any, value: Any, name: str) -> Any:

@@ -40,7 +40,8 @@ __all__ = ["PART", "part_key", "parts_prefix", "token", "uploaded_part", "listed
 PART = re.compile(r"^jobs/([^/]+)/parts/step-(\d{10})/node-(0|[1-9]\d{0,5})(?:\.([0-9a-f]{16}))?\.json$")
 """A part's key: job, step, node index, and the incarnation token (None: an untokened older part)."""
 _SAME = ("step", "world_size", "digest", "job_id")
-_TOKEN = re.compile(r"^[0-9a-f]{16}$")
+TOKEN = re.compile(r"^[0-9a-f]{16}$")
+"""An incarnation token as keys and global manifests carry it."""
 _NODE_ONLY = ("node", "durable", "files", "parts")
 """What a part holds that is its node's own, or the global manifest's: never copied between them."""
 
@@ -155,7 +156,7 @@ def resolve(store: Store, job: str, manifest: dict[str, Any], where: str, max_by
     (``ranks``) only the parts that hold those ranks and rank 0 (a fresh node's). Raises
     :class:`ManifestError` for a malformed section, a part that is missing or does not match."""
     section, world, step = manifest.get("parts"), manifest.get("world_size"), manifest["step"]
-    ok = isinstance(section, dict) and isinstance(section.get("token"), str) and bool(_TOKEN.match(section["token"]))
+    ok = isinstance(section, dict) and isinstance(section.get("token"), str) and bool(TOKEN.match(section["token"]))
     ok = ok and type(world) is int and world >= 1 and _ints(section.get("nodes")) and 1 <= section["nodes"] <= world
     held = _runs(section.get("layout"), world, section["nodes"]) if ok and "layout" in section else None
     if not ok or ("layout" in section and held is None):

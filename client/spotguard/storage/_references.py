@@ -60,10 +60,9 @@ class References:
         keys = list(self.store.list("jobs/"))
         if live_only:
             keys = [k for k in keys if "/pending/" in k or _parts.PART.match(k)]
-        else:
-            listed = set(keys)
-            self._known = {k: v for k, v in self._known.items() if k in listed}
         listed = set(keys)
+        if not live_only:  # forget what is no longer in the store
+            self._known = {k: v for k, v in self._known.items() if k in listed}
         referenced: set[str] = set()
         stale: list[str] = []
         indexed: set[tuple[str, str, str | None]] = set()
@@ -105,7 +104,7 @@ class References:
             return frozenset(meta["sha256"] for meta in manifest["files"].values()), None
         section = manifest["parts"]
         token, nodes = (section.get("token"), section.get("nodes")) if isinstance(section, dict) else (None, None)
-        if not (isinstance(token, str) and re.fullmatch(r"[0-9a-f]{16}", token) and type(nodes) is int
+        if not (isinstance(token, str) and _parts.TOKEN.match(token) and type(nodes) is int
                 and 1 <= nodes <= 1 << 20):
             raise Unreadable(f"{key} (bad parts section)")
         index = refs_key(job, step, token)

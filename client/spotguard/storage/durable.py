@@ -53,7 +53,7 @@ __all__ = ["Durable", "DurableInfo", "PruneReport", "object_key", "progress_key"
 log = logging.getLogger(__name__)
 
 _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_MANIFEST = re.compile(r"^jobs/([^/]+)/manifests/step-(\d{10})\.json$")
+_MANIFEST = _references.MANIFEST
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` after each file is uploaded or skipped."""

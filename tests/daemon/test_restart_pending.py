@@ -7,13 +7,15 @@ process (its pid receives the daemon's SIGUSR1) and a raw SUB socket."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 import zmq
 from spotguard.guard import Guard
-from spotguard.protocol import StatusRequest, decode_event
+from spotguard.protocol import Kind, NotifyRequest, RegisterRequest, StatusRequest, decode_event
 
 pytestmark = pytest.mark.slow
 
@@ -80,3 +82,37 @@ def test_a_pending_notice_survives_a_sigkill_restart(platform, simulator, daemon
     finally:
         guard.close()
         ctx.destroy(linger=0)
+
+
+LATE_CLIENT = """
+import signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: print("SIGUSR1", flush=True))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_client_that_registers_again_only_after_the_re_announcement_still_gets_its_signal(daemon_factory):
+    """A loaded node: the restarted daemon re-announces a restored notice before a client registered
+    again. The client's late register still brings it the signal it missed, once."""
+    daemon = daemon_factory()
+    client = subprocess.Popen([sys.executable, "-c", LATE_CLIENT], stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline() == "ready\n"
+        notice = daemon.request(NotifyRequest(kind=Kind.STOP, deadline_seconds=120)).data["notice"]["id"]
+        daemon.kill()
+        log_start = len(daemon.output())
+        daemon.start()
+        assert wait_for(lambda: f"re-announcing notice {notice}" in daemon.output()[log_start:])
+        assert "sent SIGUSR1 to 0 of 0 processes" in daemon.output()[log_start:]  # nobody registered again yet
+        for _ in range(2):  # the second register is not signalled again
+            reply = daemon.request(RegisterRequest(pid=client.pid, job_id="late"))
+            assert [n["id"] for n in reply.data["notices"]] == [notice]
+        assert client.stdout.readline() == "SIGUSR1\n"
+        assert wait_for(lambda: "sent SIGUSR1 to 1 of 1 processes that registered again after it went out"
+                        in daemon.output())
+        time.sleep(0.5)
+        assert daemon.output().count("that registered again after it went out") == 1
+    finally:
+        client.kill()
+        client.wait(10)

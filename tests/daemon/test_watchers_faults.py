@@ -36,7 +36,8 @@ PLATFORMS = {  # platform: (make watcher, kind to schedule, expected notice kind
 }
 EXPECTED = {
     "500": {"http_error"}, "503": {"http_error"}, "429": {"http_error"}, "401": {"http_error"},
-    "hang": {"timeout", "http_error"},  # a hang ends in a dropped connection when the fault expires "garbage": {"bad_payload"}, "truncated": {"http_error"},
+    "hang": {"timeout", "http_error"},  # a hang ends in a dropped connection when the fault expires
+    "garbage": {"bad_payload"}, "truncated": {"http_error"},
     "reset": {"connect_error", "http_error"},
 }
 
@@ -112,9 +113,11 @@ def test_fault_matrix(mode):
         return await asyncio.gather(*(one_platform(platform, mode, ready) for platform in PLATFORMS))
 
     for platform, (watch, scheduled_at, healed_at) in zip(PLATFORMS, asyncio.run(main())):
-        failures = [o for o in watch.outcomes if o != "ok"]
-        assert failures, f"{platform}: the fault was never seen"
-        assert set(failures) <= EXPECTED[mode], f"{platform}: {mode} classed as {set(failures)}"
+        failures = set(watch.outcomes) - {"ok"}
+        assert failures & EXPECTED[mode], f"{platform}: {mode} never classed as {EXPECTED[mode]}: {failures}"
+        # a loaded machine may starve a 0.3 s request of the loop (CI saw a ConnectTimeout on loopback):
+        # a timeout is a true class for that, never a mis-classed fault
+        assert failures - {"timeout"} <= EXPECTED[mode], f"{platform}: {mode} classed as {failures}"
         watch.check(scheduled_at, healed_at)
         assert watch.runner.healthy, platform
 

@@ -10,7 +10,8 @@ Parts and their wiring (sources produce, the store decides, actions act)::
 Life cycle: lock the runtime directory, serve metrics, bind the sockets, load the notices a previous
 run left pending (``status`` lists them at once; they are published on PUB and delivered again once,
 ``RESTORE_HEARTBEATS`` heartbeats later, when the clients that stayed connected have seen the new
-daemon id and registered again, so the signal fallback reaches them), start one task per runner
+daemon id and registered again, so the signal fallback reaches them; one that registers again up to
+``RESTORE_LATE_SECONDS`` later still gets it), start one task per runner
 plus the request, heartbeat and housekeeping loops, then tell systemd ``READY=1``. The first
 SIGTERM/SIGINT means the node is going or only the daemon is (:meth:`Daemon.node_stops`, setting
 ``signal.means``). A node stop with clients registered raises a ``signal`` notice due in
@@ -80,6 +81,9 @@ run`` reports its plain job safe after the job exited, and the reaper may drop t
 RESTORE_HEARTBEATS = 3
 """Heartbeats between binding and re-announcing restored notices: a client reconnects within one,
 then registers and asks status."""
+RESTORE_LATE_SECONDS = 30.0
+"""For this long after the re-announcement, a client that registers again late (a loaded node) still
+gets the signal it missed, once; the register reply carries the notice too."""
 
 
 class Daemon:
@@ -137,6 +141,8 @@ class Daemon:
         self._force = False
         self._restoring = False
         self._settle_soon = False
+        self._late: list[Notice] = []
+        self._late_until = 0.0
         self.tasks = Supervisor(self.metrics.task_restarts)
 
     @property
@@ -234,9 +240,11 @@ class Daemon:
         await asyncio.sleep(RESTORE_HEARTBEATS * self.settings.zmq.heartbeat_interval)
         self._restoring = True
         try:
-            self.store.announce_restored(restored)
+            announced = self.store.announce_restored(restored)
         finally:
             self._restoring = False
+        self._late_until = time.monotonic() + RESTORE_LATE_SECONDS
+        self._late = [n for n in announced if n.terminating]
 
     def _runner(self, watcher) -> Callable[[], Awaitable[None]]:
         def sink(source, notices) -> None:
@@ -337,8 +345,21 @@ class Daemon:
         for notice in self.store.pending():  # before a drill is withdrawn for it
             if self._all_safe(notice.id, need_one=True):
                 self.timeline.all_safe(notice.id)
+        self._signal_late()
         self._acknowledge_ready()
         self._complete_manual()
+
+    def _signal_late(self) -> None:
+        """Signal clients that registered again only after a restored notice was re-announced."""
+        if not self._late:
+            return
+        if time.monotonic() > self._late_until:
+            self._late = []
+            return
+        pending = {n.id for n in self.store.pending()}
+        for notice in self._late:
+            if notice.id in pending and (sent := self.delivery.send_signal(notice, missed_only=True)):
+                self.timeline.stage(notice.id, "signalled", pids=sent)
 
     def _complete_manual(self) -> None:
         """A manual notice (a drill, a scripted stop) has done its job once every registered client

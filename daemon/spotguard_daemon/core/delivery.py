@@ -98,13 +98,12 @@ class Delivery:
         self._backoff = backoff
         self._tasks: set[asyncio.Task] = set()
         self._signalled: dict[str, dict[str, float | None]] = {}
+        self._sent_to: dict[str, set[int]] = {}
 
     def deliver(self, notice: Notice) -> list[int]:
         """Signal now (for terminating notices) and start the hook and webhook in the background;
         return the pids signalled."""
-        sent = []
-        if notice.terminating and self._settings.signal != "none":
-            sent = self.send_signal(notice)
+        sent = self.send_signal(notice)
         payload = encode(notice)
         if self._settings.hook:
             self._spawn(self._retry("hook", self._run_hook, payload))
@@ -112,15 +111,25 @@ class Delivery:
             self._spawn(self._retry("webhook", self._post_webhook, payload))
         return sent
 
-    def send_signal(self, notice: Notice) -> list[int]:
+    def send_signal(self, notice: Notice, *, missed_only: bool = False) -> list[int]:
+        """Signal the registered, listed and not refusing pids; with ``missed_only``, only those
+        not signalled for this notice yet (clients that registered again after it went out)."""
+        if not notice.terminating or self._settings.signal == "none":
+            return []
         signum = _signal.Signals[self._settings.signal]
         targets = set(self._registered()) | listed_pids(self._settings.pid_files, self._settings.cgroup)
         targets -= set(self._refused())
+        if missed_only:
+            targets -= self._sent_to.get(notice.id, set())
+            if not targets:
+                return []
         sent = signal_pids(targets, signum)
-        log.info("notice %s: sent %s to %d of %d processes", notice.id, signum.name, len(sent), len(targets))
+        log.info("notice %s: sent %s to %d of %d processes%s", notice.id, signum.name, len(sent), len(targets),
+                 " that registered again after it went out" if missed_only else "")
         if sent:
             self._forget(time.time())
-            self._signalled[notice.id] = {"at": time.time(), "cancelled_at": None}
+            self._signalled.setdefault(notice.id, {"at": time.time(), "cancelled_at": None})
+            self._sent_to.setdefault(notice.id, set()).update(sent)
         for _ in sent:
             self._outcome("signal", True)
         return sent
@@ -140,6 +149,7 @@ class Delivery:
         for notice_id, times in list(self._signalled.items()):  # oldest first; at most 256 kept
             if (times["cancelled_at"] or times["at"]) + RECENT_SECONDS < now or len(self._signalled) > 256:
                 del self._signalled[notice_id]
+                self._sent_to.pop(notice_id, None)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -193,3 +193,31 @@ def test_a_restore_hands_its_read_buffers_to_the_staging_copy_but_never_live_sta
         assert not live & {b.untyped_storage().data_ptr() for b in staged}
         assert torch.equal(staged[0], model.weight.detach())  # the bytes read: adopted, not allocated anew
         assert staged[0].data_ptr() % 4096 == 0  # page aligned, for O_DIRECT writes
+
+
+def test_many_small_buffers_are_prepared_in_batches_and_in_order(monkeypatch):
+    """60,000 small tensors once took 19 s to prepare at a quarter of a core: one throttle sleep
+    per buffer. Small buffers are now made in batches, in order, around the large ones."""
+    from spotguard.checkpoint import staging
+
+    pieces = []
+
+    class Counting(staging.Throttle):
+        def run(self, fn, *args):
+            pieces.append(fn)
+            return super().run(fn, *args)
+
+    monkeypatch.setattr(staging, "Throttle", Counting)
+    small = {f"p{i}": torch.full((256,), float(i)) for i in range(10_000)}
+    state = {"a": dict(list(small.items())[:6_000]), "big": torch.ones(1 << 19), "b": dict(list(small.items())[6_000:])}
+    stager = Stager(pin_memory=False)
+    specs = tensor_specs(state)
+    stager.prepare(specs, cpu_share=0.25)
+    assert stager.wait_prepared(timeout=60)
+    assert [(b.shape, b.dtype) for b in stager.buffers] == specs
+    # 6,000 small (2 batches), the big one (alloc + touch), 4,000 small (1 batch)
+    assert len(pieces) == 5, len(pieces)
+    prepared = [b.data_ptr() for b in stager.buffers]
+    snap = stager.snapshot(state)
+    assert [t.data_ptr() for t in snap.tensors] == prepared
+    assert torch.equal(snap.tensors[6_001], torch.full((256,), 6_000.0))

@@ -48,8 +48,13 @@ _ALIGN = 64
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a tensor as a flat memoryview; a contiguous CPU tensor's own memory, not a copy."""
-    return memoryview(t.detach().cpu().reshape(-1).view(torch.uint8).numpy())
+    """The bytes of a tensor as a flat memoryview; a contiguous CPU tensor's own memory, not a copy.
+    (No detach or copy where none is needed: 60,000 small tensors are 60,000 calls.)"""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu:
+        t = t.cpu()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _layout(snap: Snapshot, large_bytes: int) -> tuple[list[dict[str, Any]], int]:
@@ -150,8 +155,10 @@ def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None
         for entry, t in zip(index, snap.tensors):
             if entry["file"] != SMALL:
                 writer.write_tensor(dest, entry["file"], t)
+        small = None
         if small_size or any(e["file"] == SMALL for e in index):
-            writer.write(dest, SMALL, memoryview(_pack_small(index, snap.tensors, small_size)))
+            small = memoryview(_pack_small(index, snap.tensors, small_size))
+            writer.write(dest, SMALL, small)
         tree = json.dumps({"entries": snap.entries, "tensors": index}, separators=(",", ":"))
         writer.write(dest, TREE, memoryview(tree.encode()))
     except BaseException:
@@ -165,21 +172,26 @@ def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None
     for sub in (dest / "tensors", dest):
         if sub.is_dir():
             _fs.fsync_dir(sub)
-    return files, part_digest(snap, index, files)
+    return files, part_digest(snap, index, files, small)
 
 
-def part_digest(snap: Snapshot, index: list[dict[str, Any]], files: dict[str, dict]) -> str:
+def part_digest(snap: Snapshot, index: list[dict[str, Any]], files: dict[str, dict],
+                small: memoryview | None = None) -> str:
     """sha256 of a part's training state: each entry's structure and its tensors' dtype, shape and
     bytes, in order, entries in :data:`~.layout.VOLATILE` excluded. Large tensors are hashed
-    already (a file each); small ones are hashed here, which costs little since they are small.
-    DCP files of sharded entries count whole."""
+    already (a file each); small ones are hashed here from ``small`` (the packed small.bin), which
+    costs little since they are small. DCP files of sharded entries count whole."""
     sha, start = hashlib.sha256(), 0
     for (name, kind, tree), end in zip(snap.entries, snap.ends):
         if name not in VOLATILE:
             sha.update(json.dumps([name, kind, tree], separators=(",", ":")).encode())
             for entry, t in zip(index[start:end], snap.tensors[start:end]):
-                body = files[entry["file"]]["sha256"] if entry["file"] != SMALL else \
-                    hashlib.sha256(tensor_bytes(t)).hexdigest()
+                if entry["file"] != SMALL:
+                    body = files[entry["file"]]["sha256"]
+                elif small is not None:
+                    body = hashlib.sha256(small[entry["offset"] : entry["offset"] + entry["nbytes"]]).hexdigest()
+                else:
+                    body = hashlib.sha256(tensor_bytes(t)).hexdigest()
                 sha.update(f"{entry['dtype']}{entry['shape']}{body}".encode())
         start = end
     for relpath in sorted(k for k in files if k.startswith("dcp/")):

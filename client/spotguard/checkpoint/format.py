@@ -31,8 +31,11 @@ __all__ = ["encode", "decode", "dtype_name", "dtype_from_name"]
 _DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return _NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -42,49 +45,65 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise CheckpointCorruptError(f"unknown tensor dtype {name!r}") from None
 
 
-def encode(obj: Any, tensors: list[torch.Tensor], path: str = "state") -> Any:
+Path = "str | tuple[Path, Any]"
+"""Where a value sits, for error messages only: a name, or ``(parent, key)``, rendered on error."""
+
+_PLAIN = frozenset({type(None), bool, int, str})
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def encode(obj: Any, tensors: list[torch.Tensor], path: Path = "state") -> Any:
     """JSON-able form of ``obj``; tensors (and numpy arrays as bytes) are appended to ``tensors``."""
-    if isinstance(obj, (np.ndarray, np.generic)):  # first: np.float64 is a float subclass
-        return _encode_numpy(obj, tensors, path)
-    if obj is None or type(obj) in (bool, int, str):
+    kind = type(obj)  # exact types first: a state of 60,000 tensors is mostly these
+    if kind in _TENSORS:
+        return {"tensor": _add_tensor(obj, tensors, path)}
+    if kind in _PLAIN:
         return obj
-    if type(obj) is float:
+    if kind is float:
         return obj if math.isfinite(obj) else {"float": repr(obj)}
+    if isinstance(obj, (np.ndarray, np.generic)):  # before float: np.float64 is a float subclass
+        return _encode_numpy(obj, tensors, path)
     if isinstance(obj, torch.Tensor):
         return {"tensor": _add_tensor(obj, tensors, path)}
-    if isinstance(obj, Mapping):
+    if kind is dict or isinstance(obj, Mapping):
         tag = "odict" if isinstance(obj, OrderedDict) else "dict"
-        return {tag: [[encode(k, tensors, path), encode(v, tensors, f"{path}[{k!r}]")] for k, v in obj.items()]}
+        return {tag: [[encode(k, tensors, path), encode(v, tensors, (path, k))] for k, v in obj.items()]}
     return _encode_other(obj, tensors, path)
 
 
-def _encode_other(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
+def _where(path: Path) -> str:
+    if isinstance(path, str):
+        return path
+    parent, key = path
+    return f"{_where(parent)}[{key!r}]"
+
+
+def _encode_other(obj: Any, tensors: list[torch.Tensor], path: Path) -> Any:
     if isinstance(obj, (list, tuple)):
         tag = "size" if isinstance(obj, torch.Size) else "list" if isinstance(obj, list) else "tuple"
         if tag == "tuple" and type(obj) is not tuple:
-            raise UnsupportedStateError(f"{path}: named tuple {type(obj).__name__} is not supported")
-        return {tag: [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+            raise UnsupportedStateError(f"{_where(path)}: named tuple {type(obj).__name__} is not supported")
+        return {tag: [encode(v, tensors, (path, i)) for i, v in enumerate(obj)]}
     if isinstance(obj, (bytes, bytearray)):
         return {"bytes": base64.b64encode(bytes(obj)).decode("ascii")}
     if isinstance(obj, torch.dtype):
         return {"dtype": dtype_name(obj)}
     if isinstance(obj, torch.device):
         return {"device": str(obj)}
-    raise UnsupportedStateError(f"{path}: values of type {type(obj).__qualname__} cannot be checkpointed")
+    raise UnsupportedStateError(f"{_where(path)}: values of type {type(obj).__qualname__} cannot be checkpointed")
 
 
-def _add_tensor(t: torch.Tensor, tensors: list[torch.Tensor], path: str) -> int:
-    if t.layout is not torch.strided or t.is_quantized or type(t) is not torch.Tensor and not isinstance(
-        t, torch.nn.Parameter
-    ):
-        raise UnsupportedStateError(f"{path}: only dense strided tensors are supported, got {type(t).__name__}")
+def _add_tensor(t: torch.Tensor, tensors: list[torch.Tensor], path: Path) -> int:
+    if t.layout is not torch.strided or t.is_quantized or (
+            type(t) not in _TENSORS and not isinstance(t, torch.nn.Parameter)):
+        raise UnsupportedStateError(f"{_where(path)}: only dense strided tensors are supported, got {type(t).__name__}")
     tensors.append(t.detach())
     return len(tensors) - 1
 
 
-def _encode_numpy(a: np.ndarray | np.generic, tensors: list[torch.Tensor], path: str) -> Any:
+def _encode_numpy(a: np.ndarray | np.generic, tensors: list[torch.Tensor], path: Path) -> Any:
     if a.dtype.hasobject:
-        raise UnsupportedStateError(f"{path}: numpy object arrays cannot be checkpointed")
+        raise UnsupportedStateError(f"{_where(path)}: numpy object arrays cannot be checkpointed")
     if isinstance(a, np.generic):
         return {"npscalar": a.dtype.str, "hex": a.tobytes().hex()}
     raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)

@@ -47,6 +47,8 @@ ALIGNED_MIN_BYTES = 1 << 20
 """Buffers this large or larger are page aligned (4 KiB of slack each); smaller ones go to small.bin."""
 _TOUCH_BYTES = 64 << 20
 """Pre-faulting works in ranges of this size: the most a racing snapshot waits for it."""
+_SMALL_BATCH = 4096
+"""Small buffers a preparation allocates in one throttled piece (about 10 ms of work)."""
 
 Spec = tuple[torch.Size, torch.dtype]
 
@@ -173,7 +175,7 @@ class Stager:
 
     def _new_buffer(self, spec: Spec) -> torch.Tensor:
         shape, dtype = spec
-        nbytes = shape.numel() * dtype.itemsize
+        nbytes = _nbytes(spec)
         if self._pin:  # pinned memory is page aligned already
             return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
         return aligned_bytes(nbytes).view(dtype).view(shape)
@@ -213,6 +215,10 @@ def aligned_bytes(nbytes: int) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
+def _nbytes(spec: Spec) -> int:
+    return spec[0].numel() * spec[1].itemsize
+
+
 def _fits(buf: torch.Tensor, spec: Spec) -> bool:
     return buf.shape == spec[0] and buf.dtype == spec[1]
 
@@ -234,15 +240,31 @@ class _Preparation:
 
     def _run(self, nice: int | None, throttle: Throttle) -> None:
         lower_priority(nice)
+        small: list[Spec] = []  # consecutive small buffers: allocated in one throttled piece
         for i, spec in enumerate(self._specs):
             if self._stopping.is_set():
                 return
             if i < len(self._old) and _fits(self._old[i], spec):
+                self._flush(small, throttle)
                 self._ready.append(self._old[i])
-                continue
-            buf = throttle.run(self._new_buffer, spec)
-            self._ready.append(buf)
-            _touch(buf, throttle, self._stopping)
+            elif _nbytes(spec) < ALIGNED_MIN_BYTES:
+                small.append(spec)
+                if len(small) >= _SMALL_BATCH:
+                    self._flush(small, throttle)
+            else:
+                self._flush(small, throttle)
+                buf = throttle.run(self._new_buffer, spec)
+                self._ready.append(buf)
+                _touch(buf, throttle, self._stopping)
+        self._flush(small, throttle)
+
+    def _flush(self, small: list[Spec], throttle: Throttle) -> None:
+        """Allocate the batched small buffers in one piece of throttled work: one throttle sleep
+        per buffer made 60,000 1 KiB tensors take 19 s to prepare at a quarter of a core (not
+        touched: a malloc'd buffer this small shares its pages, faulted by the first snapshot)."""
+        if small and not self._stopping.is_set():
+            self._ready.extend(throttle.run(lambda: [self._new_buffer(spec) for spec in small]))
+        small.clear()
 
     def join(self, timeout: float | None) -> bool:
         self._thread.join(timeout)

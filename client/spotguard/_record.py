@@ -87,7 +87,7 @@ SCHEMA: dict[str, dict[str, str]] = {
     "*": {"t": "time", "pid": "count", "rank": "count", "job": "str?"},
     "start": {"root": "str", "world_size": "count?", "resumed_from": "count?", "skipped": "list?",
               "total": "count?", "entries": "list?", "loaded_digest": "str?", "cadence": "str?",
-              "daemon": "bool?"},
+              "daemon": "bool?", "tier": "str?"},
     "progress": {"step": "count"},
     "commit": {"step": "count", "kind": "str?", "digest": "str?", "blocking_s": "seconds?",
                "persist_s": "seconds?", "bytes": "count?", "path": "str?", "mtbf_s": "seconds?",
@@ -190,16 +190,17 @@ class Recorder:
     def start(self, *, root: str | os.PathLike[str], world_size: int, resumed_from: int | None,
               skipped: list[dict[str, str]], total: int | None, entries: list[str] | None = None,
               loaded_digest: str | None = None, cadence: str | None = None,
-              daemon: bool | None = None) -> None:
+              daemon: bool | None = None, tier: str | None = None) -> None:
         """The run's start. ``cadence``: where its save cadence comes from (see
         :func:`spotguard._run_parts.cadence_source`; ``save_steps`` for the HF Trainer's own);
-        ``daemon``: whether it listens to the daemon (False for ``Run(daemon=False)``)."""
+        ``daemon``: whether it listens to the daemon (False for ``Run(daemon=False)``); ``tier``:
+        where the resumed step came from (``local``, ``peer`` or ``bucket``)."""
         total = self.total or total
         total = total if total is None or total <= MAX_INT else None  # an endless loop has no budget
         self.emit("start", root=str(root), world_size=world_size, argv=list(sys.argv),
                   cwd=os.getcwd(), host=socket.gethostname(), restart_count=restart_count(),
                   resumed_from=resumed_from, skipped=skipped, total=total, entries=entries,
-                  loaded_digest=loaded_digest, cadence=cadence, daemon=daemon)
+                  loaded_digest=loaded_digest, cadence=cadence, daemon=daemon, tier=tier)
 
     def progress(self, step: int) -> None:
         """Record ``step`` unless one was recorded less than PROGRESS_SECONDS ago (rank 0 only)."""

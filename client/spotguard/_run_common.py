@@ -14,6 +14,11 @@ holds that are newer than the agreed one are from a timeline the relaunch abando
 renamed ``abandoned-step-N-<time>`` (kept, never loaded, never pruned as checkpoints), so that the
 relaunch's own step N never mixes with them; only once every node has the agreed step. Store
 errors leave the store out of the offer (with a warning) and the load goes on with what is local.
+
+The peer tier (``SPOTGUARD_PEER__PARTNERS``, :mod:`spotguard.storage.peer`): the steps the
+partners hold of this node's slot (its ranks) count as fetchable too, and a node lacking the agreed
+step fetches it from a partner first, from the store when no partner gives a copy that verifies.
+``run._tier`` says where the resumed step came from: ``local``, ``peer`` or ``bucket``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from spotguard.storage import StoreError
 from spotguard.storage.base import StoreOptions
 from spotguard.storage.durable import Durable
 from spotguard.storage.fresh_node import DEFAULT_JOB
+from spotguard.storage.peer import PeerClient, PeerError, newest_from_peers, peers_from_env, slot_of
 from spotguard.storage.registry import open_store
 
 __all__ = ["fetch_common_step"]
@@ -48,24 +54,55 @@ def fetch_common_step(run: Any, url: str | None, options: StoreOptions | None) -
     job = run._job_id or DEFAULT_JOB
     local = {step for step, _ in layout.committed_dirs(ckpt.root)}
     durable, remote = _store_steps(url, options, job)
-    step = agree_step(coord, local | remote)
+    partners, secret = peers_from_env()
+    slot = slot_of(ckpt.node_ranks) if partners and ckpt.node_ranks else None
+    peers = newest_from_peers(partners, secret, job, slot) if slot else {}
+    step = agree_step(coord, local | remote | set(peers))
     if step is None:
         return None
+    if step not in local:  # what the node leader's fetch below will say (it is the one that knows)
+        run._tier = "peer" if step in peers else "bucket"
     ok = 1
     if step not in local and ckpt._leads:
-        try:
-            log.warning("node-local roots: the ranks agree on step %d, which this node lacks (its newest: "
-                        "%s); fetching it from %s", step, max(local, default=None), durable.store.url)
-            durable.restore(job, ckpt.root, step=step, ranks=ckpt.node_ranks, world_size=ckpt.world_size)
-        except (StoreError, OSError) as exc:
-            log.error("could not fetch step %d from the store: %s", step, exc)
-            ok = 0
+        ok = int(_fetch(run, job, step, local, peers.get(step), secret, slot, durable if step in remote else None))
     if not coord.agree(ok, "min"):  # every node's fetch is done before anyone loads
         return None  # the load says what each rank holds; nothing was set aside
     if ckpt._leads:
         _set_aside(ckpt.root, step)
     coord.agree(0, "sum")  # set aside before any rank of the node lists its checkpoints
     return step
+
+
+def _fetch(run: Any, job: str, step: int, local: set[int], peer: str | None, secret: str | None,
+           slot: str | None, durable: Any) -> bool:
+    """Fetch ``step`` of this node's ranks: from the partner ``peer`` holding it, else from the
+    store (``durable``); whether it is here now."""
+    ckpt, newest = run.checkpointer, max(local, default=None)
+    if peer is not None:
+        started = time.monotonic()
+        log.warning("node-local roots: the ranks agree on step %d, which this node lacks (its newest: %s); "
+                    "fetching it from the peer %s", step, newest, peer)
+        try:
+            with PeerClient(peer, secret, job) as client:
+                client.fetch(slot, step, ckpt.root)
+            log.warning("node-local roots: step %d (%s) restored from the peer %s in %.1f s", step, slot, peer,
+                        time.monotonic() - started)
+            run._tier, run._restored_from = "peer", f"restored from the peer {peer}:"
+            return True
+        except (PeerError, OSError) as exc:
+            log.error("could not fetch step %d from the peer %s (%s)%s", step, peer, exc,
+                      "; trying the store" if durable is not None else "")
+    if durable is None:
+        return False
+    try:
+        log.warning("node-local roots: the ranks agree on step %d, which this node lacks (its newest: "
+                    "%s); fetching it from %s", step, newest, durable.store.url)
+        durable.restore(job, ckpt.root, step=step, ranks=ckpt.node_ranks, world_size=ckpt.world_size)
+        run._tier, run._restored_from = "bucket", f"restored from the store {durable.store.url}:"
+        return True
+    except (StoreError, OSError) as exc:
+        log.error("could not fetch step %d from the store: %s", step, exc)
+        return False
 
 
 def agree_step(coord: Any, have: set[int]) -> int | None:

@@ -64,6 +64,7 @@ def restore_from_store(run: Any) -> None:
                              ranks=getattr(run.checkpointer, "node_ranks", None),
                              world_size=getattr(run.checkpointer, "world_size", None)) is not None:
                 run._restored_from = f"restored from the store {url.split('?', 1)[0]}:"
+                run._tier = "bucket"
         except RestoreFailed as exc:
             log.error("%s; going on with local checkpoints (steps after them are trained again)", exc)
             run.record.emit("restore_failed", store=url.split("?", 1)[0], store_step=exc.store_step,

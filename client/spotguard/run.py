@@ -249,6 +249,8 @@ class Run(Stopping):
         self.stopped = False
         self.resumed_from: Any = None
         self._restored_from: str | None = None
+        self._tier: str | None = None
+        """Where the resumed step came from when not from this node's disk: ``peer`` or ``bucket``."""
         """Where the checkpoint resumed from came from, when the durable store (a fresh node)."""
         self._saved_step: int | None = None
         self._last_boundary: float | None = None
@@ -288,7 +290,8 @@ class Run(Stopping):
                           skipped=self.checkpointer.skipped, total=total, entries=sorted(self.state),
                           loaded_digest=getattr(self.resumed_from, "digest", None),
                           cadence=self._cadence_source,
-                          daemon=getattr(self.guard, "_link", None) is not None)
+                          daemon=getattr(self.guard, "_link", None) is not None,
+                          tier=(self._tier or "local") if self.resumed_from else None)
         if self.step >= total:
             log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
             return  # a completed job relaunched under a pending notice must exit 0, not 75

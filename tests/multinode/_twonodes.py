@@ -245,12 +245,13 @@ class Job:
 
 @contextmanager
 def two_nodes(workdir: Path, store: str | None = None, node_local: bool = False,
-              bucket: Any = None, hold_b: bool = False) -> Iterator[Cluster]:
+              bucket: Any = None, hold_b: bool = False, env: Any = None) -> Iterator[Cluster]:
     """Two namespaces with a daemon each, torn down (processes killed by pid) on the way out.
     ``store``: the durable store of both daemons and jobs; ``bucket`` (a ``_bucket.Bucket``): the
     S3 emulator instead, through a relay per node (node b's a ``HoldingRelay`` with ``hold_b``);
     ``node_local``: each daemon's checkpoint root is its node's own tmpfs on ``workdir/local-<a|b>``
-    (no directory shared for checkpoints)."""
+    (no directory shared for checkpoints); ``env(cluster, node)``: more variables for a node's
+    processes, its daemon's included."""
     sock_dir = Path(tempfile.mkdtemp(prefix="sgmn-", dir="/tmp"))  # ipc:// paths must stay short
     cluster = Cluster(workdir, sock_dir)
     try:
@@ -262,6 +263,8 @@ def two_nodes(workdir: Path, store: str | None = None, node_local: bool = False,
                 node.extra_env.update(bucket.env(node.relay))
             elif store:
                 node.extra_env["SPOTGUARD_STORAGE__URL"] = store
+            if env is not None:
+                node.extra_env.update(env(cluster, node))
             node.start_daemon(cluster.tmpfs(workdir / f"local-{letter}") if node_local else cluster.checkpoint_root)
         yield cluster
     finally:

@@ -58,6 +58,7 @@ from spotguard_daemon.core.goodput_store import DurableProgress, NoProgress
 from spotguard_daemon.core.job_rates import JobRates
 from spotguard_daemon.core.handlers import RequestHandler
 from spotguard_daemon.core.metrics import Metrics
+from spotguard_daemon.core.peer_tier import PeerTier
 from spotguard_daemon.core.server import Server, ServerError, lock_runtime_dir
 from spotguard_daemon.core.settings import Settings
 from spotguard_daemon.core.store import NoticeStore
@@ -81,6 +82,8 @@ run`` reports its plain job safe after the job exited, and the reaper may drop t
 RESTORE_HEARTBEATS = 3
 """Heartbeats between binding and re-announcing restored notices: a client reconnects within one,
 then registers and asks status."""
+JOB_MEMORY_S = 600.0
+"""How long after its last client went a job's parts are still taken from partners (peer tier)."""
 RESTORE_LATE_SECONDS = 30.0
 """For this long after the re-announcement, a client that registers again late (a loaded node) still
 gets the signal it missed, once; the register reply carries the notice too."""
@@ -143,6 +146,10 @@ class Daemon:
         self._settle_soon = False
         self._late: list[Notice] = []
         self._late_until = 0.0
+        self.peer: PeerTier | None = None
+        self._jobs: dict[str, float] = {}
+        """Job id: when a client of it was last registered (0: now); the peer server's threads read
+        it, so it is swapped whole, never changed in place."""
         self.tasks = Supervisor(self.metrics.task_restarts)
 
     @property
@@ -162,6 +169,7 @@ class Daemon:
                 "pub_endpoint": self.server.pub_endpoint,
                 "request_endpoint": self.server.request_endpoint, "metrics": metrics,
                 "draining": self._node_going, "uploads": self.queue.status(),
+                "peer": self.peer.status() if self.peer is not None else None,
                 "signalled": self.delivery.recent() if hasattr(self, "delivery") else {}}
 
     # ------------------------------------------------------------------ run
@@ -227,6 +235,8 @@ class Daemon:
                 self.metrics_port = self.metrics.serve(host, port)
             except OSError as exc:
                 raise ServerError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+        if self.settings.peer.enabled:
+            self.peer = PeerTier(self.settings, self._known_jobs)
         self.server.bind()
         self.store.on_announce(self._announce)
         self.store.on_cancel(self._cancel)
@@ -288,6 +298,8 @@ class Daemon:
         the path as named, not as resolved, so that it can refuse a symlinked checkpoint directory."""
         named = Path(os.path.abspath(Path(self.settings.checkpoint_root or path.parent) / request.path))
         self.queue.submit(request.job_id, named, request.step, request.size_bytes)
+        if self.peer is not None:
+            self.peer.submit(request.job_id or DEFAULT_JOB, named, request.step)
 
     def _terminating(self) -> bool:
         """Whether a terminating notice is pending (read by the goodput store's rate)."""
@@ -334,11 +346,20 @@ class Daemon:
 
     def _clients_changed(self) -> None:
         self.metrics.clients.set(len(self.handler.clients))
+        now, current = time.monotonic(), {c.job_id or DEFAULT_JOB for c in self.handler.clients.values()}
+        self._jobs = {**{j: t if t else now for j, t in self._jobs.items() if (t or now) > now - JOB_MEMORY_S},
+                      **dict.fromkeys(current, 0.0)}
         if hasattr(self, "_changed"):
             self._changed.set()
             if not self._settle_soon:  # once per burst of requests: each pass is notices x clients
                 self._settle_soon = True
                 self._loop.call_soon(self._settle)
+
+    def _known_jobs(self) -> set[str]:
+        """Jobs a partner may push parts of: registered here now, or within ``JOB_MEMORY_S`` (the
+        last save of a job reaches the partner after the partner's own ranks finished)."""
+        now = time.monotonic()
+        return {job for job, seen in self._jobs.items() if not seen or seen > now - JOB_MEMORY_S}
 
     def _settle(self) -> None:
         self._settle_soon = False
@@ -520,6 +541,8 @@ class Daemon:
                 log.debug("closing watcher %s: %s", getattr(watcher, "name", watcher), exc)
         self.queue.close(timeout=1.0)  # a node stop waited for uploads already; a stalled one is abandoned
         self.progress.close()
+        if self.peer is not None:
+            self.peer.close()
         self.handler.ledger.flush(force=True)
         self.server.close()
         self.metrics.close()

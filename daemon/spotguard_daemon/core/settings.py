@@ -9,10 +9,11 @@ line naming the setting (:func:`load_settings` raises :class:`SettingsError`).
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import signal as _signal
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AnyHttpUrl,
@@ -30,10 +31,12 @@ from ._urls import NO_STORE, HttpEndpoint, StoreUrl, is_loopback
 from .redact import redact_data, redact_text, register, register_environment, register_url
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from pydantic_settings import SettingsError as PydanticSettingsError
 
 __all__ = ["Settings", "SettingsError", "load_settings", "DEFAULT_CONFIG_PATH", "redacted"]
 
@@ -266,6 +269,54 @@ class StorageSettings(_Section):
     """Connection string instead of ``DefaultAzureCredential`` (Azurite, shared keys); never logged."""
 
 
+class PeerSettings(_Section):
+    """The peer tier (docs/multi-node.md, "Three tiers"): node-local parts copied to partner nodes."""
+
+    listen: str | None = None
+    """``host:port`` this daemon serves partners' parts on (the cluster address; port 0 picks one).
+    Unset (the default): it holds no partner's parts."""
+    partners: Annotated[list[HttpEndpoint], NoDecode] = Field(default_factory=list, max_length=16)
+    """The peer servers this node's committed parts are copied to, and a fresh node in its place
+    restores from (``http://10.0.0.2:9475``; a JSON list or commas in the environment). K = its
+    length; a ring (node k to node k+1) survives the loss of any one node."""
+    secret: SecretStr | None = None
+    """Shared by every node of the job (at least 16 characters); each job's key is derived from it.
+    Required with ``listen`` or ``partners``."""
+    keep: int = Field(2, ge=1, le=100)
+    """Steps kept per partner node (the newest)."""
+    timeout: float = Field(60.0, gt=0, le=3600)
+    """Seconds one peer request may stall before it fails (socket timeout, both sides)."""
+
+    @field_validator("partners", mode="before")
+    @classmethod
+    def _commas(cls, value: Any) -> Any:
+        if isinstance(value, str):  # the environment's: a JSON list, or URLs separated by commas
+            if value.strip().startswith("["):
+                return json.loads(value)
+            return [u.strip() for u in value.split(",") if u.strip()]
+        return value
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError(f"{value!r} is not host:port")
+        return value
+
+    @model_validator(mode="after")
+    def _secret_required(self) -> "PeerSettings":
+        if (self.listen or self.partners) and (self.secret is None or len(self.secret.get_secret_value()) < 16):
+            raise ValueError("peer.secret (16 characters or more, the same on every node) is required "
+                             "with peer.listen or peer.partners")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.listen or self.partners)
+
+
 class CadenceSettings(_Section):
     node_mtbf_hours: float | None = Field(None, gt=0, le=100 * 365 * 24)
     """Prior MTBF of one node, hours, from which each job's MTBF is learned (divided by the nodes
@@ -316,6 +367,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     storage: StorageSettings = StorageSettings()
     cadence: CadenceSettings = CadenceSettings()
+    peer: PeerSettings = PeerSettings()
 
     @classmethod
     def settings_customise_sources(
@@ -359,7 +411,7 @@ class Settings(BaseSettings):
 
     def register_secrets(self) -> None:
         """Tell :mod:`~spotguard_daemon.core.redact` the secret values, so no output shows them."""
-        secrets = (self.delivery.webhook_secret, self.storage.azure_connection_string)
+        secrets = (self.delivery.webhook_secret, self.storage.azure_connection_string, self.peer.secret)
         register(s.get_secret_value() for s in secrets if s is not None)
         register_environment()
         for url in (self.delivery.webhook and str(self.delivery.webhook), self.storage.url,
@@ -419,6 +471,9 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
         settings = cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         raise SettingsError(_one_line(exc)) from None
+    except PydanticSettingsError as exc:  # a variable that is not the JSON its setting needs
+        raise SettingsError(redact_text(f"{exc}: a list or table in a SPOTGUARD_ variable is written "
+                                        "as JSON, e.g. '[\"a\", \"b\"]'")) from None
     settings.register_secrets()
     return settings
 

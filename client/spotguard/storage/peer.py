@@ -1,0 +1,278 @@
+"""The peer tier: a node's committed part, copied to a partner node's daemon and fetched back from it.
+
+With node-local roots a node lost without notice takes its disk with it; the bucket lags the job by
+an upload. A partner daemon that holds a verified copy of the node's newest committed parts lets the
+relaunch resume from the step the node last committed locally (see docs/multi-node.md, "Three
+tiers"). This module is the wire both sides speak, and the client the daemon pushes with and a
+fresh node's leader fetches with; the server is ``spotguard_daemon.core.peer_server``.
+
+HTTP, one request per file, under ``/v1/<job>/<slot>/``:
+
+* ``GET  /v1/<job>/<slot>``                          the steps held: ``{"steps": [...]}``
+* ``PUT  /v1/<job>/<slot>/<step>/files/<relpath>``   one file of the part (the body)
+* ``POST /v1/<job>/<slot>/<step>/commit``            the part's ``manifest.json`` (the body): the
+  server checks every file against it and only then makes the step visible
+* ``GET  /v1/<job>/<slot>/<step>/manifest`` and ``.../files/<relpath>``: what a restore reads
+
+``slot`` names the ranks whose parts a node holds (:func:`slot_of`): a fresh node that takes a lost
+node's place runs the same ranks and asks for the same slot.
+
+Trust: every request carries ``Authorization: Spotguard-HMAC ts=<unix>,mac=<hex>``, an HMAC-SHA256
+of the method, the path and the time under the job's key (:func:`job_key`: derived from the
+``peer.secret`` every node of the job shares, so one job's key does not open another's), refused
+outside ``SKEW_S`` seconds. The manifest a node commits carries its own HMAC
+(``X-Spotguard-Manifest-Mac``), made by the node that wrote the part and kept by the partner, so a
+restore takes nothing the partner could have made up: the manifest must verify under the job's key,
+and every file must match its size and sha256 in it. Nothing is unpickled; a restore writes bytes
+under a private temporary directory and commits it as the checkpoint engine does.
+
+Exceptions: :class:`PeerError` (refused, unreachable, or what came back does not verify).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from spotguard.storage._local import (
+    MANIFEST,
+    ManifestError,
+    commit_dir,
+    step_name,
+    tmp_dir,
+    validate_manifest,
+)
+
+__all__ = [
+    "MAC_HEADER",
+    "MAX_MANIFEST_BYTES",
+    "SKEW_S",
+    "PeerClient",
+    "PeerError",
+    "check_name",
+    "check_relpath",
+    "job_key",
+    "manifest_mac",
+    "newest_from_peers",
+    "peers_from_env",
+    "sign",
+    "slot_of",
+    "verify",
+]
+
+log = logging.getLogger(__name__)
+
+SKEW_S = 300.0
+"""How far a request's time may lie from the server's clock (a replay is refused after it)."""
+MAC_HEADER = "X-Spotguard-Manifest-Mac"
+MAX_MANIFEST_BYTES = 16 << 20
+CHUNK = 1 << 20
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+class PeerError(Exception):
+    """A peer refused, could not be reached, or sent what does not verify."""
+
+
+def check_name(value: str, what: str) -> str:
+    """``value`` if it is a safe job or slot name (a letter or digit, then ``[A-Za-z0-9._-]``)."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"invalid {what} {value!r}")
+    return value
+
+
+def check_relpath(rel: str) -> str:
+    """``rel`` if it is a file path inside a part: at most 4 clean components, no ``..``."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if not 1 <= len(parts) <= 4 or not all(_PART.fullmatch(p) and p not in (".", "..") for p in parts):
+        raise ValueError(f"invalid file path {rel!r}")
+    return rel
+
+
+def slot_of(ranks: Iterable[int]) -> str:
+    """The slot of a node holding ``ranks``: ``ranks-2-3``; a long list is named by its ends, its
+    count and a hash, so the name stays short."""
+    ranks = sorted(int(r) for r in ranks)
+    if not ranks:
+        raise ValueError("a slot needs at least one rank")
+    if len(ranks) <= 16:
+        return "ranks-" + "-".join(map(str, ranks))
+    digest = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+    return f"ranks-{ranks[0]}-{ranks[-1]}-n{len(ranks)}-{digest}"
+
+
+def job_key(secret: str | bytes, job: str) -> bytes:
+    """The job's key: HMAC-SHA256 of the job's name under the shared secret."""
+    raw = secret.encode() if isinstance(secret, str) else secret
+    return hmac.new(raw, b"spotguard-peer\0" + job.encode(), hashlib.sha256).digest()
+
+
+def _mac(key: bytes, method: str, path: str, ts: int) -> str:
+    return hmac.new(key, f"{method}\n{path}\n{ts}".encode(), hashlib.sha256).hexdigest()
+
+
+def sign(key: bytes, method: str, path: str, now: float | None = None) -> str:
+    """The ``Authorization`` header of a request."""
+    ts = int(time.time() if now is None else now)
+    return f"Spotguard-HMAC ts={ts},mac={_mac(key, method, path, ts)}"
+
+
+def verify(key: bytes, method: str, path: str, header: str | None, now: float | None = None) -> bool:
+    """Whether ``header`` authorises ``method path`` now."""
+    match = re.fullmatch(r"Spotguard-HMAC ts=(\d{1,12}),mac=([0-9a-f]{64})", header or "")
+    if match is None:
+        return False
+    ts = int(match.group(1))
+    if abs((time.time() if now is None else now) - ts) > SKEW_S:
+        return False
+    return hmac.compare_digest(match.group(2), _mac(key, method, path, ts))
+
+
+def manifest_mac(key: bytes, body: bytes) -> str:
+    return hmac.new(key, b"manifest\0" + body, hashlib.sha256).hexdigest()
+
+
+def peers_from_env(environ: Mapping[str, str] = os.environ) -> tuple[list[str], str | None]:
+    """The partners' URLs and the secret from ``SPOTGUARD_PEER__PARTNERS`` (a JSON list or commas)
+    and ``SPOTGUARD_PEER__SECRET``, the daemon's own settings; ``([], None)`` when unset."""
+    raw = environ.get("SPOTGUARD_PEER__PARTNERS", "").strip()
+    urls = json.loads(raw) if raw.startswith("[") else [u.strip() for u in raw.split(",") if u.strip()]
+    secret = environ.get("SPOTGUARD_PEER__SECRET") or None
+    return ([str(u).rstrip("/") for u in urls] if secret else []), secret
+
+
+class PeerClient:
+    """Talks to one partner daemon's peer server at ``url`` for one job."""
+
+    def __init__(self, url: str, secret: str | bytes, job: str, *, timeout: float = 30.0) -> None:
+        self.url, self.job = url.rstrip("/"), check_name(job, "job id")
+        self._key = job_key(secret, job)
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PeerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _path(self, slot: str, *rest: Any) -> str:
+        return "/".join(["/v1", self.job, check_name(slot, "slot"), *map(str, rest)])
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": sign(self._key, method, path), **kwargs.pop("headers", {})}
+        try:
+            reply = self._http.request(method, self.url + path, headers=headers, **kwargs)
+        except httpx.HTTPError as exc:
+            raise PeerError(f"{self.url}: {method} {path}: {type(exc).__name__}: {exc}") from None
+        if reply.status_code >= 300:
+            raise PeerError(f"{self.url}: {method} {path}: HTTP {reply.status_code}: {reply.text[:200]}")
+        return reply
+
+    def steps(self, slot: str) -> list[int]:
+        """The steps the partner holds for ``slot``, oldest first."""
+        body = self._request("GET", self._path(slot)).json()
+        steps = body.get("steps") if isinstance(body, dict) else None
+        if not isinstance(steps, list) or not all(type(s) is int and 0 <= s < 10**10 for s in steps):
+            raise PeerError(f"{self.url}: a malformed step list")
+        return sorted(steps)
+
+    def push(self, slot: str, step: int, part: Path) -> int:
+        """Send the committed part ``part`` (its ``manifest.json`` and every file it lists) and
+        commit it on the partner; returns the bytes sent."""
+        body = (part / MANIFEST).read_bytes()
+        manifest = json.loads(body)
+        sent = 0
+        for rel, meta in sorted(manifest["files"].items()):
+            with open(part / rel, "rb") as data:
+                self._request("PUT", self._path(slot, step, "files", check_relpath(rel)),
+                              content=_chunks(data), headers={"Content-Length": str(meta["size"])})
+            sent += meta["size"]
+        self._request("POST", self._path(slot, step, "commit"), content=body,
+                      headers={MAC_HEADER: manifest_mac(self._key, body)})
+        return sent
+
+    def fetch(self, slot: str, step: int, root: Path) -> Path:
+        """Restore the partner's copy of ``slot``'s ``step`` into ``root`` as ``step-N`` (every file
+        checked against the manifest, whose HMAC is checked first); returns the directory."""
+        reply = self._request("GET", self._path(slot, step, "manifest"))
+        body = reply.content
+        if len(body) > MAX_MANIFEST_BYTES or not hmac.compare_digest(
+                reply.headers.get(MAC_HEADER, ""), manifest_mac(self._key, body)):
+            raise PeerError(f"{self.url}: the manifest of {slot} step {step} does not verify under the job's key")
+        try:
+            manifest = validate_manifest(json.loads(body), f"{self.url} {slot} step {step}")
+        except (ValueError, ManifestError) as exc:
+            raise PeerError(str(exc)) from None
+        if manifest["step"] != step:
+            raise PeerError(f"{self.url}: asked for step {step}, the manifest says {manifest['step']}")
+        tmp = tmp_dir(root, step)
+        try:
+            for rel, meta in manifest["files"].items():
+                self._fetch_file(slot, step, check_relpath(rel), meta, tmp)
+            (tmp / MANIFEST).write_bytes(body)
+            return commit_dir(tmp, root, step_name(step))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _fetch_file(self, slot: str, step: int, rel: str, meta: Mapping[str, Any], tmp: Path) -> None:
+        path = self._path(slot, step, "files", rel)
+        dest = tmp / rel
+        dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        sha, size = hashlib.sha256(), 0
+        headers = {"Authorization": sign(self._key, "GET", path)}
+        try:
+            with self._http.stream("GET", self.url + path, headers=headers) as reply, \
+                    open(dest, "xb", opener=_private) as out:
+                if reply.status_code != 200:
+                    raise PeerError(f"{self.url}: GET {path}: HTTP {reply.status_code}")
+                for chunk in reply.iter_bytes(CHUNK):
+                    size += len(chunk)
+                    if size > meta["size"]:
+                        raise PeerError(f"{self.url}: {rel} is longer than its manifest's {meta['size']} bytes")
+                    sha.update(chunk)
+                    out.write(chunk)
+        except httpx.HTTPError as exc:
+            raise PeerError(f"{self.url}: GET {path}: {type(exc).__name__}: {exc}") from None
+        if size != meta["size"] or sha.hexdigest() != meta["sha256"]:
+            raise PeerError(f"{self.url}: {rel} of {slot} step {step} does not match its manifest "
+                            f"({size} bytes, sha256 {sha.hexdigest()[:12]}...)")
+
+
+def _chunks(data: Any) -> Iterator[bytes]:
+    while chunk := data.read(CHUNK):
+        yield chunk
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW, 0o600)
+
+
+def newest_from_peers(urls: Sequence[str], secret: str, job: str, slot: str,
+                      timeout: float = 10.0) -> dict[int, str]:
+    """``{step: url}`` of every step some partner holds for ``slot`` (the newest listing wins);
+    a partner that cannot be asked is logged and skipped."""
+    held: dict[int, str] = {}
+    for url in urls:
+        try:
+            with PeerClient(url, secret, job, timeout=timeout) as client:
+                for step in client.steps(slot):
+                    held.setdefault(step, url)
+        except PeerError as exc:
+            log.warning("cannot ask the peer %s which steps of %s it holds: %s", url, slot, exc)
+    return held

@@ -33,17 +33,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.client
 import json
 import logging
 import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import urllib.parse
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from spotguard.storage._local import (
     MANIFEST,
@@ -78,6 +79,7 @@ SKEW_S = 300.0
 MAC_HEADER = "X-Spotguard-Manifest-Mac"
 MAX_MANIFEST_BYTES = 16 << 20
 CHUNK = 1 << 20
+FILES_AT_ONCE = 4
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
@@ -154,15 +156,20 @@ def peers_from_env(environ: Mapping[str, str] = os.environ) -> tuple[list[str], 
 
 
 class PeerClient:
-    """Talks to one partner daemon's peer server at ``url`` for one job."""
+    """Talks to one partner daemon's peer server at ``url`` for one job. Files go ``FILES_AT_ONCE``
+    at a time, each over a connection of its own (``http.client``: the socket is read straight into
+    one buffer per file, hashed and written with the GIL released)."""
 
     def __init__(self, url: str, secret: str | bytes, job: str, *, timeout: float = 30.0) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise PeerError(f"{url!r} is not an http:// peer URL")
         self.url, self.job = url.rstrip("/"), check_name(job, "job id")
+        self._scheme, self._netloc, self._timeout = parsed.scheme, parsed.netloc, timeout
         self._key = job_key(secret, job)
-        self._http = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)))
 
     def close(self) -> None:
-        self._http.close()
+        pass
 
     def __enter__(self) -> PeerClient:
         return self
@@ -173,19 +180,33 @@ class PeerClient:
     def _path(self, slot: str, *rest: Any) -> str:
         return "/".join(["/v1", self.job, check_name(slot, "slot"), *map(str, rest)])
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        headers = {"Authorization": sign(self._key, method, path), **kwargs.pop("headers", {})}
+    def _connect(self) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+        return kind(self._netloc, timeout=self._timeout, blocksize=CHUNK)
+
+    def _request(self, method: str, path: str, body: Any = None, headers: Mapping[str, str] | None = None,
+                 read: Any = None) -> tuple[bytes, Mapping[str, str]]:
+        """One request on a connection of its own; ``read(reply)`` consumes the body when given."""
+        conn = self._connect()
         try:
-            reply = self._http.request(method, self.url + path, headers=headers, **kwargs)
-        except httpx.HTTPError as exc:
+            conn.request(method, path, body=body, headers={"Authorization": sign(self._key, method, path),
+                                                           **(headers or {})})
+            reply = conn.getresponse()
+            if reply.status >= 300:
+                raise PeerError(f"{self.url}: {method} {path}: HTTP {reply.status}: "
+                                f"{reply.read(300).decode(errors='replace')}")
+            return (read(reply) if read else reply.read(MAX_MANIFEST_BYTES + 1)), reply.headers
+        except (OSError, http.client.HTTPException) as exc:
             raise PeerError(f"{self.url}: {method} {path}: {type(exc).__name__}: {exc}") from None
-        if reply.status_code >= 300:
-            raise PeerError(f"{self.url}: {method} {path}: HTTP {reply.status_code}: {reply.text[:200]}")
-        return reply
+        finally:
+            conn.close()
 
     def steps(self, slot: str) -> list[int]:
         """The steps the partner holds for ``slot``, oldest first."""
-        body = self._request("GET", self._path(slot)).json()
+        try:
+            body = json.loads(self._request("GET", self._path(slot))[0])
+        except ValueError:
+            raise PeerError(f"{self.url}: a malformed step list") from None
         steps = body.get("steps") if isinstance(body, dict) else None
         if not isinstance(steps, list) or not all(type(s) is int and 0 <= s < 10**10 for s in steps):
             raise PeerError(f"{self.url}: a malformed step list")
@@ -195,24 +216,26 @@ class PeerClient:
         """Send the committed part ``part`` (its ``manifest.json`` and every file it lists) and
         commit it on the partner; returns the bytes sent."""
         body = (part / MANIFEST).read_bytes()
-        manifest = json.loads(body)
-        sent = 0
-        for rel, meta in sorted(manifest["files"].items()):
+        files = sorted(json.loads(body)["files"].items())
+
+        def send(item: tuple[str, Mapping[str, Any]]) -> int:
+            rel, meta = item
             with open(part / rel, "rb") as data:
-                self._request("PUT", self._path(slot, step, "files", check_relpath(rel)),
-                              content=_chunks(data), headers={"Content-Length": str(meta["size"])})
-            sent += meta["size"]
-        self._request("POST", self._path(slot, step, "commit"), content=body,
-                      headers={MAC_HEADER: manifest_mac(self._key, body)})
+                self._request("PUT", self._path(slot, step, "files", check_relpath(rel)), body=data,
+                              headers={"Content-Length": str(meta["size"])})
+            return meta["size"]
+
+        sent = sum(_each(send, files))
+        self._request("POST", self._path(slot, step, "commit"), body=body,
+                      headers={MAC_HEADER: manifest_mac(self._key, body), "Content-Length": str(len(body))})
         return sent
 
     def fetch(self, slot: str, step: int, root: Path) -> Path:
         """Restore the partner's copy of ``slot``'s ``step`` into ``root`` as ``step-N`` (every file
         checked against the manifest, whose HMAC is checked first); returns the directory."""
-        reply = self._request("GET", self._path(slot, step, "manifest"))
-        body = reply.content
+        body, headers = self._request("GET", self._path(slot, step, "manifest"))
         if len(body) > MAX_MANIFEST_BYTES or not hmac.compare_digest(
-                reply.headers.get(MAC_HEADER, ""), manifest_mac(self._key, body)):
+                headers.get(MAC_HEADER, ""), manifest_mac(self._key, body)):
             raise PeerError(f"{self.url}: the manifest of {slot} step {step} does not verify under the job's key")
         try:
             manifest = validate_manifest(json.loads(body), f"{self.url} {slot} step {step}")
@@ -222,8 +245,9 @@ class PeerClient:
             raise PeerError(f"{self.url}: asked for step {step}, the manifest says {manifest['step']}")
         tmp = tmp_dir(root, step)
         try:
-            for rel, meta in manifest["files"].items():
-                self._fetch_file(slot, step, check_relpath(rel), meta, tmp)
+            for rel in manifest["files"]:
+                (tmp / check_relpath(rel)).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _each(lambda item: self._fetch_file(slot, step, item[0], item[1], tmp), manifest["files"].items())
             (tmp / MANIFEST).write_bytes(body)
             return commit_dir(tmp, root, step_name(step))
         except BaseException:
@@ -231,32 +255,32 @@ class PeerClient:
             raise
 
     def _fetch_file(self, slot: str, step: int, rel: str, meta: Mapping[str, Any], tmp: Path) -> None:
-        path = self._path(slot, step, "files", rel)
-        dest = tmp / rel
-        dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        sha, size = hashlib.sha256(), 0
-        headers = {"Authorization": sign(self._key, "GET", path)}
-        try:
-            with self._http.stream("GET", self.url + path, headers=headers) as reply, \
-                    open(dest, "xb", opener=_private) as out:
-                if reply.status_code != 200:
-                    raise PeerError(f"{self.url}: GET {path}: HTTP {reply.status_code}")
-                for chunk in reply.iter_bytes(CHUNK):
-                    size += len(chunk)
-                    if size > meta["size"]:
-                        raise PeerError(f"{self.url}: {rel} is longer than its manifest's {meta['size']} bytes")
-                    sha.update(chunk)
-                    out.write(chunk)
-        except httpx.HTTPError as exc:
-            raise PeerError(f"{self.url}: GET {path}: {type(exc).__name__}: {exc}") from None
-        if size != meta["size"] or sha.hexdigest() != meta["sha256"]:
-            raise PeerError(f"{self.url}: {rel} of {slot} step {step} does not match its manifest "
-                            f"({size} bytes, sha256 {sha.hexdigest()[:12]}...)")
+        def receive(reply: http.client.HTTPResponse) -> bytes:
+            length = reply.length
+            if length is None or length != meta["size"]:
+                raise PeerError(f"{self.url}: {rel} is {length} bytes, its manifest says {meta['size']}")
+            sha, buf = hashlib.sha256(), bytearray(min(max(length, 1), CHUNK))
+            view = memoryview(buf)
+            with open(tmp / rel, "xb", buffering=0, opener=_private) as out:
+                while length:
+                    got = reply.readinto(view[: min(len(buf), length)])
+                    if not got:
+                        raise PeerError(f"{self.url}: {rel} ended {length} bytes short")
+                    sha.update(view[:got])
+                    out.write(view[:got])
+                    length -= got
+            if sha.hexdigest() != meta["sha256"]:
+                raise PeerError(f"{self.url}: {rel} of {slot} step {step} does not match its manifest "
+                                f"(sha256 {sha.hexdigest()[:12]}...)")
+            return b""
+
+        self._request("GET", self._path(slot, step, "files", rel), read=receive)
 
 
-def _chunks(data: Any) -> Iterator[bytes]:
-    while chunk := data.read(CHUNK):
-        yield chunk
+def _each(fn: Any, items: Iterable[Any]) -> list[Any]:
+    """``fn`` over ``items``, ``FILES_AT_ONCE`` at a time; the first error is raised."""
+    with ThreadPoolExecutor(FILES_AT_ONCE, thread_name_prefix="spotguard-peer") as pool:
+        return list(pool.map(fn, items))
 
 
 def _private(path: str, flags: int) -> int:

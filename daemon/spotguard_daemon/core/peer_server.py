@@ -86,6 +86,7 @@ class PeerServer:
         self._secret, self._timeout = secret, timeout
         self._slots = threading.BoundedSemaphore(MAX_REQUESTS)
         self._lock = threading.Lock()  # commits and retention of one daemon, one at a time
+        self._received: dict[tuple[str, str, int, str], tuple[int, str]] = {}
         self._httpd: ThreadingHTTPServer | None = None
         self.address: tuple[str, int] | None = None
 
@@ -132,14 +133,19 @@ class PeerServer:
         if dest.exists() or dest.is_symlink():
             dest.unlink()
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as out:
+        sha, buf = hashlib.sha256(), bytearray(min(max(length, 1), CHUNK))
+        view = memoryview(buf)
+        with os.fdopen(fd, "wb", buffering=0) as out:
             left = length
             while left:
-                chunk = body.read(min(CHUNK, left))
-                if not chunk:
+                got = body.readinto(view[: min(len(buf), left)])
+                if not got:
                     raise _Refused(400, f"{rel}: the body ended {left} bytes short")
-                out.write(chunk)
-                left -= len(chunk)
+                sha.update(view[:got])
+                out.write(view[:got])
+                left -= got
+        with self._lock:  # hashed on the way in: the commit does not read the part again
+            self._received[(job, slot, step, rel)] = (length, sha.hexdigest())
 
     def commit(self, job: str, slot: str, step: int, body: bytes, mac: str) -> None:
         if not hmac.compare_digest(mac, manifest_mac(job_key(self._secret, job), body)):
@@ -151,8 +157,16 @@ class PeerServer:
         if manifest["step"] != step:
             raise _Refused(400, f"the manifest says step {manifest['step']}, not {step}")
         incoming = self.incoming(job, slot, step)
+        with self._lock:
+            got = {rel: self._received.pop((job, slot, step, rel), None) for rel in manifest["files"]}
+            for key in [k for k in self._received if k[:3] == (job, slot, step)]:
+                del self._received[key]  # sent, but not in the manifest: not kept
         for rel, meta in manifest["files"].items():
-            _check_file(incoming / check_relpath(rel), meta["size"], meta["sha256"], rel)
+            check_relpath(rel)
+            if got[rel] is None or not (incoming / rel).is_file():
+                raise _Refused(400, f"{rel} was not sent")
+            if got[rel] != (meta["size"], meta["sha256"]):
+                raise _Refused(400, f"{rel} does not match its manifest entry")
         (incoming / MANIFEST).write_bytes(body)
         (incoming / MAC_FILE).write_text(mac)
         with self._lock:
@@ -173,21 +187,6 @@ class PeerServer:
         if not (path / MANIFEST).is_file():
             raise _Refused(404, f"no step {step} of {job}/{slot} here")
         return path
-
-
-def _check_file(path: Path, size: int, sha256: str, rel: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        raise _Refused(400, f"{rel} was not sent") from None
-    sha = hashlib.sha256()
-    with os.fdopen(fd, "rb") as data:
-        while chunk := data.read(CHUNK):
-            sha.update(chunk)
-            if data.tell() > size:
-                break
-        if data.tell() != size or sha.hexdigest() != sha256:
-            raise _Refused(400, f"{rel} does not match its manifest entry")
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -311,9 +310,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(size))
             self.end_headers()
             started = time.monotonic()
-            sent = 0
-            while chunk := data.read(CHUNK):
-                self.wfile.write(chunk)
-                sent += len(chunk)
+            sent = self.connection.sendfile(data)  # zero copy: the page cache straight to the socket
             log.debug("peer: sent %s (%d bytes) in %.2f s", path.name, sent, time.monotonic() - started)
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 SPOTGUARD = str(Path(sys.executable).parent / "spotguard")
 ACCOUNT_KEY = "c2VjcmV0LWFjY291bnQta2V5LVM0eHg="  # base64, as a real AccountKey is
 SECRETS = ["hookpass-S1x", "tok-S2x", "whsec-S3x", ACCOUNT_KEY, "AKIAS5XTESTKEY", "awssecret-S6x",
-           "awstoken-S7x"]
+           "awstoken-S7x", "peersecret-S8x-of-the-ring"]
 
 
 class Receiver(BaseHTTPRequestHandler):
@@ -70,6 +70,9 @@ def environment(sock_dir: Path, tmp: Path, port: int) -> dict[str, str]:
             f"AccountKey={ACCOUNT_KEY};BlobEndpoint=http://127.0.0.1:9/devstoreaccount1;"),
         "AWS_ACCESS_KEY_ID": "AKIAS5XTESTKEY", "AWS_SECRET_ACCESS_KEY": "awssecret-S6x",
         "AWS_SESSION_TOKEN": "awstoken-S7x",
+        # the peer tier: a listener on loopback and a partner that is not there (its failures are logged)
+        "SPOTGUARD_PEER__SECRET": "peersecret-S8x-of-the-ring", "SPOTGUARD_PEER__LISTEN": "127.0.0.1:0",
+        "SPOTGUARD_PEER__PARTNERS": "http://127.0.0.1:9",
     }
 
 

@@ -64,6 +64,10 @@ def fetch_common_step(run: Any, url: str | None, options: StoreOptions | None) -
         run._tier = "peer" if step in peers else "bucket"
     ok = 1
     if step not in local and ckpt._leads:
+        if slot is not None and step not in peers:  # the tier is on, and no partner has it
+            log.warning("node-local roots: no partner (%s) holds step %d of %s; %s", ", ".join(partners), step,
+                        slot, f"fetching it from the store {durable.store.url}" if step in remote else
+                        "nor does the store")
         ok = int(_fetch(run, job, step, local, peers.get(step), secret, slot, durable if step in remote else None))
     if not coord.agree(ok, "min"):  # every node's fetch is done before anyone loads
         return None  # the load says what each rank holds; nothing was set aside

@@ -8,6 +8,9 @@ retention then kept only steps 30-50; node b is replaced by a fresh node with an
   newest step every rank holds or can fetch (10), node a fetches it too, and both resume from it
   with the weights saved at step 10; node a's newer steps are set aside, not loaded, not deleted.
 * Without the store, the ranks share no step: the error says what each rank holds.
+* The peer tier (issue 30): with partners that hold nothing for the fresh node's ranks (both copies
+  lost at once), the relaunch falls back to the store and says so in one line; with a partner that
+  holds node b's step 50, the fresh node restores it from the partner and both resume from 50.
 
 This file is also the worker script: torchrun runs it with ``<root> <out> <steps>``.
 """
@@ -23,9 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.storage.peer import PeerClient
+from spotguard_daemon.core.peer_server import PeerServer
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 pytestmark = [pytest.mark.timeout(300)]
+SECRET = "a-secret-the-two-nodes-share"
 
 
 def worker(root: str, out: str, steps: int) -> None:
@@ -85,20 +92,36 @@ def test_a_relaunch_after_a_dead_daemon_agrees_on_the_newest_step_every_rank_can
     for step in (10, 20):  # node a's retention (keep 3) since
         shutil.rmtree(ckpt / "node-0" / f"step-{step:010d}")
     shutil.copytree(ckpt / "node-0", tmp_path / "node-a-only" / "node-0")
+    jobs = {"job"}
+    holding = PeerServer(tmp_path / "peer-a", SECRET, keep=2, timeout=30, jobs=lambda: jobs)
+    empty = PeerServer(tmp_path / "peer-empty", SECRET, keep=2, timeout=30, jobs=lambda: jobs)
+    holding_url, empty_url = (f"http://%s:%d" % server.start("127.0.0.1", 0) for server in (holding, empty))
+    with PeerClient(holding_url, SECRET, "job") as client:  # node b's daemon had copied its step 50 to a
+        client.push("ranks-1", 50, ckpt / "node-1" / "step-0000000050")
     shutil.rmtree(ckpt / "node-1")  # node b is gone: a fresh node c with an empty disk
 
-    relaunch, said = torchrun(tmp_path, ckpt, "relaunch", 12, JOB_KEEP="3", JOB_DURABLE=bucket.url)
+    relaunch, said = torchrun(tmp_path, ckpt, "relaunch", 12, JOB_KEEP="3", JOB_DURABLE=bucket.url,
+                              SPOTGUARD_PEER__PARTNERS=empty_url, SPOTGUARD_PEER__SECRET=SECRET)
     assert [r.get("error") for r in relaunch] == [None, None], relaunch
     assert [r["resumed"] for r in relaunch] == [10, 10]
     assert relaunch[0]["loaded"] == relaunch[1]["loaded"] == first[0]["weights"]["9"]  # the state after 10 steps
     aside = sorted(p.name.rsplit("-", 1)[0] for p in (ckpt / "node-0").glob("abandoned-*"))
     assert aside == [f"abandoned-step-{s:010d}" for s in (30, 40, 50)], aside
     assert "the ranks agree on step 10, which this node lacks" in said
+    assert said.count(f"no partner ({empty_url}) holds step 10 of ranks-1; fetching it from the store") == 1, said
 
     alone, _ = torchrun(tmp_path, tmp_path / "node-a-only", "alone", 12, JOB_KEEP="3")
     errors = [r.get("error") or "" for r in alone]
     assert all("no checkpoint step is held by every rank" in e for e in errors), errors
     assert "rank 0: 3 checkpoints (steps 30..50); rank 1: none" in errors[0], errors[0]
+
+    peer, said = torchrun(tmp_path, tmp_path / "node-a-only", "peer", 52, JOB_KEEP="3",
+                          SPOTGUARD_PEER__PARTNERS=holding_url, SPOTGUARD_PEER__SECRET=SECRET)
+    holding.close(), empty.close()
+    assert [r.get("error") for r in peer] == [None, None], peer
+    assert [r["resumed"] for r in peer] == [50, 50]
+    assert peer[0]["loaded"] == peer[1]["loaded"] == first[0]["weights"]["49"]  # the state after 50 steps
+    assert f"restored from the peer {holding_url}" in said
 
 
 if __name__ == "__main__":

@@ -193,6 +193,8 @@ def test_the_replicator_copies_each_node_local_commit_to_its_partner(tmp_path, s
         while replicator.status()["replicated"].get(JOB, {}).get("step") != 20 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert replicator.status()["replicated"][JOB]["step"] == 20
+        assert 0 < replicator.time_to_copy(JOB) < 30  # the cadence's floor when it beats the bucket
+        assert replicator.time_to_copy("another-job") is None
     finally:
         replicator.close()
     with PeerClient(server.url, SECRET, JOB) as client:

@@ -123,7 +123,7 @@ class Daemon:
                                       known_step=self.queue.durable_step, metrics=self.metrics,
                                       ledger=ledger, recall=self.progress.recall, rates=self.rates,
                                       timeline=self.timeline,
-                                      time_to_durable=lambda job: self.queue.time_to_durable(job))
+                                      time_to_durable=self._time_to_safe)
         self.server = Server(pub_endpoint=settings.pub_endpoint,
                              request_endpoint=settings.request_endpoint, handler=self.handler,
                              pending_ids=lambda: [n.id for n in self.store.offered()],
@@ -354,6 +354,13 @@ class Daemon:
             if not self._settle_soon:  # once per burst of requests: each pass is notices x clients
                 self._settle_soon = True
                 self._loop.call_soon(self._settle)
+
+    def _time_to_safe(self, job: str) -> float | None:
+        """Seconds a commit of ``job`` takes to be safe off this node (the cadence's floor): to
+        durable in the store, or to the partners' copy when the peer tier has it sooner."""
+        known = [t for t in (self.queue.time_to_durable(job),
+                             self.peer.time_to_copy(job) if self.peer is not None else None) if t is not None]
+        return min(known) if known else None
 
     def _known_jobs(self) -> set[str]:
         """Jobs a partner may push parts of: registered here now, or within ``JOB_MEMORY_S`` (the

@@ -40,6 +40,9 @@ class PeerTier:
         if self.replicator is not None:
             self.replicator.submit(job, path, step)
 
+    def time_to_copy(self, job: str) -> float | None:
+        return self.replicator.time_to_copy(job) if self.replicator is not None else None
+
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.server is not None and self.server.address is not None:

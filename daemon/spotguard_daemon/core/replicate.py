@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ __all__ = ["ATTEMPTS", "Replicator"]
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 3
+TIMES_KEPT = 5
 
 
 class Replicator:
@@ -41,12 +44,14 @@ class Replicator:
                  nice: int | None = None) -> None:
         self.root, self.partners, self._secret = root, [p.rstrip("/") for p in partners], secret
         self._timeout, self._staging, self._nice = timeout, staging, nice
-        self._pending: dict[str, tuple[Path, int]] = {}
+        self._pending: dict[str, tuple[Path, int, float]] = {}
         self._cv = threading.Condition()
         self._closed = False
         self._said: set[tuple[str, str]] = set()
         self.replicated: dict[str, dict[str, Any]] = {}
         """``{job: {"step", "seconds", "bytes", "partners"}}`` of each job's newest copied part."""
+        self._times: dict[str, deque[float]] = {}
+        """Per job, the last ``TIMES_KEPT`` commit-to-copied seconds (:meth:`time_to_copy`)."""
         self._thread = threading.Thread(target=self._run, name="spotguard-peer-push", daemon=True)
         self._thread.start()
 
@@ -54,13 +59,20 @@ class Replicator:
         with self._cv:
             old = self._pending.get(job)
             if old is None or old[1] <= step:
-                self._pending[job] = (path, step)
+                self._pending[job] = (path, step, time.monotonic())
                 self._cv.notify()
 
     def status(self) -> dict[str, Any]:
         with self._cv:
-            return {"partners": list(self.partners), "pending": {j: s for j, (_, s) in self._pending.items()},
+            return {"partners": list(self.partners), "pending": {j: p[1] for j, p in self._pending.items()},
                     "replicated": dict(self.replicated)}
+
+    def time_to_copy(self, job: str) -> float | None:
+        """Median seconds from a commit of ``job`` to its part held by every partner (the last
+        ``TIMES_KEPT``), or None before one was copied."""
+        with self._cv:
+            times = list(self._times.get(job, ()))
+        return statistics.median(times) if times else None
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cv:
@@ -76,9 +88,9 @@ class Replicator:
                     self._cv.wait()
                 if self._closed:
                     return
-                job, (path, step) = self._pending.popitem()
+                job, (path, step, submitted) = self._pending.popitem()
             try:
-                self._replicate(job, path, step)
+                self._replicate(job, path, step, submitted)
             except Exception:
                 log.exception("peer: copying step %d of job %r failed", step, job)
 
@@ -86,7 +98,7 @@ class Replicator:
         with self._cv:
             return job in self._pending and self._pending[job][1] > step
 
-    def _replicate(self, job: str, path: Path, step: int) -> None:
+    def _replicate(self, job: str, path: Path, step: int, submitted: float) -> None:
         started = time.monotonic()
         with confine.staged(self.root, path, step, self._staging) as part:
             node = json.loads((part / MANIFEST).read_bytes()).get("node")
@@ -118,6 +130,8 @@ class Replicator:
                      slot, sent, ", ".join(done), seconds, rate)
             with self._cv:
                 self.replicated[job] = {"step": step, "seconds": round(seconds, 3), "bytes": sent, "partners": done}
+                if len(done) == len(self.partners):
+                    self._times.setdefault(job, deque(maxlen=TIMES_KEPT)).append(time.monotonic() - submitted)
 
     def _say(self, url: str, exc: Exception, message: str) -> None:
         cause = (url, type(exc).__name__ + str(exc)[:60])

@@ -92,7 +92,14 @@ def test_the_summary_counts_steps_and_time_lost_from_the_record():
     assert figures["seconds_lost"] == 10.0  # first at step 20 at t=4, past it again at t=14
     assert figures["preemptions"] == 1 and figures["failures"] == 0
     assert figures["finish"] == {"step": 50, "digest": "d"}
-    assert "13 step(s) and 10.0 s lost" in human(figures)
+    assert "13 step(s) and 10.0 s lost" in human(figures) and "tier" not in human(figures)
+
+    # a node-local job whose fresh node restored its part from a partner (the peer tier)
+    second.events[0:1] = [{"event": "start", "t": 12.0, "resumed_from": 20, "rank": r, "tier": tier}
+                          for r, tier in enumerate(["local", "local", "peer", "peer"])]
+    figures = summary([first, second], 0, 21.0, "the command succeeded")
+    assert [run["tiers"] for run in figures["runs"]] == [[], ["local", "peer"]]
+    assert "finished at step 50; resumed from the peer tier" in human(figures)
 
     plain = summary([Launch(1, t_start=0.0, t_end=1.0, status=75), Launch(2, t_start=1.0, t_end=2.0, status=0)],
                     0, 2.0, "the command succeeded")

@@ -68,7 +68,8 @@ class Live:
             return
         if kind == "start":
             where = event.get("resumed_from")
-            self.line(f"{name}: {'fresh start' if where is None else f'resumed from step {where}'}"
+            tier = f" ({event['tier']} tier)" if where is not None and event.get("tier") not in (None, "local") else ""
+            self.line(f"{name}: {'fresh start' if where is None else f'resumed from step {where}'}{tier}"
                       f" of {event.get('total')} steps")
         elif kind == "commit" and event.get("kind") in ("emergency", "requested"):
             self.line(f"{name}: saved step {event['step']} ({event['kind']}, "

@@ -66,6 +66,11 @@ class Launch:
         return None if start is None else start.get("resumed_from") or 0
 
     @property
+    def tiers(self) -> list[str]:
+        """Where this launch's ranks resumed from (``local``, ``peer``, ``bucket``), each once."""
+        return sorted({e["tier"] for e in self.events if e.get("event") == "start" and isinstance(e.get("tier"), str)})
+
+    @property
     def reached(self) -> int | None:
         """The highest step this launch recorded (progress, commit or stop); None without a
         record."""
@@ -111,7 +116,7 @@ def summary(launches: list[Launch], status: int, wall: float, reason: str) -> di
         "finish": finish and {"step": finish.get("step"), "digest": finish.get("digest")},
         "runs": [{"index": l.index, "pid": l.pid, "status": l.status,
                   "seconds": round(l.t_end - l.t_start, 3), "resumed_from": l.resumed_from,
-                  "reached": l.reached} for l in launches],
+                  "tiers": l.tiers, "reached": l.reached} for l in launches],
     }
 
 
@@ -122,6 +127,9 @@ def human(figures: dict[str, Any]) -> str:
     seconds = "?" if lost_t is None else f"{lost_t:.1f}"
     finish = figures["finish"]
     done = f"; finished at step {finish['step']}" if finish else ""
+    off_node = sorted({t for run in figures["runs"] for t in run.get("tiers", ()) if t != "local"})
+    if off_node:
+        done += f"; resumed from the {' and the '.join(off_node)} tier"
     return (f"{figures['launches']} run(s), {figures['preemptions']} preemption(s), "
             f"{figures['failures']} failure(s); {steps} step(s) and {seconds} s lost to "
             f"relaunches; wall time {figures['wall_seconds']:.1f} s{done}; "

@@ -48,14 +48,15 @@ def test_a_node_lost_without_notice_resumes_from_its_partners_copy_bit_identical
 
     lost = cluster.launch("lost", "lost", *ARGS, "--step-sleep", "0.25", "--peer-timeout", "5",
                           nproc=NPROC, roots=roots)
-    held = a.state_dir / "peer" / "multinode-lost" / "ranks-2-3" / f"step-{2 * SAVE:010d}"
+    slot = a.state_dir / "peer" / "multinode-lost" / "ranks-2-3"
     deadline = time.monotonic() + 180
-    while not (held / "manifest.json").exists():
+    while not (slot / f"step-{2 * SAVE:010d}" / "manifest.json").exists():
         assert time.monotonic() < deadline, f"node b's step 20 never reached node a:\n{b.daemon_log()[-3000:]}"
         assert all(launch.proc.poll() is None for launch in lost.launches), lost.output()
         time.sleep(0.05)
     b.link_down()
     assert b.daemon.pid in b.kill_all()
+    held = sorted(int(p.name[5:]) for p in slot.glob("step-*"))  # 20, and 30 on a slow machine
     codes = lost.wait(120)
     assert codes[0] == 1, lost.output()  # node a's ranks gave up on the lost peers
     assert re.search(rf"peer: holds step {2 * SAVE} of job 'multinode-lost', ranks-2-3 \(\d+ files",
@@ -69,7 +70,7 @@ def test_a_node_lost_without_notice_resumes_from_its_partners_copy_bit_identical
     resumed = cluster.launch("lost-resumed", "lost", *ARGS, nproc=NPROC, roots=[roots[0], fresh])
     assert resumed.wait(300) == [0, 0], resumed.output()
     starts = resumed.events("start")
-    assert {e["resumed_from"] for e in starts} == {2 * SAVE}, resumed.output()
+    assert {e["resumed_from"] for e in starts} == {held[-1]}, (held, resumed.output())
     assert sorted(e["tier"] for e in starts) == ["local", "local", "peer", "peer"], starts
     assert "restored from the peer" in resumed.output()
     newest = json.loads((fresh / "lost" / f"step-{STEPS:010d}" / "manifest.json").read_text())

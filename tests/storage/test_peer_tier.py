@@ -151,6 +151,18 @@ def test_bytes_changed_on_the_partner_are_caught_and_nothing_is_committed(tmp_pa
         client.fetch(SLOT, 10, fresh)
     assert os.listdir(fresh) == []
 
+    # one that holds the key and claims a part larger than the disk is refused before a byte is written
+    from spotguard.storage.peer import manifest_mac
+
+    rel = next(iter(manifest["files"]))
+    manifest["files"][rel]["size"] = 1 << 43
+    body = json.dumps(manifest).encode()
+    (held / "manifest.json").write_bytes(body)
+    (held / ".mac").write_text(manifest_mac(job_key(SECRET, JOB), body))
+    with PeerClient(server.url, SECRET, JOB) as client, pytest.raises(PeerError, match="has free"):
+        client.fetch(SLOT, 10, fresh)
+    assert os.listdir(fresh) == []
+
 
 def test_garbage_on_the_socket_and_a_flood_of_idle_connections_leave_the_server_serving(server):
     host, port = server.address

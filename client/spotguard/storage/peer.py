@@ -243,6 +243,9 @@ class PeerClient:
             raise PeerError(str(exc)) from None
         if manifest["step"] != step:
             raise PeerError(f"{self.url}: asked for step {step}, the manifest says {manifest['step']}")
+        need = sum(meta["size"] for meta in manifest["files"].values())
+        if need > shutil.disk_usage(root).free:
+            raise PeerError(f"{self.url}: step {step} of {slot} is {need} bytes, more than {root} has free")
         tmp = tmp_dir(root, step)
         try:
             for rel in manifest["files"]:

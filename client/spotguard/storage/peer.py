@@ -70,6 +70,7 @@ __all__ = [
     "sign",
     "slot_of",
     "verify",
+    "write_all",
 ]
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ class PeerClient:
                     if not got:
                         raise PeerError(f"{self.url}: {rel} ended {length} bytes short")
                     sha.update(view[:got])
-                    out.write(view[:got])
+                    write_all(out.fileno(), view[:got])
                     length -= got
             if sha.hexdigest() != meta["sha256"]:
                 raise PeerError(f"{self.url}: {rel} of {slot} step {step} does not match its manifest "
@@ -284,6 +285,12 @@ def _each(fn: Any, items: Iterable[Any]) -> list[Any]:
     """``fn`` over ``items``, ``FILES_AT_ONCE`` at a time; the first error is raised."""
     with ThreadPoolExecutor(FILES_AT_ONCE, thread_name_prefix="spotguard-peer") as pool:
         return list(pool.map(fn, items))
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until every byte of ``data`` is written (a raw write may write fewer)."""
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _private(path: str, flags: int) -> int:

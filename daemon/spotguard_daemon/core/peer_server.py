@@ -55,6 +55,7 @@ from spotguard.storage.peer import (
     job_key,
     manifest_mac,
     verify,
+    write_all,
 )
 
 __all__ = ["MAX_REQUESTS", "MIN_FREE_BYTES", "PeerServer"]
@@ -142,7 +143,7 @@ class PeerServer:
                 if not got:
                     raise _Refused(400, f"{rel}: the body ended {left} bytes short")
                 sha.update(view[:got])
-                out.write(view[:got])
+                write_all(out.fileno(), view[:got])
                 left -= got
         with self._lock:  # hashed on the way in: the commit does not read the part again
             self._received[(job, slot, step, rel)] = (length, sha.hexdigest())

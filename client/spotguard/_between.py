@@ -51,7 +51,7 @@ from typing import Any, NoReturn
 
 from spotguard import _exit, rng
 from spotguard._optim import hookable
-from spotguard._run_stop import save_fits
+from spotguard._run_stop import save_fits, secs
 from spotguard._watchdog import Watchdog, run_exit_hooks
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -299,8 +299,9 @@ class Between:
             except CheckpointError as exc:
                 log.error("the emergency save failed (%s); the previous checkpoint stands", exc)
         else:
-            say("stopping between steps: no time for a save (%s s needed, %s s left); the last "
-                "committed checkpoint stands", decision.save_seconds, left)
+            say("stopping between steps: no time for a save (%s needed with save_margin=%.1f s, %s left); "
+                "the last committed checkpoint stands", secs(decision.save_seconds), run.save_margin,
+                secs(left))
         try:
             run.checkpointer.wait(None if left is None else max(0.0, left - run.save_margin))
         except CheckpointError as exc:

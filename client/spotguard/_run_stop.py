@@ -17,7 +17,7 @@ from spotguard.distributed import Decision
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.protocol import utcnow
 
-__all__ = ["Stopping", "note_far_notice", "report_stop", "save_fits", "save_outcome"]
+__all__ = ["Stopping", "note_far_notice", "report_stop", "save_fits", "save_outcome", "secs"]
 
 log = logging.getLogger("spotguard.run")
 
@@ -58,6 +58,11 @@ def note_far_notice(logger: logging.Logger, notice: Any, seen: set[str], left: f
         seen.add(notice.id)
         logger.warning("notice %s: deadline in %.0f s; training goes on and stops about %.0f s before "
                        "it", notice.id, left, needed)
+
+
+def secs(value: float | None) -> str:
+    """``1.23 s``, or ``unknown`` (no estimate, no deadline)."""
+    return "unknown" if value is None else f"{value:.2f} s"
 
 
 def save_outcome(already: bool, saved: bool, fits: bool) -> str:
@@ -128,8 +133,9 @@ class Stopping:
                 decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f}")
             saved = self._save_emergency(done, state)
         else:
-            say("stopping at step %d: no time for a save (%s s needed, %s s left); the last "
-                "committed checkpoint stands", done, decision.save_seconds, left)
+            say("stopping at step %d: no time for a save (%s needed with save_margin=%.1f s, %s left); the "
+                "last committed checkpoint stands", done, secs(decision.save_seconds), self.save_margin,
+                secs(left))
         try:
             self.checkpointer.wait(None if left is None else max(0.0, left - self.save_margin))
         except CheckpointError as exc:  # the previous commit is still valid: stop anyway

@@ -223,7 +223,7 @@ def linked(sock_dir):
 
 
 @pytest.mark.parametrize("deadline, save", [(30.0, "committed"), (1.0, "no_room")])
-def test_hf_daemon_notice_saves_reports_the_commit_and_safe(tmp_path, linked, deadline, save):
+def test_hf_daemon_notice_saves_reports_the_commit_and_safe(tmp_path, linked, deadline, save, caplog):
     daemon, guard = linked
     notice = make_notice(deadline)
 
@@ -243,6 +243,7 @@ def test_hf_daemon_notice_saves_reports_the_commit_and_safe(tmp_path, linked, de
     assert safe.stopped_at is not None and (safe.committed_at is not None) == (save == "committed")
     if save == "no_room":  # 2 s of margin do not fit in 1 s: the last checkpoint stands
         assert daemon.requests_of("commit") == [] and not (tmp_path / "out" / "checkpoint-3").exists()
+        assert "needed with save_margin=2.0 s" in caplog.text  # the margin that refused it is named
         return
     commits = daemon.requests_of("commit")  # the committed copy, in the layout the daemon uploads
     assert [c.step for c in commits] == [3] and commits[0].path.endswith("spotguard/step-0000000003")

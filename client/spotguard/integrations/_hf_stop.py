@@ -23,7 +23,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from spotguard import _exit
 from spotguard._heartbeat import HeartbeatMismatch
 from spotguard._peer import exit_peer_lost
-from spotguard._run_stop import note_far_notice
+from spotguard._run_stop import note_far_notice, secs
 from spotguard.distributed import Decision, PeerLostError
 from spotguard.exit_codes import EXIT_PREEMPTED
 from spotguard.integrations._hf_eval import calling_trainer
@@ -93,8 +93,9 @@ class StopDecisions:
                              "seconds_left": left, "committed_at": None, "already": already, "fits": fits}
         self.stopped = True
         if not fits:
-            log.warning("stopping at step %d without a save (%s s needed; %s): the last checkpoint "
-                        "stands", step, decision.save_seconds, _describe(left))
+            log.warning("stopping at step %d without a save (%s needed with save_margin=%.1f s; %s): the "
+                        "last checkpoint stands", step, secs(decision.save_seconds), self.save_margin,
+                        _describe(left))
         return fits and not already and not scheduled
 
     def _stop(self, step: int, decision: Decision, control: TrainerControl) -> None:

@@ -24,6 +24,11 @@ FAULTS = ("reset", "reset_after", "500", "503", "slow")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade", "te", "trailer"}
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # the default 5 drops SYNs when eight uploads connect at once under load
+
+
 class Proxy:
     def __init__(self, upstream: str, *, seed: int = 0, fault_rate: float = 0.0,
                  faults: tuple[str, ...] = FAULTS, max_faults: int = 1000, slow_s: float = 0.3,
@@ -34,8 +39,7 @@ class Proxy:
         self.fault_rate, self.faults, self.max_faults, self.slow_s = fault_rate, faults, max_faults, slow_s
         self.requests: list[tuple[str, str, int]] = []
         self.injected: list[tuple[str, str, str]] = []
-        self.server = ThreadingHTTPServer((host, 0), _handler(self))
-        self.server.daemon_threads = True
+        self.server = _Server((host, 0), _handler(self))
         self.url = f"http://{host}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
                                        daemon=True)

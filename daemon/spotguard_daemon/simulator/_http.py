@@ -40,6 +40,10 @@ class _Sim(Protocol):
 class SimServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128
+    """socketserver's default backlog is 5: with the accepting thread starved (a loaded machine, the
+    GIL shared with the client in one process) further connects lost their SYN and waited 1 s for
+    its retry, past a 0.3-0.5 s request timeout (CI saw ConnectTimeout on loopback)."""
 
     def __init__(self, address: tuple[str, int], sim: _Sim) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET

@@ -1,13 +1,13 @@
 """Steps a node lost without notice costs, with and without the peer tier (issue 30).
 
-    python benchmarks/bench_peer_loss.py [--repeats 2] [--width 524288] [--bucket-mbs 50]   (root: ip netns)
+    python benchmarks/bench_peer_loss.py [--repeats 2] [--width 262144] [--bucket-mbs 50]   (root: ip netns)
 
 Two network namespaces (``tests/multinode/_twonodes.py``), node-local roots (a tmpfs each), the S3
 emulator as the bucket with each daemon's uploads capped at ``--bucket-mbs`` MB/s
 (``storage.bandwidth_mbps``), and the node link unshaped (a veth pair: as fast as the namespaces
 allow). The tests' DDP job (2 ranks a node; ``--width`` hidden units, so a node's part weighs about
-``120 * width`` bytes) saves every ``--save-every`` steps. Once it passed ``--kill-at`` steps, node b
-is SIGKILLed whole, its link down first (no notice, no reset). The identical command is relaunched
+``120 * width`` bytes) saves every ``--save-every`` steps. Half a save interval after step
+``--kill-at``, node b is SIGKILLed whole, its link down first (no notice, no reset). The identical command is relaunched
 on node a and a fresh node c (node b's namespace, an empty root, a new daemon).
 
 Per scenario: the step reached at the kill (the newest step any rank recorded), the newest global
@@ -52,6 +52,7 @@ def once(tmp: Path, scenario: str, args: argparse.Namespace, i: int) -> dict[str
         return {"SPOTGUARD_STORAGE__BANDWIDTH_MBPS": str(args.bucket_mbs),
                 **(ring(cluster, node) if scenario == "peer" else {})}
 
+    (tmp / f"bucket-{scenario}{i}").mkdir()
     bucket = Bucket(tmp / f"bucket-{scenario}{i}")
     try:
         with two_nodes(tmp / f"{scenario}{i}", bucket=bucket, node_local=True, env=env) as cluster:
@@ -60,7 +61,8 @@ def once(tmp: Path, scenario: str, args: argparse.Namespace, i: int) -> dict[str
             job_args = ("--save-every", str(args.save_every), "--step-sleep", str(args.step_sleep),
                         "--width", str(args.width), "--keep", "2", "--peer-timeout", "5")
             job = cluster.launch("lost", "lost", "--steps", "1000000", *job_args, nproc=NPROC, roots=roots)
-            job.wait_for("commit", 1, lambda e: e["step"] >= args.kill_at, timeout=600)
+            mid = args.kill_at + args.save_every // 2  # half an interval after a save: a kill at any instant
+            job.wait_for("progress", 1, lambda e: e["step"] >= mid, timeout=600)
             at_kill = reached(job)
             global_step = bucket.durable().latest("multinode-lost")
             b.link_down()
@@ -91,9 +93,9 @@ def once(tmp: Path, scenario: str, args: argparse.Namespace, i: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--width", type=int, default=524288)
+    parser.add_argument("--width", type=int, default=262144)
     parser.add_argument("--bucket-mbs", type=float, default=50.0)
-    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--save-every", type=int, default=6)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--kill-at", type=int, default=60)
     parser.add_argument("--out", type=Path, default=None)

@@ -37,11 +37,35 @@ from spotguard.storage.fresh_node import DEFAULT_JOB
 from spotguard.storage.peer import PeerClient, PeerError, newest_from_peers, peers_from_env, slot_of
 from spotguard.storage.registry import open_store
 
-__all__ = ["fetch_common_step"]
+__all__ = ["fetch_common_step", "mark_fetched", "fetched_tier"]
 
 log = logging.getLogger("spotguard.run")
 
 NONE = -1
+FETCHED = ".fetched"
+"""Written by a node leader into a step it fetched (``peer`` or ``bucket``), so that every rank of the
+node can say where its resumed step came from (:func:`fetched_tier`)."""
+_IMPORTED = time.time()
+
+
+def mark_fetched(step_dir: Path, tier: str) -> None:
+    try:
+        (Path(step_dir) / FETCHED).write_text(tier)
+    except OSError as exc:  # a report only
+        log.debug("cannot mark %s as fetched: %s", step_dir, exc)
+
+
+def fetched_tier(step_dir: Any) -> str | None:
+    """``peer`` or ``bucket`` when this launch fetched ``step_dir`` (its marker is newer than this
+    process's import of spotguard), else None: the step was on the node's disk already."""
+    try:
+        marker = Path(step_dir) / FETCHED
+        if marker.stat().st_mtime >= _IMPORTED - 1.0:
+            tier = marker.read_text(errors="replace").strip()
+            return tier if tier in ("peer", "bucket") else None
+    except (OSError, TypeError):
+        pass
+    return None
 
 
 def fetch_common_step(run: Any, url: str | None, options: StoreOptions | None) -> int | None:
@@ -88,7 +112,7 @@ def _fetch(run: Any, job: str, step: int, local: set[int], peer: str | None, sec
                     "fetching it from the peer %s", step, newest, peer)
         try:
             with PeerClient(peer, secret, job) as client:
-                client.fetch(slot, step, ckpt.root)
+                mark_fetched(client.fetch(slot, step, ckpt.root), "peer")
             log.warning("node-local roots: step %d (%s) restored from the peer %s in %.1f s", step, slot, peer,
                         time.monotonic() - started)
             run._tier, run._restored_from = "peer", f"restored from the peer {peer}:"
@@ -101,7 +125,8 @@ def _fetch(run: Any, job: str, step: int, local: set[int], peer: str | None, sec
     try:
         log.warning("node-local roots: the ranks agree on step %d, which this node lacks (its newest: "
                     "%s); fetching it from %s", step, newest, durable.store.url)
-        durable.restore(job, ckpt.root, step=step, ranks=ckpt.node_ranks, world_size=ckpt.world_size)
+        mark_fetched(durable.restore(job, ckpt.root, step=step, ranks=ckpt.node_ranks,
+                                     world_size=ckpt.world_size), "bucket")
         run._tier, run._restored_from = "bucket", f"restored from the store {durable.store.url}:"
         return True
     except (StoreError, OSError) as exc:

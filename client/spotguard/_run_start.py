@@ -10,13 +10,14 @@ import os
 from typing import Any
 
 from spotguard import _jobid
-from spotguard._run_common import fetch_common_step
+from spotguard._run_common import fetch_common_step, mark_fetched
 from spotguard._root import StartRefused
 from spotguard._run_parts import distributed, local_rank
 from spotguard.checkpoint import CheckpointCorruptError, CheckpointError, layout
 from spotguard.checkpoint.load import read_manifest
 from spotguard.storage import Durable, StoreError, open_store, restore_newer, store_from_env
 from spotguard.storage.fresh_node import DEFAULT_JOB, RestoreFailed
+from spotguard.storage.peer import peers_from_env
 from spotguard.storage.shards import from_store
 
 __all__ = ["load_latest", "restore_from_store", "start_fresh", "fresh_requested", "plan", "FRESH_ENV"]
@@ -58,13 +59,18 @@ def restore_from_store(run: Any) -> None:
     checkpoint, that is an error and a ``restore_failed`` record event (work is lost)."""
     url, options = store_from_env()
     url = run._durable or url or daemon_store(run)
-    if url and local_rank() == 0:
+    # With the peer tier on node-local roots, the agreement below picks the step and fetches it from
+    # a partner first: fetching the store's newest here would pull from the bucket what a partner holds.
+    peer_first = getattr(run.checkpointer, "node_ranks", None) is not None and bool(peers_from_env()[0])
+    if url and local_rank() == 0 and not peer_first:
         try:
-            if restore_newer(run.checkpointer.root, run._job_id, url, options,
-                             ranks=getattr(run.checkpointer, "node_ranks", None),
-                             world_size=getattr(run.checkpointer, "world_size", None)) is not None:
+            restored = restore_newer(run.checkpointer.root, run._job_id, url, options,
+                                     ranks=getattr(run.checkpointer, "node_ranks", None),
+                                     world_size=getattr(run.checkpointer, "world_size", None))
+            if restored is not None:
                 run._restored_from = f"restored from the store {url.split('?', 1)[0]}:"
                 run._tier = "bucket"
+                mark_fetched(restored, "bucket")
         except RestoreFailed as exc:
             log.error("%s; going on with local checkpoints (steps after them are trained again)", exc)
             run.record.emit("restore_failed", store=url.split("?", 1)[0], store_step=exc.store_step,
@@ -101,7 +107,10 @@ def start_fresh(run: Any) -> None:
     accepts no step older than one it took for the job; the new run needs its own job id."""
     url, options = store_from_env()
     url = run._durable or url or daemon_store(run)
-    if url and local_rank() == 0:
+    # With the peer tier on node-local roots, the agreement below picks the step and fetches it from
+    # a partner first: fetching the store's newest here would pull from the bucket what a partner holds.
+    peer_first = getattr(run.checkpointer, "node_ranks", None) is not None and bool(peers_from_env()[0])
+    if url and local_rank() == 0 and not peer_first:
         try:
             held = Durable(open_store(url, options)).latest(run._job_id)
         except (StoreError, ValueError, OSError) as exc:

@@ -103,6 +103,7 @@ from spotguard._record import Recorder
 from spotguard._run_parts import RngState as _RngState  # noqa: F401 (tests import it here)
 from spotguard._run_parts import (build_state, count_steps, default_group, is_spotguard_loader, loader_entry,
                                   cadence_source, make_cadence, rank, state_bytes)
+from spotguard._run_common import fetched_tier
 from spotguard._run_start import fresh_requested, load_latest, plan, restore_from_store, start_fresh
 from spotguard._run_stop import Stopping, save_fits  # noqa: F401 (save_fits is public here)
 from spotguard._stall import LocalHangs
@@ -291,7 +292,7 @@ class Run(Stopping):
                           loaded_digest=getattr(self.resumed_from, "digest", None),
                           cadence=self._cadence_source,
                           daemon=getattr(self.guard, "_link", None) is not None,
-                          tier=(self._tier or "local") if self.resumed_from else None)
+                          tier=self._resume_tier())
         if self.step >= total:
             log.info("already finished: step %d of %d is committed; nothing to run", self.step, total)
             return  # a completed job relaunched under a pending notice must exit 0, not 75
@@ -456,6 +457,13 @@ class Run(Stopping):
     def _peer_lost(self, done: int, exc: PeerLostError) -> NoReturn:
         """Say why, record it, and end the process now (see the module docstring: no teardown)."""
         exit_peer_lost(exc, self.record, done)
+
+    def _resume_tier(self) -> str | None:
+        """Where the resumed step came from: ``local``, ``peer`` or ``bucket`` (None: a fresh start).
+        The node leader fetched it; the other ranks of the node read its marker."""
+        if not self.resumed_from:
+            return None
+        return fetched_tier(getattr(self.resumed_from, "path", None)) or self._tier or "local"
 
     def _save(self, done: int, kind: str = "periodic", state: Mapping[str, Any] | None = None) -> None:
         """Save ``state`` (default: the run's) as step ``done``; an emergency save commits first."""

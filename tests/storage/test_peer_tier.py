@@ -211,3 +211,21 @@ def test_the_replicator_copies_each_node_local_commit_to_its_partner(tmp_path, s
         replicator.close()
     with PeerClient(server.url, SECRET, JOB) as client:
         assert 20 in client.steps(slot_of([3, 2]))
+
+
+def test_a_daemon_whose_peer_address_is_taken_says_so_and_exits(tmp_path):
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+        env.update(SPOTGUARD_PEER__LISTEN=f"127.0.0.1:{port}", SPOTGUARD_PEER__SECRET=SECRET)
+        done = subprocess.run([sys.executable, "-m", "spotguard_daemon", "daemon", "--platform", "none",
+                               "--runtime-dir", str(tmp_path / "run"), "--state-dir", str(tmp_path / "state"),
+                               "--metrics-port", "0"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"cannot serve partners on peer.listen 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert SECRET not in done.stdout + done.stderr

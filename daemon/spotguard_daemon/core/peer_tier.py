@@ -27,7 +27,11 @@ class PeerTier:
             host, _, port = peer.listen.rpartition(":")
             self.server = PeerServer(settings.state_dir / "peer", secret, keep=peer.keep, timeout=peer.timeout,
                                      jobs=jobs)
-            self.server.start(host.strip("[]"), int(port))
+            try:
+                self.server.start(host.strip("[]"), int(port))
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot serve partners on peer.listen {peer.listen}: "
+                                         f"{exc.strerror or exc}") from None
         if peer.partners:
             if settings.checkpoint_root is None:
                 log.warning("peer.partners is set but the daemon has no checkpoint_root: nothing is copied")

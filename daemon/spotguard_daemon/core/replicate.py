@@ -91,7 +91,9 @@ class Replicator:
                 job, (path, step, submitted) = self._pending.popitem()
             try:
                 self._replicate(job, path, step, submitted)
-            except Exception:
+            except (confine.UnsafeCheckpoint, OSError) as exc:  # e.g. retention deleted it first
+                log.warning("peer: step %d of job %r not copied: %s", step, job, exc)
+            except Exception:  # the thread must survive any one part
                 log.exception("peer: copying step %d of job %r failed", step, job)
 
     def _superseded(self, job: str, step: int) -> bool:

@@ -194,11 +194,12 @@ def test_garbage_on_the_socket_and_a_flood_of_idle_connections_leave_the_server_
             time.sleep(0.2)
 
 
-def test_the_replicator_copies_each_node_local_commit_to_its_partner(tmp_path, server):
+def test_the_replicator_copies_each_node_local_commit_to_its_partner(tmp_path, server, caplog):
     root = tmp_path / "root"
     parts = committed(root / JOB, [10, 20], node={"leader": 2, "ranks": [2, 3], "nodes": 2})
     replicator = Replicator(root, [server.url], SECRET, timeout=10, staging=tmp_path / "staging")
     try:
+        replicator.submit("gone", root / "gone" / "step-0000000005", 5)  # deleted before its turn
         for step, path in parts.items():
             replicator.submit(JOB, path, step)
         deadline = time.monotonic() + 30
@@ -206,6 +207,7 @@ def test_the_replicator_copies_each_node_local_commit_to_its_partner(tmp_path, s
             time.sleep(0.05)
         assert replicator.status()["replicated"][JOB]["step"] == 20
         assert 0 < replicator.time_to_copy(JOB) < 30  # the cadence's floor when it beats the bucket
+        assert "peer: step 5 of job 'gone' not copied" in caplog.text  # one line, and the thread went on
         assert replicator.time_to_copy("another-job") is None
     finally:
         replicator.close()

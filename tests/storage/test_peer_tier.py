@@ -231,3 +231,16 @@ def test_a_daemon_whose_peer_address_is_taken_says_so_and_exits(tmp_path):
     assert done.returncode == 1
     assert f"cannot serve partners on peer.listen 127.0.0.1:{port}: Address already in use" in done.stderr
     assert SECRET not in done.stdout + done.stderr
+
+
+def test_the_partners_variable_as_the_daemon_takes_it_and_a_broken_one_disables_the_tier():
+    from spotguard.storage.peer import peers_from_env
+
+    secret = {"SPOTGUARD_PEER__SECRET": SECRET}
+    assert peers_from_env({**secret, "SPOTGUARD_PEER__PARTNERS": "http://a:1/, http://b:2"}) == (
+        ["http://a:1", "http://b:2"], SECRET)
+    assert peers_from_env({**secret, "SPOTGUARD_PEER__PARTNERS": '["http://a:1"]'}) == (["http://a:1"], SECRET)
+    assert peers_from_env({"SPOTGUARD_PEER__PARTNERS": "http://a:1"}) == ([], None)  # no secret: no tier
+    assert peers_from_env({**secret, "SPOTGUARD_PEER__PARTNERS": '["http://a:1"'}) == ([], None)
+    assert peers_from_env({**secret, "SPOTGUARD_PEER__PARTNERS": '{"a": 1}'}) == ([], SECRET)
+    assert peers_from_env({**secret, "SPOTGUARD_PEER__PARTNERS": '[1, "http://a:1"]'}) == (["http://a:1"], SECRET)

@@ -151,9 +151,25 @@ def peers_from_env(environ: Mapping[str, str] = os.environ) -> tuple[list[str], 
     """The partners' URLs and the secret from ``SPOTGUARD_PEER__PARTNERS`` (a JSON list or commas)
     and ``SPOTGUARD_PEER__SECRET``, the daemon's own settings; ``([], None)`` when unset."""
     raw = environ.get("SPOTGUARD_PEER__PARTNERS", "").strip()
-    urls = json.loads(raw) if raw.startswith("[") else [u.strip() for u in raw.split(",") if u.strip()]
+    try:
+        urls = json.loads(raw) if raw.startswith("[") else [u.strip() for u in raw.split(",") if u.strip()]
+        if not isinstance(urls, list):
+            raise ValueError("not a list")
+    except ValueError as exc:  # the daemon refuses to start on it; training goes on without the tier
+        log.warning("SPOTGUARD_PEER__PARTNERS is not a JSON list or URLs separated by commas (%s); "
+                    "no partner is asked", exc)
+        return [], None
     secret = environ.get("SPOTGUARD_PEER__SECRET") or None
-    return ([str(u).rstrip("/") for u in urls] if secret else []), secret
+    good = [str(u).rstrip("/") for u in urls if _is_http(u)]
+    if len(good) != len(urls):
+        log.warning("SPOTGUARD_PEER__PARTNERS: %d entries are not http:// URLs and are skipped",
+                    len(urls) - len(good))
+    return (good if secret else []), secret
+
+
+def _is_http(url: Any) -> bool:
+    parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    return parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 class PeerClient:

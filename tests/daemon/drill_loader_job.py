@@ -35,6 +35,10 @@ class Noisy(torch.utils.data.Dataset):
         return self.x[i] * scale + 0.05 * torch.randn(8), self.x[i].sum(0, keepdim=True)
 
 
+def seed_numpy(worker_id: int) -> None:
+    np.random.seed(torch.initial_seed() % 2**32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt-dir", required=True)
@@ -43,7 +47,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    loader = torch.utils.data.DataLoader(Noisy(), batch_size=16, shuffle=True, num_workers=2)
+    # forkserver, as spotguard's warning advises on CPython 3.11.7: a worker forked from this process
+    # can hang for ever before it starts (gh-112275; CI saw the reference run hang once), and numpy
+    # seeded from torch's per-worker seed, as a careful README job does (a forkserver's workers do
+    # not inherit the parent's numpy state). The resume still diverges: the shuffle restarts.
+    loader = torch.utils.data.DataLoader(Noisy(), batch_size=16, shuffle=True, num_workers=2,
+                                         multiprocessing_context="forkserver", worker_init_fn=seed_numpy)
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))

@@ -63,6 +63,7 @@ __all__ = [
     "PeerError",
     "check_name",
     "check_relpath",
+    "copy_hashed",
     "job_key",
     "manifest_mac",
     "newest_from_peers",
@@ -70,7 +71,6 @@ __all__ = [
     "sign",
     "slot_of",
     "verify",
-    "write_all",
 ]
 
 log = logging.getLogger(__name__)
@@ -279,19 +279,13 @@ class PeerClient:
             length = reply.length
             if length is None or length != meta["size"]:
                 raise PeerError(f"{self.url}: {rel} is {length} bytes, its manifest says {meta['size']}")
-            sha, buf = hashlib.sha256(), bytearray(min(max(length, 1), CHUNK))
-            view = memoryview(buf)
             with open(tmp / rel, "xb", buffering=0, opener=_private) as out:
-                while length:
-                    got = reply.readinto(view[: min(len(buf), length)])
-                    if not got:
-                        raise PeerError(f"{self.url}: {rel} ended {length} bytes short")
-                    sha.update(view[:got])
-                    write_all(out.fileno(), view[:got])
-                    length -= got
-            if sha.hexdigest() != meta["sha256"]:
+                digest, short = copy_hashed(reply, out.fileno(), length)
+            if short:
+                raise PeerError(f"{self.url}: {rel} ended {short} bytes short")
+            if digest != meta["sha256"]:
                 raise PeerError(f"{self.url}: {rel} of {slot} step {step} does not match its manifest "
-                                f"(sha256 {sha.hexdigest()[:12]}...)")
+                                f"(sha256 {digest[:12]}...)")
             return b""
 
         self._request("GET", self._path(slot, step, "files", rel), read=receive)
@@ -303,10 +297,21 @@ def _each(fn: Any, items: Iterable[Any]) -> list[Any]:
         return list(pool.map(fn, items))
 
 
-def write_all(fd: int, data: memoryview) -> None:
-    """``os.write`` until every byte of ``data`` is written (a raw write may write fewer)."""
-    while data:
-        data = data[os.write(fd, data):]
+def copy_hashed(source: Any, fd: int, length: int) -> tuple[str, int]:
+    """Copy ``length`` bytes from ``source`` (``readinto``) to ``fd`` through one buffer, hashing
+    them on the way; returns the sha256 and how many bytes short ``source`` ended (0: all)."""
+    sha, buf = hashlib.sha256(), bytearray(min(max(length, 1), CHUNK))
+    view = memoryview(buf)
+    while length:
+        got = source.readinto(view[: min(len(buf), length)])
+        if not got:
+            break
+        sha.update(view[:got])
+        data = view[:got]
+        while data:  # a raw write may write fewer bytes than asked
+            data = data[os.write(fd, data):]
+        length -= got
+    return sha.hexdigest(), length
 
 
 def _private(path: str, flags: int) -> int:

@@ -347,7 +347,8 @@ class Daemon:
     def _clients_changed(self) -> None:
         self.metrics.clients.set(len(self.handler.clients))
         now, current = time.monotonic(), {c.job_id or DEFAULT_JOB for c in self.handler.clients.values()}
-        self._jobs = {**{j: t if t else now for j, t in self._jobs.items() if (t or now) > now - JOB_MEMORY_S},
+        gone = {job: seen or now for job, seen in self._jobs.items() if job not in current}  # 0: was current
+        self._jobs = {**{job: seen for job, seen in gone.items() if seen > now - JOB_MEMORY_S},
                       **dict.fromkeys(current, 0.0)}
         if hasattr(self, "_changed"):
             self._changed.set()

@@ -25,7 +25,6 @@ Exceptions: ``OSError`` from :meth:`PeerServer.start` when the address cannot be
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -47,15 +46,14 @@ from spotguard.storage._local import (
 )
 from spotguard.storage.file import make_private_dirs
 from spotguard.storage.peer import (
-    CHUNK,
     MAC_HEADER,
     MAX_MANIFEST_BYTES,
     check_name,
     check_relpath,
+    copy_hashed,
     job_key,
     manifest_mac,
     verify,
-    write_all,
 )
 
 __all__ = ["MAX_REQUESTS", "MIN_FREE_BYTES", "PeerServer"]
@@ -134,19 +132,12 @@ class PeerServer:
         if dest.exists() or dest.is_symlink():
             dest.unlink()
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        sha, buf = hashlib.sha256(), bytearray(min(max(length, 1), CHUNK))
-        view = memoryview(buf)
         with os.fdopen(fd, "wb", buffering=0) as out:
-            left = length
-            while left:
-                got = body.readinto(view[: min(len(buf), left)])
-                if not got:
-                    raise _Refused(400, f"{rel}: the body ended {left} bytes short")
-                sha.update(view[:got])
-                write_all(out.fileno(), view[:got])
-                left -= got
+            digest, short = copy_hashed(body, out.fileno(), length)
+        if short:
+            raise _Refused(400, f"{rel}: the body ended {short} bytes short")
         with self._lock:  # hashed on the way in: the commit does not read the part again
-            self._received[(job, slot, step, rel)] = (length, sha.hexdigest())
+            self._received[(job, slot, step, rel)] = (length, digest)
 
     def commit(self, job: str, slot: str, step: int, body: bytes, mac: str) -> None:
         if not hmac.compare_digest(mac, manifest_mac(job_key(self._secret, job), body)):

@@ -78,7 +78,7 @@ def torchrun(tmp: Path, root: Path, out: str, steps: int, **knobs: str) -> list[
     return [json.loads((tmp / out / f"rank{r}.json").read_text()) for r in range(2)], done.stderr
 
 
-def test_a_relaunch_after_a_dead_daemon_agrees_on_the_newest_step_every_rank_can_fetch(tmp_path):
+def test_a_relaunch_after_a_dead_daemon_agrees_on_the_newest_step_every_rank_can_fetch(tmp_path, request):
     from spotguard.storage import Durable
     from spotguard.storage.file import FileStore
 
@@ -96,6 +96,7 @@ def test_a_relaunch_after_a_dead_daemon_agrees_on_the_newest_step_every_rank_can
     holding = PeerServer(tmp_path / "peer-a", SECRET, keep=2, timeout=30, jobs=lambda: jobs)
     empty = PeerServer(tmp_path / "peer-empty", SECRET, keep=2, timeout=30, jobs=lambda: jobs)
     holding_url, empty_url = (f"http://%s:%d" % server.start("127.0.0.1", 0) for server in (holding, empty))
+    request.addfinalizer(holding.close), request.addfinalizer(empty.close)  # closed whatever fails
     with PeerClient(holding_url, SECRET, "job") as client:  # node b's daemon had copied its step 50 to a
         client.push("ranks-1", 50, ckpt / "node-1" / "step-0000000050")
     shutil.rmtree(ckpt / "node-1")  # node b is gone: a fresh node c with an empty disk
@@ -117,7 +118,6 @@ def test_a_relaunch_after_a_dead_daemon_agrees_on_the_newest_step_every_rank_can
 
     peer, said = torchrun(tmp_path, tmp_path / "node-a-only", "peer", 52, JOB_KEEP="3",
                           SPOTGUARD_PEER__PARTNERS=holding_url, SPOTGUARD_PEER__SECRET=SECRET)
-    holding.close(), empty.close()
     assert [r.get("error") for r in peer] == [None, None], peer
     assert [r["resumed"] for r in peer] == [50, 50]
     assert peer[0]["loaded"] == peer[1]["loaded"] == first[0]["weights"]["49"]  # the state after 50 steps

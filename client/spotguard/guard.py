@@ -345,11 +345,14 @@ class Guard:
         would kill it; the daemon is told so when it registers and then never signals it."""
         return self._handles_daemon_signal
 
-    def report_resume(self, step: int) -> bool:
+    def report_resume(self, step: int, tier: str | None = None) -> bool:
         """Tell the daemon this process resumed from the checkpoint of ``step`` (a restart, for its
-        goodput metrics) by registering again with ``resumed_from_step``; False if none answered."""
+        goodput metrics) by registering again with ``resumed_from_step``; ``tier``: where that
+        checkpoint came from (``local``, ``peer`` or ``bucket``, :data:`~spotguard.protocol.RESUME_TIERS`;
+        None when not known: the daemon counts it as ``unknown``). False if none answered."""
         return self._request(RegisterRequest(pid=os.getpid(), rank=self.rank, job_id=self.job_id,
-                                             resumed_from_step=step, signal=self.handles_daemon_signal))
+                                             resumed_from_step=step, resumed_tier=tier,
+                                             signal=self.handles_daemon_signal))
 
     def report_commit(self, info: Any, save_seconds: float | None = None,
                       reached_at: datetime | None = None) -> bool:

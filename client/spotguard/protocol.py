@@ -57,6 +57,7 @@ __all__ = [
     "CadenceRequest",
     "JobRate",
     "SAVE_OUTCOMES",
+    "RESUME_TIERS",
     "MAX_HISTORY",
     "Request",
     "Reply",
@@ -208,9 +209,17 @@ Event = Annotated[
 # ---------------------------------------------------------------- requests (REQ -> ROUTER)
 
 
+RESUME_TIERS = ("local", "peer", "bucket")
+"""Where a resumed checkpoint came from: the node's own disk (``local``), a partner node's daemon
+(``peer``) or the durable store (``bucket``)."""
+
+
 class RegisterRequest(_Message):
     """Register a client process. A process that resumed from a checkpoint registers again with
-    ``resumed_from_step`` (optional; older clients leave it out), which the daemon counts as a restart.
+    ``resumed_from_step`` (optional; older clients leave it out), which the daemon counts as a restart,
+    and ``resumed_tier``, where that checkpoint came from (one of :data:`RESUME_TIERS`; optional:
+    older clients, and integrations that cannot tell, leave it out, and the daemon counts the
+    restart's loss under the tier ``unknown``).
     ``signal``: the process handles the daemon's delivery signal (SIGUSR1); False where it installed no
     handler (a Guard made outside the main thread), whose default action would kill it: the daemon
     then never signals it, and it learns of notices over ZeroMQ only."""
@@ -220,6 +229,7 @@ class RegisterRequest(_Message):
     rank: Rank = 0
     job_id: str = Field(default="", max_length=256)
     resumed_from_step: Count | None = None
+    resumed_tier: Literal["local", "peer", "bucket"] | None = None
     signal: bool = True
 
 

@@ -282,7 +282,7 @@ class Run(Stopping):
         if self.resumed_from is not None:
             log.info("resumed from step %d (%s)", self.step, self.resumed_from.path)
             _ddp.restore(self.state)  # DDP's recorded buckets: the next steps all-reduce as if never stopped
-            self.guard.report_resume(self.step)
+            self.guard.report_resume(self.step, self._resume_tier())
         if rank() == 0:
             console.info("%s", start_line(self.job_id, self.step, self.resumed_from, self._restored_from,
                                           plan(self.cadence)))

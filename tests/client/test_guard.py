@@ -126,6 +126,15 @@ def test_reports_reach_the_daemon(daemon):
     assert daemon.requests_of("unregister")
 
 
+def test_a_resume_report_names_the_tier_its_checkpoint_came_from(daemon):
+    with guard_for(daemon) as guard:
+        assert guard.report_resume(8, "peer")
+        assert guard.report_resume(9)  # a caller that cannot tell
+    resumes = [r for r in daemon.requests_of("register") if r.resumed_from_step is not None]
+    assert [(r.resumed_from_step, r.resumed_tier, r.rank, r.job_id) for r in resumes] == \
+        [(8, "peer", 3, "job-1"), (9, None, 3, "job-1")]
+
+
 def test_daemon_gone_then_restarted_is_rejoined(daemon):
     with guard_for(daemon) as guard:
         assert wait_for(lambda: guard.daemon_alive)

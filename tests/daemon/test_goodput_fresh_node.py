@@ -4,8 +4,10 @@ Two daemons with their own runtime, state and checkpoint directories stand for t
 bucket (the ``file://`` backend). A real job (``goodput_job.py``) commits step 4 on node A, runs to
 step 7 and is SIGKILLed together with node A's daemon; relaunched on node B it restores step 4 from
 the bucket, and node B's daemon must count the 3 steps lost from the object node A left there.
-Hostile or garbage objects are ignored with one warning each, never echoed, never fatal; the copy is
-made at a job's first change, then once per interval, or at once while a terminating notice is pending.
+Losses read from the store are counted under the tier the restart's register named (``bucket`` for
+the job above, which restored its checkpoint from the bucket). Hostile or garbage objects are
+ignored with one warning each, never echoed, never fatal; the copy is made at a job's first change,
+then once per interval, or at once while a terminating notice is pending.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from spotguard.storage.durable import Durable
 from spotguard.storage.file import FileStore
 
 from test_goodput_loss import launch
-from test_goodput_metrics import samples
+from test_goodput_metrics import ZERO, samples, tiers
 
 JOB = "goodput-e2e"
 
@@ -92,6 +94,8 @@ def test_a_job_relaunched_on_a_fresh_node_counts_the_steps_lost_with_the_old_one
     assert values["spotguard_steps_lost_total"] == 3  # steps 5, 6, 7 after the commit of step 4
     assert 0 <= values["spotguard_time_lost_seconds_total"] <= elapsed
     assert 0 < values["spotguard_downtime_seconds_total"] <= elapsed
+    assert tiers(fresh, "spotguard_steps_lost_total")["bucket"] == 3  # the Run restored step 4 from the bucket
+    assert tiers(fresh, "spotguard_job_restarts_total")["bucket"] == 1
     assert "restored" in fresh.output() or (fresh.checkpoint_root / "job" / "step-0000000004").exists()
     assert progress_object(bucket)["step"] == 9  # node B's copy of the new run replaced node A's
 
@@ -141,6 +145,24 @@ def test_hostile_progress_objects_are_ignored_with_one_warning_each(daemon_facto
         lines = [line for line in log.splitlines() if f"job {job!r}" in line and "WARNING" in line]
         assert len(lines) == 1, (job, lines)
     assert "EVIL-MARKER" not in log and "Traceback" not in log
+
+
+def test_a_loss_read_from_the_store_is_counted_under_the_tier_the_restart_named(daemon_factory, tmp_path):
+    bucket, now = tmp_path / "bucket", time.time()
+    for job in ("from-bucket", "old-client"):
+        path = bucket / "jobs" / job / "progress.json"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(valid(job, now, reached=[[6, now - 10], [8, now - 7]]))
+    daemon = daemon_factory(env={"SPOTGUARD_STORAGE__URL": f"file://{bucket}"})
+    assert daemon.request(RegisterRequest(pid=os.getpid(), job_id="from-bucket", resumed_from_step=6,
+                                          resumed_tier="bucket")).ok
+    assert daemon.request(RegisterRequest(pid=os.getpid(), job_id="old-client", resumed_from_step=6)).ok
+    wait_for(lambda: tiers(daemon, "spotguard_steps_lost_total")["unknown"] > 0, "both losses read")
+    both = {**ZERO, "bucket": 2, "unknown": 2}  # 9 and 10 after commit 8; 7 and 8 committed, not resumed
+    assert tiers(daemon, "spotguard_steps_lost_total") == tiers(daemon, "spotguard_steps_redone_total") == both
+    assert tiers(daemon, "spotguard_job_restarts_total") == {**ZERO, "bucket": 1, "unknown": 1}
+    assert math.isclose(tiers(daemon, "spotguard_time_lost_seconds_total")["bucket"], 2.0, abs_tol=0.01)
+    assert tiers(daemon, "spotguard_downtime_seconds_total")["bucket"] >= 5
 
 
 def test_the_copy_waits_its_interval_unless_a_terminating_notice_is_pending(daemon_factory, tmp_path):

@@ -3,7 +3,7 @@
 The user-style jobs of ``tests/client/_integration_jobs.py`` (saving every 4 steps) talk to a real
 daemon: each is SIGKILLed at step 10 once the daemon acknowledged its progress there, and the
 identical command resumes from step 8. The daemon must have received its progress reports
-and count the restart and the 2 steps lost (9 and 10).
+and count the restart and the 2 steps lost (9 and 10), under the tier ``local``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from test_goodput_loss import progress_requests
-from test_goodput_metrics import samples
+from test_goodput_metrics import samples, tiers
 
 JOB = Path(__file__).parents[1] / "client" / "_integration_jobs.py"
 sys.path.append(str(JOB.parent))
@@ -65,4 +65,5 @@ def test_the_callbacks_report_their_progress_and_resume(daemon_factory, tmp_path
     values = samples(daemon)
     assert values["spotguard_job_restarts_total"] == 1  # resumed from step 8
     assert values["spotguard_steps_lost_total"] == 2  # steps 9 and 10, trained again
+    assert tiers(daemon, "spotguard_steps_lost_total")["local"] == 2  # step 8 was on this node's disk
     assert values["spotguard_training_seconds_total"] > 0

@@ -1,10 +1,11 @@
 """Steps and time lost after the last commit, and the downtime, as a real daemon counts them.
 
-A real job (``goodput_job.py``, a :class:`spotguard.Run` reporting its progress) commits step 4, runs
-to step 7, waits there until the daemon acknowledged that progress, and is SIGKILLed; relaunched, it
-resumes from step 4: the daemon must count exactly 3 steps lost, with or without a daemon restart
-in between. Malformed progress requests are refused; a guard sends rank 0's newest progress at most
-once per interval, and once more when it closes.
+A real job (``goodput_job.py``, a :class:`spotguard.Run` reporting its progress) commits step 4,
+runs to step 7, waits there until the daemon acknowledged that progress, and is SIGKILLed;
+relaunched, it resumes from step 4 on its own disk: the daemon must count exactly 3 steps lost,
+under the tier ``local``, with or without a daemon restart in between. Malformed progress requests
+are refused; a guard sends rank 0's newest progress at most once per interval, and once more when it
+closes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from spotguard.guard import Guard
 from spotguard.protocol import ProgressRequest, RegisterRequest, StatusRequest
 
-from test_goodput_metrics import samples
+from test_goodput_metrics import samples, tiers
 
 JOB = Path(__file__).with_name("goodput_job.py")
 STEP_SLEEP = 0.1
@@ -64,6 +65,7 @@ def test_a_killed_job_counts_the_steps_run_after_its_last_commit(daemon_factory,
     values = samples(daemon)
     assert values["spotguard_job_restarts_total"] == 1
     assert values["spotguard_steps_lost_total"] == 3  # steps 5, 6, 7 after the commit of step 4
+    assert tiers(daemon, "spotguard_steps_lost_total")["local"] == 3  # resumed from the node's own disk
     # Step 7 was reached at least two sleeps after the first report at or past step 4 (step 5 at worst).
     assert 2 * STEP_SLEEP <= values["spotguard_time_lost_seconds_total"] <= elapsed
     assert 0 < values["spotguard_downtime_seconds_total"] <= elapsed

@@ -2,7 +2,9 @@
 
 The job is a real :class:`spotguard.Run` that commits through the daemon, loses its newest local
 checkpoint (the daemon's store restores it) and is relaunched; then the same figures over raw protocol requests,
-and a rank-1 or plain (not resumed) registration that must count nothing.
+and a rank-1 or plain (not resumed) registration that must count nothing. Each restart is counted
+under the tier its client named (``resumed_tier``), ``unknown`` for a client that named none; a tier
+the protocol does not know is refused.
 """
 
 from __future__ import annotations
@@ -11,20 +13,41 @@ import json
 import os
 import shutil
 import time
+from datetime import datetime, timezone
 
 import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 from spotguard import Run
-from spotguard.protocol import CommitRequest, RegisterRequest, StatusRequest
+from spotguard.guard import Guard
+from spotguard.protocol import CommitRequest, ProgressRequest, RegisterRequest, StatusRequest
+
+
+def scrape(daemon) -> list:
+    url = daemon.request(StatusRequest()).data["metrics"]
+    text = httpx.get(url, timeout=5).text
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
 
 
 def samples(daemon) -> dict[str, float]:
-    url = daemon.request(StatusRequest()).data["metrics"]
-    text = httpx.get(url, timeout=5).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels
-            or set(s.labels) == {"le"} and s.labels["le"] == "+Inf"}
+    """The unlabelled samples, a histogram's +Inf bucket, and the per-restart figures summed over
+    their ``tier`` label (:func:`tiers` has them per tier)."""
+    values: dict[str, float] = {}
+    for s in scrape(daemon):
+        if not s.labels or set(s.labels) == {"tier"} or set(s.labels) == {"le"} and s.labels["le"] == "+Inf":
+            values[s.name] = values.get(s.name, 0.0) + s.value
+    return values
+
+
+ZERO = dict.fromkeys(("local", "peer", "bucket", "unknown"), 0.0)
+"""Every tier a per-restart figure is exposed under, at zero (each series exists from the start)."""
+
+
+def tiers(daemon, name: str) -> dict[str, float]:
+    """Tier -> the value of the per-restart figure ``name`` (a sample name, ``..._total``)."""
+    return {s.labels["tier"]: s.value for s in scrape(daemon) if s.name == name and set(s.labels) == {"tier"}}
 
 
 def run_steps(root, total: int) -> Run:
@@ -101,3 +124,38 @@ def test_a_commit_stamped_with_a_naive_or_unparsable_time_is_refused_and_loses_n
         reply = daemon.request(json.dumps({**good, "reached_at": stamp}).encode())
         assert not reply.ok and "reached_at" in reply.error, stamp
     assert daemon.request(json.dumps({**good, "reached_at": "2026-01-01T00:00:00Z"}).encode()).ok  # too old: unused
+
+
+def report(daemon, job: str, step: int) -> None:
+    assert daemon.request(ProgressRequest(pid=os.getpid(), job_id=job, step=step,
+                                          at=datetime.now(timezone.utc))).ok
+
+
+def test_a_restart_counts_its_loss_under_the_tier_its_client_named(daemon):
+    report(daemon, "from-peer", 5)
+    report(daemon, "old-client", 9)
+    endpoints = {"pub_endpoint": daemon.pub_endpoint, "request_endpoint": daemon.request_endpoint}
+    with Guard(job_id="from-peer", rank=0, force_exit=False, **endpoints) as guard:
+        assert guard.report_resume(2, "peer")  # steps 3, 4 and 5 trained again
+    old = {"v": 1, "type": "register", "pid": os.getpid(), "job_id": "old-client", "resumed_from_step": 5}
+    assert daemon.request(json.dumps(old).encode()).ok  # an older client: no resumed_tier at all
+    assert tiers(daemon, "spotguard_job_restarts_total") == {**ZERO, "peer": 1, "unknown": 1}
+    assert tiers(daemon, "spotguard_steps_lost_total") == {**ZERO, "peer": 3, "unknown": 4}
+    assert set(tiers(daemon, "spotguard_time_lost_seconds_total")) == set(ZERO)
+    assert set(tiers(daemon, "spotguard_downtime_seconds_total")) == set(ZERO)
+    assert samples(daemon)["spotguard_steps_lost_total"] == 7  # the sum over the tiers
+
+
+def test_a_tier_the_protocol_does_not_know_is_refused_and_counts_nothing(daemon):
+    with pytest.raises(ValidationError, match="resumed_tier"):
+        RegisterRequest(pid=os.getpid(), resumed_from_step=3, resumed_tier="disk")
+    report(daemon, "j", 5)
+    bad = {"v": 1, "type": "register", "pid": os.getpid(), "job_id": "j", "resumed_from_step": 3}
+    for tier in ("disk", "", "PEER", 1, ["peer"]):
+        reply = daemon.request(json.dumps({**bad, "resumed_tier": tier}).encode())
+        assert not reply.ok and "resumed_tier: Input should be 'local', 'peer' or 'bucket'" in reply.error, tier
+    assert samples(daemon)["spotguard_job_restarts_total"] == 0
+    assert samples(daemon)["spotguard_steps_lost_total"] == 0
+    assert daemon.request(RegisterRequest(pid=os.getpid(), job_id="j", resumed_from_step=3,
+                                          resumed_tier="local")).ok
+    assert tiers(daemon, "spotguard_steps_lost_total")["local"] == 2

@@ -1,12 +1,13 @@
 """Hugging Face checkpoints become durable and restore on a fresh node.
 
-The daemon uploads only committed ``step-NNNNNNNNNN`` directories (issue 12's rules); the HF callback
-commits a copy of each ``checkpoint-N`` in that layout (``output_dir/spotguard``) and reports the
-copy. End to end: the user-style HF job of ``tests/client/_integration_jobs.py`` runs under node A's
-daemon with a ``file://`` store and is SIGKILLed at step 10; the identical command on node B (empty
-output directory, a daemon of its own) restores step 8 from the store and ends bit-identical to an
-uninterrupted run. Hostile inputs: a raw ``checkpoint-N`` commit is refused by the daemon with its
-reason, and a ``checkpoint-N`` holding a symlink or FIFO is never copied or committed.
+The daemon uploads only committed ``step-NNNNNNNNNN`` directories (issue 12's rules); the HF
+callback commits a copy of each ``checkpoint-N`` in that layout (``output_dir/spotguard``) and
+reports the copy. End to end: the user-style HF job of ``tests/client/_integration_jobs.py`` runs
+under node A's daemon with a ``file://`` store and is SIGKILLed at step 10; the identical command on
+node B (empty output directory, a daemon of its own) restores step 8 from the store, reports its
+restart from the tier ``bucket``, and ends bit-identical to an uninterrupted run. Hostile inputs: a
+raw ``checkpoint-N`` commit is refused by the daemon with its reason, and a ``checkpoint-N`` holding
+a symlink or FIFO is never copied or committed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from spotguard.storage.file import FileStore
 
 from test_goodput_fresh_node import node_b, wait_for  # noqa: F401 (a fixture)
 from test_goodput_integrations import JOB as JOB_SCRIPT, launch, run_job
+from test_goodput_metrics import tiers
 
 pytest.importorskip("transformers", reason="needs transformers (extra: hf)")
 from spotguard.integrations.huggingface import latest_checkpoint  # noqa: E402
@@ -123,6 +125,7 @@ def test_an_hf_job_restores_from_the_store_on_a_fresh_node_bit_identically(daemo
     again = launch("hf", fresh, out_b, **env)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "holds step 8: restoring it" in again.stdout
+    assert tiers(fresh, "spotguard_job_restarts_total")["bucket"] == 1  # the callback said where step 8 came from
     assert digest(again.stdout) == digest(uninterrupted(tmp_path / "uninterrupted"))
     wait_for(lambda: Durable(FileStore(bucket)).latest(JOB) == 30, "node B's final save durable")
     assert "commit refused" not in node_a.output() + fresh.output()

@@ -30,13 +30,16 @@ duration of the Trainer's last save, measured from ``on_step_end`` to ``on_save`
 save an estimate from the model and optimizer bytes), and ``control.should_training_stop``; the
 Trainer saves, then leaves its loop (these decisions: :mod:`._hf_stop`; a far notice is logged
 once). An advisory notice (AWS rebalance) asks for one early save.
-Each save's committed copy is reported to the daemon (``report_commit``) from ``on_save``; at ``on_train_end`` after
-a stop the daemon is told the process is safe. For the daemon's goodput figures, as ``Run`` does: a
-train that starts past step 0 (resumed from a checkpoint) is reported as a restart from that step at
-``on_train_begin`` (``report_resume``), and every step end notes rank 0's progress
-(``report_progress``: no I/O, the guard's thread sends it every few seconds). After a stop the process is expected to exit: a
-guard the callback made is closed as ``Run`` closes it (forced-exit watchdog armed, SIGTERM/SIGUSR1
-ignored), so call :meth:`~SpotguardTrainerCallback.exit_if_stopped` (75) right after ``train``.
+Each save's committed copy is reported to the daemon (``report_commit``) from ``on_save``; at
+``on_train_end`` after a stop the daemon is told the process is safe. For the daemon's goodput
+figures, as ``Run`` does: a train that starts past step 0 (resumed from a checkpoint) is reported as
+a restart from that step at ``on_train_begin`` (``report_resume``, with where the checkpoint came
+from: ``bucket`` when :func:`latest_checkpoint` restored it from the store in this launch, ``local``
+when it was on disk already, none when the Trainer resumed from a path of neither), and every step
+end notes rank 0's progress (``report_progress``: no I/O, the guard's thread sends it every few
+seconds). After a stop the process is expected to exit: a guard the callback made is closed as
+``Run`` closes it (forced-exit watchdog armed, SIGTERM/SIGUSR1 ignored), so call
+:meth:`~SpotguardTrainerCallback.exit_if_stopped` (75) right after ``train``.
 An evaluation the Trainer runs at the same step is not part of the measured save duration.
 
 A notice during an evaluation inside ``train()`` is acted on at its next prediction
@@ -94,6 +97,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spotguard import _ddp, _exit, _jobid, _root
 from spotguard._console import console, start_line
+from spotguard._run_common import fetched_tier, mark_fetched
 from spotguard._run_start import fresh_requested
 from spotguard._peer import exit_peer_lost_when_uncaught
 from spotguard._record import Recorder
@@ -141,7 +145,9 @@ def latest_checkpoint(output_dir: str | os.PathLike[str], *, job_id: str = "",
     url = store or url
     if url and os.environ.get("LOCAL_RANK", "0") == "0":
         try:
-            restore_newer(root / COMMITTED, _jobid.resolve(job_id)[0], url, options)
+            restored = restore_newer(root / COMMITTED, _jobid.resolve(job_id)[0], url, options)
+            if restored is not None:  # the callback reports where its resumed step came from
+                mark_fetched(restored, "bucket")
         except (StoreError, OSError) as exc:
             log.warning("could not restore from %s (%s); going on with local checkpoints", url, exc)
     copy = newest_committed(root / COMMITTED, _STATE_FILE)
@@ -277,7 +283,7 @@ class SpotguardTrainerCallback(StopDecisions, TrainerCallback):
         self._layouts = _ddp.trainer_layouts(kwargs.get("model"), _resumed_dirs(args, state))  # DDP's buckets
         if state.global_step > 0:  # the Trainer loaded a checkpoint's state before this event
             log.info("resumed from step %d", state.global_step)
-            self.guard.report_resume(state.global_step)
+            self.guard.report_resume(state.global_step, _resumed_tier(args, state))
         if state.is_world_process_zero:
             resumed = _resumed_dirs(args, state)
             console.info("%s", start_line(self.job_id, state.global_step, None if not resumed else
@@ -454,6 +460,14 @@ def _resumed_dirs(args: TrainingArguments, state: TrainerState) -> list[Path]:
         return []
     root = Path(args.output_dir)
     return [root / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", root / COMMITTED / step_name(state.global_step)]
+
+
+def _resumed_tier(args: TrainingArguments, state: TrainerState) -> str | None:
+    """Where the checkpoint resumed from came from: ``bucket`` when :func:`latest_checkpoint`
+    restored it in this launch, ``local`` when it was on this node's disk already; None when none
+    of :func:`_resumed_dirs` exists (the Trainer resumed from another path)."""
+    found = next((p for p in _resumed_dirs(args, state) if p.is_dir()), None)
+    return None if found is None else fetched_tier(found) or "local"
 
 
 def _warn_inexact(args: TrainingArguments) -> None:

@@ -26,6 +26,12 @@ durable store (:meth:`GoodputLedger.due` hands it the records to write): :meth:`
 None for a job this node knows nothing of, or knows only an older part of (the step resumed from is
 past every step and commit this node saw: the job ran elsewhere since), and the caller asks the store.
 
+Per tier: a restart's register also says where its checkpoint came from (``resumed_tier``: the
+node's disk, a partner node, the durable store), and the caller (:mod:`.handlers`, or
+:mod:`.goodput_store` for a recalled record) adds each :class:`Loss` to the metrics under that tier
+(``unknown`` when not said; :mod:`.metrics`), so the losses are counted per tier. The ledger itself
+keeps no tier: a loss is what the previous run left uncommitted, whatever the next run resumed from.
+
 Interruptions and running time (for :mod:`.job_rates`, the MTBF a job's cadence plans with): each
 record counts the job's restarts (``interruptions``) and the training seconds between consecutive
 reports of one process (``running``), and :meth:`restarted` carries both into the new run's record.

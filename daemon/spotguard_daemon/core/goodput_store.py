@@ -4,13 +4,15 @@ A spot node's daemon dies with the node, and with it what it knew of the job's p
 relaunched on another node and restores its checkpoint from the durable store. So the daemon keeps,
 next to each job's checkpoints, a small object ``jobs/<job>/progress.json``
 (:func:`~spotguard.storage.durable.progress_key`): rank 0's newest reported step and when it was
-reached, the steps committed in that run and when, and the job's interruptions and running time
-over all its runs (:class:`ProgressObject`; no paths, no pids, nothing secret). When a rank-0 process registers as resumed from step R and this node knows nothing
-of the job (or only an older part of it: see :meth:`.GoodputLedger.restarted`), the object is read
-and the restart's loss counted from it, as the node that ran the job would have; its interruptions
-and running time go on in this node's record (:meth:`.GoodputLedger.adopt`, on the daemon's loop at
-the next :meth:`DurableProgress.tick`), so the job's learned MTBF (:mod:`.job_rates`) follows it.
-Until then (at most ``RECALL_HOLD``) the new run's record is not written over the old one.
+reached, the steps committed in that run and when, and the job's interruptions and running time over
+all its runs (:class:`ProgressObject`; no paths, no pids, nothing secret). When a rank-0 process
+registers as resumed from step R and this node knows nothing of the job (or only an older part of
+it: see :meth:`.GoodputLedger.restarted`), the object is read and the restart's loss counted from
+it, as the node that ran the job would have (under the tier the restart's register named:
+:mod:`.metrics`); its interruptions and running time go on in this node's record
+(:meth:`.GoodputLedger.adopt`, on the daemon's loop at the next :meth:`DurableProgress.tick`), so
+the job's learned MTBF (:mod:`.job_rates`) follows it. Until then (at most ``RECALL_HOLD``) the new
+run's record is not written over the old one.
 
 * **Bounded rate.** A job's object is written at its first change, then at most every
   ``storage.progress_seconds`` (30 s by default) and only when it changed; while a terminating notice
@@ -121,7 +123,7 @@ class DurableProgress:
         self._cond = threading.Condition()
         self._writes: dict[str, bytes] = {}
         self._failed: dict[str, tuple[bytes, float]] = {}
-        self._recalls: deque[tuple[str, int, float]] = deque(maxlen=MAX_RECALLS)
+        self._recalls: deque[tuple[str, int, float, str | None]] = deque(maxlen=MAX_RECALLS)
         self._recalled: deque[tuple[str, JobRecord | None]] = deque(maxlen=MAX_RECALLS)
         """Records read for restarts (None: none read), for :meth:`tick` to hand to the ledger on the
         daemon's loop."""
@@ -184,13 +186,14 @@ class DurableProgress:
         self._stored[job] = now
         return True
 
-    def recall(self, job: str, resumed_from: int) -> None:
-        """Rank 0 of ``job``, unknown here, registered now as resumed from ``resumed_from``: read the
-        job's object and count the loss (asynchronously)."""
+    def recall(self, job: str, resumed_from: int, tier: str | None = None) -> None:
+        """Rank 0 of ``job``, unknown here, registered now as resumed from ``resumed_from`` (a
+        checkpoint from ``tier``; None: not said): read the job's object and count the loss under
+        that tier (asynchronously)."""
         if len(self._recalling) < MAX_RECALLS:
             self._recalling[job] = time.monotonic()
         with self._cond:
-            self._recalls.append((job, resumed_from, time.time()))
+            self._recalls.append((job, resumed_from, time.time(), tier))
             self._cond.notify()
 
     def close(self, timeout: float = 2.0) -> None:
@@ -241,14 +244,14 @@ class DurableProgress:
             self._failing = False
         return write
 
-    def _recall_task(self, job: str, resumed_from: int, at: float) -> Callable[[], None]:
+    def _recall_task(self, job: str, resumed_from: int, at: float, tier: str | None) -> Callable[[], None]:
         def recall() -> None:
             record = self._read(job, at)
             self._recalled.append((job, record))
             if record is None:
                 return
-            self.metrics.lost(restart_loss(job, record, resumed_from, at))
-            self.metrics.steps_redone.inc(max(0, max(record.reached, default=-1) - resumed_from))
+            self.metrics.lost(restart_loss(job, record, resumed_from, at), tier)
+            self.metrics.redone(max(record.reached, default=-1) - resumed_from, tier)
         return recall
 
     def _read(self, job: str, before: float) -> JobRecord | None:
@@ -298,7 +301,7 @@ class NoProgress:
     def tick(self, *, force: bool = False) -> None:
         pass
 
-    def recall(self, job: str, resumed_from: int) -> None:
+    def recall(self, job: str, resumed_from: int, tier: str | None = None) -> None:
         log.info("job %r is unknown here and there is no durable store: its restart counts no loss",
                  job)
 

@@ -40,7 +40,9 @@ tree may change after the check).
 
 Goodput: commits, ``progress`` reports and rank-0 restarts feed the
 :class:`~spotguard_daemon.core.goodput.GoodputLedger`, whose losses go to the metrics; a restart of a job
-the ledger does not know goes to ``recall`` (the durable store's copy, :mod:`.goodput_store`). A
+the ledger does not know goes to ``recall`` (the durable store's copy, :mod:`.goodput_store`). Every
+figure of a restart is counted under the tier its register named (``resumed_tier``: ``local``,
+``peer``, ``bucket``; ``unknown`` when left out), on either path. A
 register is a restart at most once per registration (a client registers, restores, then registers
 again with the step), and only while the job's previous rank 0 is gone (a second process naming a
 running job is logged and counts nothing); the ledger then counts an interruption only when the
@@ -171,7 +173,8 @@ class RequestHandler:
                  on_change: Callable[[], None] | None = None,
                  known_step: Callable[[str], int | None] | None = None,
                  metrics: Metrics | None = None, ledger: GoodputLedger | None = None,
-                 recall: Callable[[str, int], None] | None = None, rates: JobRates | None = None,
+                 recall: Callable[[str, int, str | None], None] | None = None,
+                 rates: JobRates | None = None,
                  timeline: Timelines | None = None,
                  time_to_durable: Callable[[str], float | None] | None = None) -> None:
         self.store = store
@@ -181,10 +184,11 @@ class RequestHandler:
         """The notice timeline: clients' flags and safe reports are recorded there (:mod:`.timeline`)."""
         self.metrics = metrics or Metrics()
         self.ledger = ledger or GoodputLedger()
-        self.recall = recall or (lambda job, step: None)
+        self.recall = recall or (lambda job, step, tier: None)
         self.rates = rates or JobRates(self.ledger, platform=platform)
-        """Called with a restarted job this node knows nothing of, and its step: the durable store's
-        copy of the job's record counts the loss (:mod:`.goodput_store`)."""
+        """Called with a restarted job this node knows nothing of, its step and the tier it came from
+        (None: not said): the durable store's copy of the job's record counts the loss
+        (:mod:`.goodput_store`)."""
         self.clients: dict[int, Client] = {}
         self.on_commit = on_commit or (lambda request, path: None)
         self.platform = platform
@@ -283,7 +287,8 @@ class RequestHandler:
                                     "mtbf": self._mtbf(), "checkpoint_root": self._root and str(self._root)})
 
     def _count_restart(self, request: RegisterRequest, client: Client) -> None:
-        """Count a rank-0 resume and the committed steps it re-runs (see :mod:`.metrics`)."""
+        """Count a rank-0 resume and the committed steps it re-runs, under the tier it came from
+        (see :mod:`.metrics`)."""
         key = client.key
         if request.resumed_from_step is None or request.rank != 0:
             return
@@ -298,12 +303,13 @@ class RequestHandler:
         client.resumed = job
         known = self._known_step(job)
         newest = max(self._newest.get(job, -1), -1 if known is None else known)
-        self.metrics.resumed(newest - request.resumed_from_step if newest >= 0 else 0)
+        tier = request.resumed_tier
+        self.metrics.resumed(newest - request.resumed_from_step if newest >= 0 else 0, tier)
         loss = self.ledger.restarted(job, request.resumed_from_step, key)
         if loss is not None:
-            self.metrics.lost(loss)
+            self.metrics.lost(loss, tier)
         else:
-            self.recall(job, request.resumed_from_step)
+            self.recall(job, request.resumed_from_step, tier)
 
     def _unregister(self, request: UnregisterRequest) -> Reply:
         key = key_of(request.pid, current_peer.get())

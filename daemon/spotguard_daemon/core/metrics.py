@@ -35,6 +35,14 @@ denominator of a goodput ratio. Only the daemon of the node where rank 0 ran kno
 job relaunched on a fresh node is counted there from the copy of its record that daemon kept in the
 durable store (:mod:`.goodput_store`), which lags by up to ``storage.progress_seconds``.
 
+Losses are counted per tier: every figure counted per restart (restarts, steps re-run, steps and
+time lost, downtime) carries the label ``tier``, where the checkpoint resumed from came from, as the
+client said when it registered (``resumed_tier``): ``local`` (the node's own disk), ``peer`` (a
+partner node's daemon), ``bucket`` (the durable store), or ``unknown`` (an older client, or an
+integration that cannot tell), on a fresh node too. :data:`TIERS` are all its values; each series
+exists from the start, at zero. The sum over ``tier`` (``sum without (tier)``) is the figure for
+every restart.
+
 Exceptions: none; the HTTP endpoint's bind error (``OSError``) reaches the caller of :meth:`serve`.
 """
 
@@ -47,12 +55,12 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from spotguard.protocol import TERMINATING_KINDS, Notice, utcnow
+from spotguard.protocol import RESUME_TIERS, TERMINATING_KINDS, Notice, utcnow
 
 from spotguard_daemon.core.goodput import Loss
 from spotguard_daemon.core.timeline import OUTCOMES
 
-__all__ = ["Metrics"]
+__all__ = ["TIERS", "Metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,9 @@ _POLL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _SAVE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+UNKNOWN_TIER = "unknown"
+TIERS = (*RESUME_TIERS, UNKNOWN_TIER)
+"""The values of the ``tier`` label of the per-restart figures (see the module docstring)."""
 
 
 class Metrics:
@@ -90,18 +101,26 @@ class Metrics:
         self.deliveries = Counter("spotguard_deliveries_total", "Notice deliveries beside the sockets, "
                                   "by channel (signal, hook, webhook) and outcome.",
                                   ["channel", "outcome"], registry=r)
+        by_tier = " By tier: where the checkpoint resumed from came from (local, peer, bucket, unknown)."
         self.restarts = Counter("spotguard_job_restarts_total", "Processes (rank 0) that registered "
-                                "saying they resumed from a checkpoint.", registry=r)
+                                "saying they resumed from a checkpoint." + by_tier, ["tier"], registry=r)
         self.steps_redone = Counter("spotguard_steps_redone_total", "Steps re-run after restarts: the "
                                     "newest step committed for the job on this daemon minus the step "
-                                    "resumed from (steps after the newest commit are not seen).", registry=r)
+                                    "resumed from (steps after the newest commit are not seen)." + by_tier,
+                                    ["tier"], registry=r)
         self.steps_lost = Counter("spotguard_steps_lost_total", "Steps trained after a job's last commit "
                                   "and trained again by its restart: newest progress reported minus "
-                                  "the newest of the commits and the step resumed from.", registry=r)
+                                  "the newest of the commits and the step resumed from." + by_tier,
+                                  ["tier"], registry=r)
         self.time_lost = Counter("spotguard_time_lost_seconds", "Training seconds those lost steps "
-                                 "took (last commit's step reached -> newest progress report).", registry=r)
+                                 "took (last commit's step reached -> newest progress report)." + by_tier,
+                                 ["tier"], registry=r)
         self.downtime = Counter("spotguard_downtime_seconds", "Seconds from a job's newest progress "
-                                "report to the registration of its relaunched rank 0.", registry=r)
+                                "report to the registration of its relaunched rank 0." + by_tier,
+                                ["tier"], registry=r)
+        for tier in TIERS:  # every series exists from the start, so increase() sees the first restart
+            for counter in (self.restarts, self.steps_redone, self.steps_lost, self.time_lost, self.downtime):
+                counter.labels(tier=tier)
         self.training = Counter("spotguard_training_seconds", "Seconds between consecutive progress "
                                 "reports of running jobs (training wall time, saves included).", registry=r)
         self.save_seconds = Histogram("spotguard_checkpoint_save_seconds", "Seconds the training loop "
@@ -164,16 +183,23 @@ class Metrics:
     def request_served(self, kind: str, ok: bool) -> None:
         self.requests.labels(type=kind, outcome="ok" if ok else "error").inc()
 
-    def resumed(self, steps_redone: int) -> None:
-        """A job restarted from a checkpoint, re-running ``steps_redone`` committed steps."""
-        self.restarts.inc()
-        self.steps_redone.inc(max(0, steps_redone))
+    def resumed(self, steps_redone: int, tier: str | None = None) -> None:
+        """A job restarted from a checkpoint that came from ``tier`` (None: ``unknown``), re-running
+        ``steps_redone`` committed steps."""
+        self.restarts.labels(tier=_tier(tier)).inc()
+        self.redone(steps_redone, tier)
 
-    def lost(self, loss: Loss) -> None:
-        """Add what one restart lost after its last commit (``seconds`` None: unknown, not added)."""
-        self.steps_lost.inc(loss.steps)
-        self.time_lost.inc(loss.seconds or 0.0)
-        self.downtime.inc(loss.downtime)
+    def redone(self, steps: int, tier: str | None = None) -> None:
+        """Add ``steps`` committed steps a restart from ``tier`` re-runs (negative: none)."""
+        self.steps_redone.labels(tier=_tier(tier)).inc(max(0, steps))
+
+    def lost(self, loss: Loss, tier: str | None = None) -> None:
+        """Add what one restart from ``tier`` (None: ``unknown``) lost after its last commit
+        (``seconds`` None: unknown, not added)."""
+        tier = _tier(tier)
+        self.steps_lost.labels(tier=tier).inc(loss.steps)
+        self.time_lost.labels(tier=tier).inc(loss.seconds or 0.0)
+        self.downtime.labels(tier=tier).inc(loss.downtime)
 
     def save_reported(self, seconds: float | None) -> None:
         if seconds is not None:
@@ -196,6 +222,11 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _tier(tier: str | None) -> str:
+    """The ``tier`` label of a restart: one of :data:`TIERS`, ``unknown`` for None or anything else."""
+    return tier if tier in RESUME_TIERS else UNKNOWN_TIER
 
 
 class _PendingCollector(Collector):

@@ -1,14 +1,17 @@
-"""Two "nodes" on one machine: network namespaces joined by a veth pair, each with its own daemon.
+"""Several "nodes" on one machine: network namespaces on one link, each with its own daemon.
 
 A multi-node job needs what a cluster gives it: separate network stacks that reach each other over
 a link, one spotguard daemon per node (its own runtime directory, sockets and state), and one
 ``torchrun`` agent per node meeting through c10d rendezvous. Each node here is a network namespace
-(``ip netns add``) with loopback up and one end of a veth pair, addressed ``10.213.0.1/30`` and
-``10.213.0.2/30``: those addresses exist only inside the two namespaces, so nothing outside can
-reach them and parallel test runs (other namespaces) cannot collide. The file system is shared,
-like a cluster's shared checkpoint directory; with ``node_local`` each node's checkpoint root is a
-tmpfs of its own, mounted here and unmounted at teardown, and the store is the S3 emulator reached
-through relays in node a's namespace (``_bucket.py``).
+(``ip netns add``) with loopback up and one end of a veth pair, addressed ``10.213.0.<n>/24``. Two
+nodes are joined by their veth pair directly; three or more each plug their pair's other end into a
+bridge inside a namespace of its own (the switch). Those addresses exist only inside the
+namespaces, so nothing outside can reach them and parallel test runs (other namespaces) cannot
+collide. ``link_mbit`` shapes every node's egress with ``tc`` (a token bucket at that rate), the
+way a cluster's NICs bound node-to-node copies. The file system is shared, like a cluster's shared
+checkpoint directory; with ``node_local`` each node's checkpoint root is a tmpfs of its own,
+mounted here and unmounted at teardown, and the store is the S3 emulator reached through relays in
+node a's namespace (``_bucket.py``).
 
 Needs root and ``ip`` (CI runs as root); skips loudly otherwise. Every process started in a
 namespace is killed by pid (``ip netns pids``) and the namespaces are deleted at teardown.
@@ -36,8 +39,20 @@ SUBNET = "10.213.0"
 _counter = itertools.count()
 
 
+LETTERS = "abcdefgh"
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+def shape(netns: str, ifname: str, mbit: int) -> None:
+    """Cap ``ifname``'s egress in ``netns`` at ``mbit`` Mbit/s: a token bucket (``tc qdisc ... tbf``)
+    with a burst of 1 ms at that rate (at least 64 KiB) and 50 ms of queue."""
+    burst = max(65536, mbit * 1000 // 8)
+    subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", ifname, "root", "tbf",
+                    "rate", f"{mbit}mbit", "burst", str(burst), "latency", "50ms"],
+                   check=True, capture_output=True, timeout=10)
 
 
 def netns_available() -> str | None:
@@ -131,11 +146,13 @@ class Node:
 
 
 class Cluster:
-    """Two nodes and the commands that launch a job on both."""
+    """The nodes and the commands that launch a job on all of them."""
 
-    def __init__(self, workdir: Path, sock_dir: Path) -> None:
+    def __init__(self, workdir: Path, sock_dir: Path, count: int = 2, link_mbit: int | None = None) -> None:
         tag = f"sg{os.getpid() % 100000}{next(_counter)}"
-        self.nodes = [Node(f"{tag}{c}", i, workdir, sock_dir) for i, c in enumerate("ab")]
+        self.nodes = [Node(f"{tag}{c}", i, workdir, sock_dir) for i, c in enumerate(LETTERS[:count])]
+        self.switch = f"{tag}s" if count > 2 else None
+        self.link_mbit = link_mbit
         self.workdir, self.port = workdir, 29400 + next(_counter)
         self.checkpoint_root = workdir / "ckpt"
         self.checkpoint_root.mkdir(parents=True, exist_ok=True)
@@ -150,15 +167,27 @@ class Cluster:
         return path
 
     def create(self) -> None:
-        a, b = self.nodes
         for node in self.nodes:
             _ip("netns", "add", node.name)
             _ip("-n", node.name, "link", "set", "lo", "up")
-        _ip("link", "add", a.ifname, "type", "veth", "peer", "name", b.ifname)
+        if self.switch is None:
+            a, b = self.nodes
+            _ip("link", "add", a.ifname, "type", "veth", "peer", "name", b.ifname)
+        else:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for node in self.nodes:
+                _ip("link", "add", node.ifname, "type", "veth", "peer", "name", f"{node.ifname}p")
+                _ip("link", "set", f"{node.ifname}p", "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", f"{node.ifname}p", "master", "br0")
+                _ip("-n", self.switch, "link", "set", f"{node.ifname}p", "up")
         for node in self.nodes:
             _ip("link", "set", node.ifname, "netns", node.name)
-            _ip("-n", node.name, "addr", "add", f"{node.addr}/30", "dev", node.ifname)
+            _ip("-n", node.name, "addr", "add", f"{node.addr}/24", "dev", node.ifname)
             _ip("-n", node.name, "link", "set", node.ifname, "up")
+            if self.link_mbit:
+                shape(node.name, node.ifname, self.link_mbit)
 
     def destroy(self) -> None:
         for node in self.nodes:
@@ -167,16 +196,18 @@ class Cluster:
             for proc in node.procs:
                 proc.wait(30)  # reap them: every one was in the namespace, so it was killed
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True, timeout=10)
+        if self.switch is not None:
+            subprocess.run(["ip", "netns", "del", self.switch], capture_output=True, timeout=10)
         self.mounts.close()
 
     def torchrun(self, node: Node, name: str, ckpt: str, record: Path, *job_args: str,
                  nproc: int = 1, run_id: str = "job", restarts: int = 0, rdzv_conf: str = "",
                  root: Path | None = None) -> "Launch":
-        """One torchrun agent on ``node`` for a two-node job (rendezvous on node a's address).
+        """One torchrun agent on ``node`` for a multi-node job (rendezvous on node a's address).
 
         ``is_host`` says which agent serves the rendezvous store: torchrun decides it by matching
-        the endpoint against the machine's hostname, and both namespaces share this machine's."""
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+        the endpoint against the machine's hostname, and all namespaces share this machine's."""
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(self.nodes)),
                 "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{self.nodes[0].addr}:{self.port}", "--rdzv-id", run_id,
                 "--rdzv-conf", ",".join(filter(None, [f"is_host={int(node.index == 0)}", rdzv_conf])),
@@ -191,7 +222,7 @@ class Cluster:
 
     def launch(self, name: str, ckpt: str, *job_args: str, nproc: int = 1,
                roots: list[Path] | None = None, **agent: Any) -> "Job":
-        """The identical command on both nodes, checkpointing to the shared ``checkpoint_root /
+        """The identical command on every node, checkpointing to the shared ``checkpoint_root /
         ckpt`` (``roots``: each node's own root instead); the record is shared too (one file, whole
         ``O_APPEND`` lines)."""
         record = self.workdir / f"{name}.jsonl"
@@ -210,7 +241,7 @@ class Launch:
 
 
 class Job:
-    """A job's two agents and its run record."""
+    """A job's agents (one per node) and its run record."""
 
     def __init__(self, launches: list[Launch], record: Path) -> None:
         self.launches, self.record = launches, record
@@ -219,7 +250,7 @@ class Job:
         return [e for e in _record.read(self.record) if e["event"] == kind] if self.record.exists() else []
 
     def wait(self, timeout: float) -> list[int]:
-        """Both agents' exit statuses (fails, with both logs, when one outlives ``timeout``)."""
+        """Every agent's exit status (fails, with every log, when one outlives ``timeout``)."""
         deadline = time.monotonic() + timeout
         for launch in self.launches:
             try:
@@ -245,18 +276,20 @@ class Job:
 
 @contextmanager
 def two_nodes(workdir: Path, store: str | None = None, node_local: bool = False,
-              bucket: Any = None, hold_b: bool = False, env: Any = None) -> Iterator[Cluster]:
-    """Two namespaces with a daemon each, torn down (processes killed by pid) on the way out.
-    ``store``: the durable store of both daemons and jobs; ``bucket`` (a ``_bucket.Bucket``): the
+              bucket: Any = None, hold_b: bool = False, env: Any = None, count: int = 2,
+              link_mbit: int | None = None) -> Iterator[Cluster]:
+    """``count`` namespaces (two by default) with a daemon each, torn down (processes killed by pid)
+    on the way out; ``link_mbit``: every node's link shaped to that rate (:func:`shape`).
+    ``store``: the durable store of every daemon and jobs; ``bucket`` (a ``_bucket.Bucket``): the
     S3 emulator instead, through a relay per node (node b's a ``HoldingRelay`` with ``hold_b``);
-    ``node_local``: each daemon's checkpoint root is its node's own tmpfs on ``workdir/local-<a|b>``
+    ``node_local``: each daemon's checkpoint root is its node's own tmpfs on ``workdir/local-<letter>``
     (no directory shared for checkpoints); ``env(cluster, node)``: more variables for a node's
     processes, its daemon's included."""
     sock_dir = Path(tempfile.mkdtemp(prefix="sgmn-", dir="/tmp"))  # ipc:// paths must stay short
-    cluster = Cluster(workdir, sock_dir)
+    cluster = Cluster(workdir, sock_dir, count, link_mbit)
     try:
         cluster.create()
-        for node, letter in zip(cluster.nodes, "ab"):
+        for node, letter in zip(cluster.nodes, LETTERS):
             if bucket:
                 node.relay = bucket.relay(cluster.nodes[0].name, cluster.nodes[0].addr,
                                           holding=hold_b and node.index == 1)
@@ -270,3 +303,13 @@ def two_nodes(workdir: Path, store: str | None = None, node_local: bool = False,
     finally:
         cluster.destroy()
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def peer_ring(port: int, secret: str) -> Any:
+    """``env`` for :func:`two_nodes`: the peer tier in a ring, each node's daemon serving partners on
+    its address and copying its node's parts to the next node's (a to b, ..., the last to a)."""
+    def env(cluster: Cluster, node: Node) -> dict[str, str]:
+        partner = cluster.nodes[(node.index + 1) % len(cluster.nodes)]
+        return {"SPOTGUARD_PEER__LISTEN": f"{node.addr}:{port}", "SPOTGUARD_PEER__SECRET": secret,
+                "SPOTGUARD_PEER__PARTNERS": f"http://{partner.addr}:{port}"}
+    return env

@@ -16,7 +16,7 @@ import re
 import time
 
 import pytest
-from _twonodes import netns_available, two_nodes
+from _twonodes import netns_available, peer_ring, two_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -25,18 +25,13 @@ SECRET = "the-ring-secret-of-this-test-job"
 ARGS = ("--steps", str(STEPS), "--save-every", str(SAVE), "--keep", "2", "--width", "65536")
 
 
-def ring(cluster, node) -> dict[str, str]:
-    other = cluster.nodes[1 - node.index]
-    return {"SPOTGUARD_PEER__LISTEN": f"{node.addr}:{PORT}", "SPOTGUARD_PEER__PARTNERS": f"http://{other.addr}:{PORT}",
-            "SPOTGUARD_PEER__SECRET": SECRET}
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     why = netns_available()
     if why:
         pytest.skip(f"MULTI-NODE TESTS SKIPPED: {why}")
-    with two_nodes(tmp_path_factory.mktemp("multinode-peer"), store="none", node_local=True, env=ring) as cluster:
+    with two_nodes(tmp_path_factory.mktemp("multinode-peer"), store="none", node_local=True,
+                   env=peer_ring(PORT, SECRET)) as cluster:
         yield cluster
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import json
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -171,6 +171,10 @@ class Notice(_Model):
 class _Message(_Model):
     v: Literal[1] = PROTOCOL_VERSION
 
+    LATER: ClassVar[frozenset[str]] = frozenset()
+    """Optional fields added after a daemon release: :func:`encode` leaves them out while they are
+    None, so that an older daemon (which refuses fields it does not know) still takes the message."""
+
 
 class NoticeEvent(_Message):
     type: Literal["notice"] = "notice"
@@ -230,6 +234,8 @@ class RegisterRequest(_Message):
     job_id: str = Field(default="", max_length=256)
     resumed_from_step: Count | None = None
     resumed_tier: Literal["local", "peer", "bucket"] | None = None
+
+    LATER = frozenset({"resumed_tier"})
     signal: bool = True
 
 
@@ -388,8 +394,11 @@ _REPLY = TypeAdapter(Reply)
 
 
 def encode(message: BaseModel) -> bytes:
-    """Serialise a message for the wire (compact UTF-8 JSON)."""
-    return message.model_dump_json().encode()
+    """Serialise a message for the wire (compact UTF-8 JSON); a :attr:`_Message.LATER` field is left
+    out while it is None."""
+    later = getattr(message, "LATER", ())
+    unset = {name for name in later if getattr(message, name) is None}
+    return message.model_dump_json(exclude=unset or None).encode()
 
 
 def _decode(adapter: TypeAdapter, data: bytes, limit: int) -> Any:

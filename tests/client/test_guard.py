@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -214,3 +215,17 @@ def test_a_rescheduled_notice_updates_the_deadline_the_guard_holds(daemon):
         daemon.publish_notice(make_notice(40, notice_id="evt"))  # the daemon re-announces it earlier
         assert wait_for(lambda: guard.seconds_left() < 50)
         assert guard.notice.id == "evt"
+
+
+def test_a_register_without_a_tier_is_what_an_older_daemon_takes():
+    """``resumed_tier`` came after daemons that refuse fields they do not know: left out while None,
+    a register from this client still parses against the message as such a daemon knew it."""
+    from pydantic import ConfigDict, create_model
+    from spotguard.protocol import RegisterRequest, encode
+
+    fields = {name: (info.annotation, info) for name, info in RegisterRequest.model_fields.items()
+              if name != "resumed_tier"}
+    older = create_model("OlderRegister", __config__=ConfigDict(extra="forbid"), **fields)
+    assert "resumed_tier" not in json.loads(encode(RegisterRequest(pid=5, resumed_from_step=3)))
+    older.model_validate_json(encode(RegisterRequest(pid=5, resumed_from_step=3)))
+    assert json.loads(encode(RegisterRequest(pid=5, resumed_from_step=3, resumed_tier="peer")))["resumed_tier"] == "peer"

@@ -244,3 +244,21 @@ def test_the_partners_variable_as_the_daemon_takes_it_and_a_broken_one_disables_
     assert peers_from_env({**secret, "SPOTGUARD_PEER__PARTNERS": '["http://a:1"'}) == ([], None)
     assert peers_from_env({**secret, "SPOTGUARD_PEER__PARTNERS": '{"a": 1}'}) == ([], SECRET)
     assert peers_from_env({**secret, "SPOTGUARD_PEER__PARTNERS": '[1, "http://a:1"]'}) == (["http://a:1"], SECRET)
+
+
+def test_the_server_serves_partners_at_the_upload_niceness(tmp_path):
+    """Receiving and hashing a partner's part is background work: the serving thread, whose children
+    (one per request) inherit its niceness on Linux, runs at ``storage.upload_nice``; a niced server
+    still takes a part and gives it back."""
+    peer = PeerServer(tmp_path / "held", SECRET, keep=2, timeout=10, jobs=lambda: {JOB}, nice=7)
+    host, port = peer.start("127.0.0.1", 0)
+    try:
+        (serving,) = [t for t in threading.enumerate() if t.name == "spotguard-peer-server"]
+        assert os.getpriority(os.PRIO_PROCESS, serving.native_id) == 7  # an absolute niceness, per thread
+        parts = committed(tmp_path / "node-b", [10])
+        with PeerClient(f"http://{host}:{port}", SECRET, JOB) as client:
+            client.push(SLOT, 10, parts[10])
+            (tmp_path / "node-c").mkdir()
+            assert client.fetch(SLOT, 10, tmp_path / "node-c").name == "step-0000000010"
+    finally:
+        peer.close()

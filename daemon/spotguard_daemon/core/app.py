@@ -297,9 +297,34 @@ class Daemon:
         """A client committed a checkpoint inside the checkpoint root: make it durable. The queue gets
         the path as named, not as resolved, so that it can refuse a symlinked checkpoint directory."""
         named = Path(os.path.abspath(Path(self.settings.checkpoint_root or path.parent) / request.path))
-        self.queue.submit(request.job_id, named, request.step, request.size_bytes)
+        job = request.job_id or DEFAULT_JOB
+
+        def upload() -> None:
+            self.queue.submit(request.job_id, named, request.step, request.size_bytes)
+
         if self.peer is not None:
-            self.peer.submit(request.job_id or DEFAULT_JOB, named, request.step)
+            why = self._peer_first(job)
+            if why and self.peer.submit(job, named, request.step, then=upload):
+                log.warning("job %r: step %d goes to the partners first, then to the bucket: %s", job,
+                            request.step, why)
+                return
+        upload()
+        if self.peer is not None:
+            self.peer.submit(job, named, request.step)
+
+    def _peer_first(self, job: str) -> str | None:
+        """Why a commit of ``job`` goes to the partners before the bucket: a terminating notice
+        leaves less time than the bucket takes (or than nobody knows yet); None otherwise."""
+        left = [s for n in self.store.pending() if n.kind in TERMINATING_KINDS
+                and (s := n.seconds_left()) is not None]
+        if not left:
+            return None
+        bucket = self.queue.time_to_durable(job)
+        if bucket is None:
+            return f"a notice leaves {max(min(left), 0):.0f} s and the bucket's time to durable is not known yet"
+        if bucket > min(left):
+            return f"the bucket takes about {bucket:.0f} s and a notice leaves {max(min(left), 0):.0f} s"
+        return None
 
     def _terminating(self) -> bool:
         """Whether a terminating notice is pending (read by the goodput store's rate)."""
@@ -518,12 +543,13 @@ class Daemon:
 
     async def _until_done(self) -> None:
         """After a node stop: serve until the clients of its notice (if any) are safe and the uploads
-        durable, within ``signal.grace``."""
+        durable (and copied to the partners), within ``signal.grace``."""
         await self._stop.wait()
         notice = self._signal_notice
         while self._node_going and not self._force:
             left = (self._drain_until - utcnow()).total_seconds()
-            if (notice is None or self._all_safe(notice.id)) and self.queue.idle():
+            copied = self.peer is None or self.peer.idle()  # a copy may still have its upload to queue
+            if (notice is None or self._all_safe(notice.id)) and copied and self.queue.idle():
                 log.info("%s%s; stopping", "no client to wait for" if notice is None else
                          "every registered client is safe",
                          "" if self.queue.store is None else " and every commit durable")
@@ -547,10 +573,10 @@ class Daemon:
                 await watcher.aclose()
             except Exception as exc:
                 log.debug("closing watcher %s: %s", getattr(watcher, "name", watcher), exc)
+        if self.peer is not None:
+            self.peer.close()  # first: an upload that waited for its peer copy is queued (journaled) now
         self.queue.close(timeout=1.0)  # a node stop waited for uploads already; a stalled one is abandoned
         self.progress.close()
-        if self.peer is not None:
-            self.peer.close()
         self.handler.ledger.flush(force=True)
         self.server.close()
         self.metrics.close()

@@ -18,7 +18,9 @@ Rules:
   size and sha256, and the manifest's HMAC verifies: a half-pushed part is never served;
 * at most ``MAX_REQUESTS`` requests are served at once (503 beyond), each socket times out after
   ``peer.timeout`` seconds, and no request can stop the daemon (each runs in its own thread and any
-  error is answered 500 and logged).
+  error is answered 500 and logged);
+* the serving threads run at ``storage.upload_nice`` (Linux, per thread): receiving and hashing a
+  partner's part is background work that yields to this node's own training, like an upload.
 
 Exceptions: ``OSError`` from :meth:`PeerServer.start` when the address cannot be bound.
 """
@@ -37,6 +39,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from spotguard._priority import lower_priority
 from spotguard.storage._local import (
     MANIFEST,
     MAX_FILE_BYTES,
@@ -80,9 +83,9 @@ class PeerServer:
     """Serves ``root`` on ``host:port`` in threads; ``jobs()`` names the jobs writes are accepted for."""
 
     def __init__(self, root: Path, secret: str, *, keep: int, timeout: float,
-                 jobs: Callable[[], set[str]]) -> None:
+                 jobs: Callable[[], set[str]], nice: int | None = None) -> None:
         self.root, self.keep, self.jobs = root, keep, jobs
-        self._secret, self._timeout = secret, timeout
+        self._secret, self._timeout, self._nice = secret, timeout, nice
         self._slots = threading.BoundedSemaphore(MAX_REQUESTS)
         self._lock = threading.Lock()  # commits and retention of one daemon, one at a time
         self._received: dict[tuple[str, str, int, str], tuple[int, str]] = {}
@@ -100,11 +103,17 @@ class PeerServer:
 
         self._httpd = _BoundedServer((host, port), Handler)
         self.address = self._httpd.server_address[:2]
-        threading.Thread(target=self._httpd.serve_forever, args=(0.1,), name="spotguard-peer-server",
-                         daemon=True).start()
+        threading.Thread(target=self._serve, name="spotguard-peer-server", daemon=True).start()
         log.info("peer server on %s:%d holds partners' parts under %s (newest %d per node)",
                  *self.address, self.root, self.keep)
         return self.address
+
+    def _serve(self) -> None:
+        # Each request's thread is made by this one and inherits its niceness (Linux: per thread):
+        # receiving and hashing a partner's part yields to this node's own training.
+        lower_priority(self._nice)
+        assert self._httpd is not None
+        self._httpd.serve_forever(0.1)
 
     def close(self) -> None:
         if self._httpd is not None:

@@ -26,7 +26,7 @@ class PeerTier:
         if peer.listen:
             host, _, port = peer.listen.rpartition(":")
             self.server = PeerServer(settings.state_dir / "peer", secret, keep=peer.keep, timeout=peer.timeout,
-                                     jobs=jobs)
+                                     jobs=jobs, nice=settings.storage.upload_nice)
             try:
                 self.server.start(host.strip("[]"), int(port))
             except OSError as exc:
@@ -40,9 +40,16 @@ class PeerTier:
                                              timeout=peer.timeout, staging=settings.runtime_dir / "peer-staging",
                                              nice=settings.storage.upload_nice)
 
-    def submit(self, job: str, path: Path, step: int) -> None:
-        if self.replicator is not None:
-            self.replicator.submit(job, path, step)
+    def submit(self, job: str, path: Path, step: int, then: Callable[[], None] | None = None) -> bool:
+        """Copy the commit to the partners, then run ``then``; False (``then`` not run) when this
+        daemon copies nothing."""
+        if self.replicator is None:
+            return False
+        self.replicator.submit(job, path, step, then)
+        return True
+
+    def idle(self) -> bool:
+        return self.replicator is None or self.replicator.idle()
 
     def time_to_copy(self, job: str) -> float | None:
         return self.replicator.time_to_copy(job) if self.replicator is not None else None

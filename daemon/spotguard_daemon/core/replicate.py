@@ -9,6 +9,10 @@ beside the bucket upload, not after it: it is what a node lost without notice co
 the bucket costs an upload. A failed push is retried ``ATTEMPTS`` times, a second apart, unless a
 newer commit of the job arrived; then it is logged (once per partner and cause) and dropped.
 
+``then``: what to run once a commit's copy is over, copied or not (superseded, failed, or left
+pending at :meth:`Replicator.close`). The daemon passes the commit's bucket upload when a notice
+leaves less time than the upload takes: the partners get the part first, alone on the link.
+
 Exceptions: none escape the thread; an error restarts nothing and is logged.
 """
 
@@ -21,7 +25,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from spotguard._priority import lower_priority
 from spotguard.storage._local import MANIFEST
@@ -44,9 +48,10 @@ class Replicator:
                  nice: int | None = None) -> None:
         self.root, self.partners, self._secret = root, [p.rstrip("/") for p in partners], secret
         self._timeout, self._staging, self._nice = timeout, staging, nice
-        self._pending: dict[str, tuple[Path, int, float]] = {}
+        self._pending: dict[str, tuple[Path, int, float, Callable[[], None] | None]] = {}
         self._cv = threading.Condition()
         self._closed = False
+        self._copying = False
         self._said: set[tuple[str, str]] = set()
         self.replicated: dict[str, dict[str, Any]] = {}
         """``{job: {"step", "seconds", "bytes", "partners"}}`` of each job's newest copied part."""
@@ -55,17 +60,28 @@ class Replicator:
         self._thread = threading.Thread(target=self._run, name="spotguard-peer-push", daemon=True)
         self._thread.start()
 
-    def submit(self, job: str, path: Path, step: int) -> None:
+    def submit(self, job: str, path: Path, step: int, then: Callable[[], None] | None = None) -> None:
+        """Copy ``path`` (step ``step`` of ``job``) to the partners, replacing an older commit of the
+        job still waiting (whose ``then`` runs now); one older than the waiting commit is not copied."""
         with self._cv:
             old = self._pending.get(job)
             if old is None or old[1] <= step:
-                self._pending[job] = (path, step, time.monotonic())
+                self._pending[job] = (path, step, time.monotonic(), then)
                 self._cv.notify()
+                dropped = old[3] if old is not None else None
+            else:
+                dropped = then
+        _run_then(dropped)
 
     def status(self) -> dict[str, Any]:
         with self._cv:
             return {"partners": list(self.partners), "pending": {j: p[1] for j, p in self._pending.items()},
                     "replicated": dict(self.replicated)}
+
+    def idle(self) -> bool:
+        """Nothing waits to be copied and nothing is being copied."""
+        with self._cv:
+            return not self._pending and not self._copying
 
     def time_to_copy(self, job: str) -> float | None:
         """Median seconds from a commit of ``job`` to its part held by every partner (the last
@@ -79,6 +95,10 @@ class Replicator:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout)
+        with self._cv:
+            left, self._pending = list(self._pending.values()), {}
+        for *_, then in left:
+            _run_then(then)
 
     def _run(self) -> None:
         lower_priority(self._nice)
@@ -88,13 +108,17 @@ class Replicator:
                     self._cv.wait()
                 if self._closed:
                     return
-                job, (path, step, submitted) = self._pending.popitem()
+                job, (path, step, submitted, then) = self._pending.popitem()
+                self._copying = True
             try:
                 self._replicate(job, path, step, submitted)
             except (confine.UnsafeCheckpoint, OSError) as exc:  # e.g. retention deleted it first
                 log.warning("peer: step %d of job %r not copied: %s", step, job, exc)
             except Exception:  # the thread must survive any one part
                 log.exception("peer: copying step %d of job %r failed", step, job)
+            _run_then(then)
+            with self._cv:
+                self._copying = False
 
     def _superseded(self, job: str, step: int) -> bool:
         with self._cv:
@@ -142,3 +166,12 @@ class Replicator:
             log.warning("%s", message)
         else:
             log.debug("%s", message)
+
+
+def _run_then(then: Callable[[], None] | None) -> None:
+    if then is None:
+        return
+    try:
+        then()
+    except Exception:  # e.g. the upload queue refused it: that is logged there; the copy stands
+        log.exception("peer: what was to follow a copy failed")

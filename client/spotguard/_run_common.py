@@ -11,8 +11,8 @@ the load: each rank offers the steps its node holds and the steps the store hold
 ranks agree (``all_reduce`` of ints, as the load does) on the newest step every rank can have, and
 the node leaders lacking it fetch it (only their ranks' parts, as a fresh node does). Steps a node
 holds that are newer than the agreed one are from a timeline the relaunch abandons: they are
-renamed ``abandoned-step-N-<time>`` (kept, never loaded, never pruned as checkpoints), so that the
-relaunch's own step N never mixes with them; only once every node has the agreed step. Store
+renamed ``abandoned-step-N-<time>`` (kept, never loaded, never pruned as checkpoints; the next relaunch
+that sets steps aside deletes them), so that the relaunch's own step N never mixes with them; only once every node has the agreed step. Store
 errors leave the store out of the offer (with a warning) and the load goes on with what is local.
 
 The peer tier (``SPOTGUARD_PEER__PARTNERS``, :mod:`spotguard.storage.peer`): the steps the
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -159,11 +160,21 @@ def _store_steps(url: str | None, options: StoreOptions | None, job: str) -> tup
 
 
 def _set_aside(root: Path, step: int) -> None:
-    """Rename the local steps newer than ``step`` (an abandoned timeline) out of the checkpoints' way."""
+    """Rename the local steps newer than ``step`` (an abandoned timeline) out of the checkpoints' way.
+    The steps an earlier relaunch set aside are deleted then: one abandoned timeline is kept at most,
+    so that relaunch after relaunch cannot fill the node's disk."""
+    older = [p for p in root.glob("abandoned-step-*") if p.is_dir() and not p.is_symlink()]
+    moved = False
     for newer, path in layout.committed_dirs(root):
         if newer <= step:
             break
         aside = root / f"abandoned-{path.name}-{int(time.time())}"
         os.rename(path, aside)
+        moved = True
         log.warning("node-local roots: the relaunch resumes from step %d; this node's newer step %d is from "
                     "the abandoned run and was moved to %s", step, newer, aside)
+    if moved and older:
+        for path in older:
+            shutil.rmtree(path, ignore_errors=True)
+        log.warning("node-local roots: deleted %d step(s) an earlier relaunch had set aside (%s): one abandoned "
+                    "run is kept at most", len(older), ", ".join(sorted(p.name for p in older)))

@@ -126,3 +126,32 @@ def test_a_relaunch_after_a_dead_daemon_agrees_on_the_newest_step_every_rank_can
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+
+
+def test_a_relaunch_that_sets_steps_aside_deletes_what_an_earlier_one_set_aside(tmp_path, caplog):
+    """One abandoned run is kept at most: relaunch after relaunch on a node must not fill its disk."""
+    import torch
+    from spotguard._run_common import _set_aside
+    from spotguard.checkpoint import Checkpointer
+
+    root = tmp_path / "node"
+    with Checkpointer(root, keep=5, background_nice=None, background_cpu_share=None) as ck:
+        for step in (10, 20, 30):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+            ck.wait()
+    earlier = root / "abandoned-step-0000000050-1700000000"
+    (earlier / "rank-0").mkdir(parents=True)
+    (earlier / "rank-0" / "big.bin").write_bytes(b"x" * 4096)
+    outside = tmp_path / "not-ours"
+    outside.mkdir()
+    (root / "abandoned-step-0000000060-1700000000").symlink_to(outside)  # a link is left alone
+    with caplog.at_level("WARNING", logger="spotguard.run"):
+        _set_aside(root, 10)
+    aside = sorted(p.name.rsplit("-", 1)[0] for p in root.glob("abandoned-step-*") if not p.is_symlink())
+    assert aside == ["abandoned-step-0000000020", "abandoned-step-0000000030"], aside
+    assert not earlier.exists() and outside.is_dir()
+    assert "deleted 1 step(s) an earlier relaunch had set aside (abandoned-step-0000000050-1700000000)" in caplog.text
+    with Checkpointer(root) as ck:
+        assert ck.load_latest({"w": torch.zeros(4)}).step == 10
+    _set_aside(root, 10)  # nothing newer to set aside: what is aside stays
+    assert len([p for p in root.glob("abandoned-step-*") if not p.is_symlink()]) == 2

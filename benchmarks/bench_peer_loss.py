@@ -1,22 +1,25 @@
 """Steps a node lost without notice costs, with and without the peer tier (issue 30).
 
-    python benchmarks/bench_peer_loss.py [--repeats 2] [--width 262144] [--bucket-mbs 50]   (root: ip netns)
+    python benchmarks/bench_peer_loss.py [--repeats 2] [--width 262144] [--bucket-mbs 50]
+                                         [--nodes 2] [--link-mbit 8000]              (root: ip netns, tc)
 
-Two network namespaces (``tests/multinode/_twonodes.py``), node-local roots (a tmpfs each), the S3
-emulator as the bucket with each daemon's uploads capped at ``--bucket-mbs`` MB/s
-(``storage.bandwidth_mbps``), and the node link unshaped (a veth pair: as fast as the namespaces
-allow). The tests' DDP job (2 ranks a node; ``--width`` hidden units, so a node's part weighs about
-``120 * width`` bytes) saves every ``--save-every`` steps. Half a save interval after step
-``--kill-at``, node b is SIGKILLed whole, its link down first (no notice, no reset). The identical command is relaunched
-on node a and a fresh node c (node b's namespace, an empty root, a new daemon).
+``--nodes`` network namespaces (``tests/multinode/_twonodes.py``; three or more on a bridge),
+node-local roots (a tmpfs each), the S3 emulator as the bucket with each daemon's uploads capped at
+``--bucket-mbs`` MB/s (``storage.bandwidth_mbps``), and the node links unshaped (as fast as the
+namespaces allow) or shaped with ``tc`` to ``--link-mbit``. The tests' DDP job (2 ranks a node;
+``--width`` hidden units, so a node's part weighs about ``120 * width`` bytes) saves every
+``--save-every`` steps. Half a save interval after step ``--kill-at``, the last node is SIGKILLed
+whole, its link down first (no notice, no reset). The identical command is relaunched on the
+survivors and a fresh node (the lost node's namespace, an empty root, a new daemon).
 
 Per scenario: the step reached at the kill (the newest step any rank recorded), the newest global
 step in the bucket then, the step the relaunch resumed from and where each rank took it (the run
 record's ``tier``), the steps lost (reached - resumed; everything when the relaunch refuses to start
 because no step is common to every rank: no step was global yet), and the relaunch to its first
 resumed step.
-``bucket``: the peer tier off; ``peer``: a ring of two (``peer.listen``, ``peer.partners``,
-``peer.secret``). The same job, cadence and kill point in both, run one after the other.
+``bucket``: the peer tier off; ``peer``: a ring (``peer.listen``, ``peer.partners``,
+``peer.secret``; node k copies to node k+1). The same job, cadence and kill point in both, run one
+after the other.
 """
 
 from __future__ import annotations
@@ -33,15 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multinod
 
 from _bucket import Bucket  # noqa: E402
 from _common import BenchError, markdown_table, write_results  # noqa: E402
-from _twonodes import netns_available, two_nodes  # noqa: E402
+from _twonodes import LETTERS, netns_available, peer_ring, two_nodes  # noqa: E402
 
 NPROC, PORT, SECRET = 2, 9475, "the-benchmark-ring-secret-00000"
-
-
-def ring(cluster: Any, node: Any) -> dict[str, str]:
-    other = cluster.nodes[1 - node.index]
-    return {"SPOTGUARD_PEER__LISTEN": f"{node.addr}:{PORT}", "SPOTGUARD_PEER__SECRET": SECRET,
-            "SPOTGUARD_PEER__PARTNERS": f"http://{other.addr}:{PORT}"}
 
 
 def reached(job: Any) -> int:
@@ -52,14 +49,15 @@ def reached(job: Any) -> int:
 def once(tmp: Path, scenario: str, args: argparse.Namespace, i: int) -> dict[str, Any]:
     def env(cluster: Any, node: Any) -> dict[str, str]:
         return {"SPOTGUARD_STORAGE__BANDWIDTH_MBPS": str(args.bucket_mbs),
-                **(ring(cluster, node) if scenario == "peer" else {})}
+                **(peer_ring(PORT, SECRET)(cluster, node) if scenario == "peer" else {})}
 
     (tmp / f"bucket-{scenario}{i}").mkdir()
     bucket = Bucket(tmp / f"bucket-{scenario}{i}")
     try:
-        with two_nodes(tmp / f"{scenario}{i}", bucket=bucket, node_local=True, env=env) as cluster:
-            a, b = cluster.nodes
-            roots = [cluster.workdir / "local-a", cluster.workdir / "local-b"]
+        with two_nodes(tmp / f"{scenario}{i}", bucket=bucket, node_local=True, env=env, count=args.nodes,
+                       link_mbit=args.link_mbit or None) as cluster:
+            b = cluster.nodes[-1]  # the node lost
+            roots = [cluster.workdir / f"local-{LETTERS[n]}" for n in range(args.nodes)]
             job_args = ("--save-every", str(args.save_every), "--step-sleep", str(args.step_sleep),
                         "--width", str(args.width), "--keep", "2", "--peer-timeout", "5")
             job = cluster.launch("lost", "lost", "--steps", "1000000", *job_args, nproc=NPROC, roots=roots)
@@ -75,8 +73,8 @@ def once(tmp: Path, scenario: str, args: argparse.Namespace, i: int) -> dict[str
             b.start_fresh_daemon(fresh)
             relaunched = time.time()
             resumed = cluster.launch("resumed", "lost", "--steps", str(at_kill + 3), *job_args, nproc=NPROC,
-                                     roots=[roots[0], fresh])
-            if resumed.wait(300) != [0, 0]:
+                                     roots=[*roots[:-1], fresh])
+            if resumed.wait(300) != [0] * args.nodes:
                 if "no checkpoint step is held by every rank" not in resumed.output():
                     raise BenchError(resumed.output())
                 return {"scenario": scenario, "reached_at_kill": at_kill, "global_at_kill": global_step,
@@ -104,6 +102,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=6)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--kill-at", type=int, default=60)
+    parser.add_argument("--nodes", type=int, default=2, help="nodes (namespaces), 2 ranks each; the last is lost")
+    parser.add_argument("--link-mbit", type=int, default=0, help="shape every node's link with tc (0: unshaped)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     why = netns_available()

@@ -281,6 +281,7 @@ class PeerClient:
                 raise PeerError(f"{self.url}: {rel} is {length} bytes, its manifest says {meta['size']}")
             with open(tmp / rel, "xb", buffering=0, opener=_private) as out:
                 digest, short = copy_hashed(reply, out.fileno(), length)
+                os.fsync(out.fileno())  # here, beside the other files' transfers, not all at the commit
             if short:
                 raise PeerError(f"{self.url}: {rel} ended {short} bytes short")
             if digest != meta["sha256"]:

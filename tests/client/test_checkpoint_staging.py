@@ -221,3 +221,86 @@ def test_many_small_buffers_are_prepared_in_batches_and_in_order(monkeypatch):
     snap = stager.snapshot(state)
     assert [t.data_ptr() for t in snap.tensors] == prepared
     assert torch.equal(snap.tensors[6_001], torch.full((256,), 6_000.0))
+
+
+def mixed_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"big": torch.randn(1 << 19, generator=g), "w": torch.randn(3, 5, generator=g),
+                      "mask": torch.rand(7, generator=g) > 0.5, "half": torch.randn(9, generator=g).bfloat16(),
+                      "ids": torch.randint(0, 1 << 40, (3,), generator=g), "z": torch.randn(4, generator=g).to(torch.complex64),
+                      "empty": torch.zeros(0, 4), "scalar": torch.tensor(float(seed))}}
+
+
+def test_small_tensors_are_staged_into_small_bin_as_it_is_written_and_load_exactly(tmp_path):
+    """The stager packs small tensors into one arena laid out as small.bin: the part written from it
+    is byte-identical to the one laid out and packed at write time, a second save reuses the layout
+    and writes the new values, and a change of shape packs anew; every save loads exactly."""
+    from spotguard.checkpoint.commit import write_part
+
+    state = mixed_state(1)
+    plain, packing = Stager(pin_memory=False), Stager(pin_memory=False, large_bytes=1 << 20)
+
+    def written(snap, name: str) -> tuple:
+        files, digest = write_part(tmp_path / name, snap, large_bytes=1 << 20, nice=None)
+        return files, digest, (tmp_path / name / "small.bin").read_bytes(), (tmp_path / name / "tree.json").read_text()
+
+    snap = packing.snapshot(state)
+    assert snap.packed is not None and len(snap.packed.views) == 7  # all but the 2 MiB tensor
+    arena = snap.packed.arena
+    assert all(v.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr() for v in snap.packed.views.values())
+    assert written(snap, "packed1") == written(plain.snapshot(state), "plain1")
+
+    state["model"]["w"].add_(1)
+    state["model"]["mask"].logical_not_()
+    again = packing.snapshot(state)
+    assert again.packed is snap.packed  # the same buffers: the same layout, nothing recomputed
+    assert written(again, "packed2") == written(plain.snapshot(state), "plain2")
+    state["model"]["w"] = torch.randn(2, 2)  # another shape: a new arena
+    third = packing.snapshot(state)
+    assert third.packed is not snap.packed and third.packed.arena is not arena
+    assert written(third, "packed3") == written(plain.snapshot(state), "plain3")
+    state["model"]["big"] = torch.randn(1 << 18)  # only a large tensor changed: the arena stays
+    fourth = packing.snapshot(state)
+    assert fourth.packed is not third.packed and fourth.packed.arena is third.packed.arena
+    assert written(fourth, "packed4") == written(plain.snapshot(state), "plain4")
+
+    with Checkpointer(tmp_path / "ck", keep=5, background_nice=None, background_cpu_share=None) as ck:
+        for step in (1, 2, 3):
+            state = mixed_state(step)
+            if step == 3:
+                state["model"]["w"] = torch.randn(2, 2)
+            ck.save(step, state)
+            ck.wait()
+            fresh = mixed_state(0)
+            fresh["model"]["w"] = torch.zeros_like(state["model"]["w"])
+            with Checkpointer(tmp_path / "ck") as loader:
+                assert loader.load_latest(fresh).step == step
+            for key, value in state["model"].items():
+                assert fresh["model"][key].dtype == value.dtype and torch.equal(fresh["model"][key], value), (step, key)
+
+
+def test_a_snapshot_turns_the_garbage_collector_off_only_while_it_runs():
+    """Off during the copy (the loop's stall), back as it was after, an error included."""
+    import gc
+
+    from spotguard.checkpoint.errors import UnsupportedStateError
+
+    class Probe(dict):
+        def items(self):
+            seen.append(gc.isenabled())
+            return super().items()
+
+    seen: list[bool] = []
+    stager = Stager(pin_memory=False, large_bytes=1 << 20)
+    assert gc.isenabled()
+    stager.snapshot({"model": Probe(w=torch.ones(3))})
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(UnsupportedStateError):
+        stager.snapshot({"model": {"bad": object()}})
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        stager.snapshot({"model": Probe(w=torch.ones(3))})
+        assert not gc.isenabled()  # a caller that turned it off keeps it off
+    finally:
+        gc.enable()

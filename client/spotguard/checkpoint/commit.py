@@ -9,7 +9,8 @@ Protocol (a SIGKILL at any instant leaves the previous checkpoint loadable)::
 
 Large tensors (``>= large_bytes``) get a file each, written straight from the staging buffer, so an
 unchanged tensor produces a byte-identical file (same sha256: the uploader skips it). Small tensors
-are packed, 64-byte aligned, into ``small.bin``; the structure goes to ``tree.json``; the DTensors of
+are packed, 64-byte aligned, into ``small.bin`` (the stager keeps them there already: see
+``Snapshot.packed``, written as it is); the structure goes to ``tree.json``; the DTensors of
 sharded entries go to ``dcp/`` through ``torch.distributed.checkpoint`` (see :mod:`.sharded`). sha256 runs in
 a thread pool beside the writes; large files are written ``O_DIRECT`` from the page-aligned staging
 buffers (see :func:`._fs.write_all`), two at a time, and fsynced in one more thread in the order written.
@@ -31,11 +32,10 @@ import torch
 from spotguard.checkpoint import _fs
 from spotguard.checkpoint._workers import Throttle, Workers
 from spotguard.checkpoint.errors import CheckpointDiskFullError, CheckpointError
-from spotguard.checkpoint.format import dtype_name
 from spotguard.checkpoint.layout import (VOLATILE, CommitInfo, MANIFEST, committed_dirs, remove_checkpoint,
                                          step_name)
 from spotguard.checkpoint.layout import remove_own_trash, tmp_name, write_latest
-from spotguard.checkpoint.staging import Snapshot
+from spotguard.checkpoint.staging import SMALL, Snapshot, layout
 
 __all__ = ["FORMAT", "VERSION", "TREE", "tensor_bytes", "write_part", "part_digest", "write_manifest", "publish",
            "apply_retention", "persist_local"]
@@ -43,8 +43,6 @@ __all__ = ["FORMAT", "VERSION", "TREE", "tensor_bytes", "write_part", "part_dige
 FORMAT = "spotguard-checkpoint"
 VERSION = 1
 TREE = "tree.json"
-SMALL = "small.bin"
-_ALIGN = 64
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -55,21 +53,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if not t.is_cpu:
         t = t.cpu()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _layout(snap: Snapshot, large_bytes: int) -> tuple[list[dict[str, Any]], int]:
-    index, small_end = [], 0
-    for i, t in enumerate(snap.tensors):
-        nbytes = t.numel() * t.element_size()
-        entry = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "nbytes": nbytes}
-        if nbytes >= large_bytes:
-            entry.update(file=f"tensors/{i:06d}.bin", offset=0)
-        else:
-            small_end = -(-small_end // _ALIGN) * _ALIGN
-            entry.update(file=SMALL, offset=small_end)
-            small_end += nbytes
-        index.append(entry)
-    return index, small_end
 
 
 class _Writer:
@@ -146,7 +129,10 @@ def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None
     """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256, crc32...}}`` and the part's
     :func:`part_digest`. ``nice`` applies to the writer, hashing and fsync threads, ``throttle`` to
     writing and hashing; an emergency save passes its ``writer`` (see :mod:`.emergency`), same files."""
-    index, small_size = _layout(snap, large_bytes)
+    packed = getattr(snap, "packed", None)
+    if packed is not None and (packed.large_bytes != large_bytes or len(packed.index) != len(snap.tensors)):
+        packed = None  # staged for another threshold: lay it out here
+    index, small_size = (packed.index, packed.size) if packed is not None else layout(snap.tensors, large_bytes)
     _fs.mkdir_private(dest)
     writer = writer or _Writer(nice, throttle)
     try:
@@ -156,10 +142,14 @@ def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None
             if entry["file"] != SMALL:
                 writer.write_tensor(dest, entry["file"], t)
         small = None
-        if small_size or any(e["file"] == SMALL for e in index):
+        if packed is not None:  # the small tensors were staged into small.bin as it is
+            small = tensor_bytes(packed.arena)
+            writer.write(dest, SMALL, small)
+        elif small_size or any(e["file"] == SMALL for e in index):
             small = memoryview(_pack_small(index, snap.tensors, small_size))
             writer.write(dest, SMALL, small)
-        tree = json.dumps({"entries": snap.entries, "tensors": index}, separators=(",", ":"))
+        tensors = packed.index_json if packed is not None else json.dumps(index, separators=(",", ":"))
+        tree = '{"entries":' + json.dumps(snap.entries, separators=(",", ":")) + ',"tensors":' + tensors + "}"
         writer.write(dest, TREE, memoryview(tree.encode()))
     except BaseException:
         writer.abort()
@@ -182,21 +172,35 @@ def part_digest(snap: Snapshot, index: list[dict[str, Any]], files: dict[str, di
     already (a file each); small ones are hashed here from ``small`` (the packed small.bin), which
     costs little since they are small. DCP files of sharded entries count whole."""
     sha, start = hashlib.sha256(), 0
+    heads = _heads(snap, index)
     for (name, kind, tree), end in zip(snap.entries, snap.ends):
         if name not in VOLATILE:
             sha.update(json.dumps([name, kind, tree], separators=(",", ":")).encode())
-            for entry, t in zip(index[start:end], snap.tensors[start:end]):
+            for k in range(start, end):
+                entry = index[k]
                 if entry["file"] != SMALL:
                     body = files[entry["file"]]["sha256"]
                 elif small is not None:
                     body = hashlib.sha256(small[entry["offset"] : entry["offset"] + entry["nbytes"]]).hexdigest()
                 else:
-                    body = hashlib.sha256(tensor_bytes(t)).hexdigest()
-                sha.update(f"{entry['dtype']}{entry['shape']}{body}".encode())
+                    body = hashlib.sha256(tensor_bytes(snap.tensors[k])).hexdigest()
+                sha.update((heads[k] + body).encode())
         start = end
     for relpath in sorted(k for k in files if k.startswith("dcp/")):
         sha.update(f"{relpath}{files[relpath]['sha256']}".encode())
     return sha.hexdigest()
+
+
+def _heads(snap: Snapshot, index: list[dict[str, Any]]) -> list[str]:
+    """Each tensor's dtype and shape as the digest spells them; kept with a packed layout, which
+    the next saves reuse."""
+    packed = getattr(snap, "packed", None)
+    if packed is not None and packed.index is index and packed.heads is not None:
+        return packed.heads
+    heads = [f"{entry['dtype']}{entry['shape']}" for entry in index]
+    if packed is not None and packed.index is index:
+        packed.heads = heads
+    return heads
 
 
 def _pack_small(index: list[dict[str, Any]], tensors: list[torch.Tensor], size: int) -> bytearray:

@@ -137,7 +137,7 @@ class Checkpointer:
         if self._leads:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             layout.remove_stale(self.root)
-        self._stager = Stager(pin_memory)
+        self._stager = Stager(pin_memory, large_tensor_bytes)
         self._read_buffers: list[Any] = []
         self._shards: Any = None
         self._thread: threading.Thread | None = None

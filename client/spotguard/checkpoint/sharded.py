@@ -163,7 +163,7 @@ def mark(snap: Snapshot, dtensors: dict[str, DTensor]) -> ShardedSnapshot:
             entry[1] = SHARDED
     locals_ = [t.to_local() for t in dtensors.values()]
     nbytes = snap.nbytes + sum(t.numel() * t.element_size() for t in locals_)
-    return ShardedSnapshot(snap.entries, snap.tensors, nbytes, snap.ends, dtensors)
+    return ShardedSnapshot(snap.entries, snap.tensors, nbytes, snap.ends, packed=snap.packed, dtensors=dtensors)
 
 
 def write_dcp(part: Path, snap: Snapshot, throttle: Throttle | None = None) -> dict[str, dict]:

@@ -118,9 +118,13 @@ def _tensors(obj):
         yield obj
 
 
-def run_variant(variant: str, gib: float, small: bool, work: Path) -> dict:
-    """One round of one variant, in this (fresh) process."""
+def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads: int | None = None) -> dict:
+    """One round of one variant, in this (fresh) process; ``loop_threads``: the loop's torch threads
+    (None: torch's default, every core)."""
     import torch
+
+    if loop_threads:
+        torch.set_num_threads(loop_threads)
 
     model, opt = build(gib, small)
     nbytes = state_bytes(model, opt)
@@ -259,7 +263,7 @@ def child(args) -> None:
     work = Path(tempfile.mkdtemp(prefix="ckcmp-", dir=args.dir))
     dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
     try:
-        result = run_variant(args.variant, args.gib, args.small, work)
+        result = run_variant(args.variant, args.gib, args.small, work, args.loop_threads)
     finally:
         dist.destroy_process_group()
         shutil.rmtree(work, ignore_errors=True)
@@ -291,6 +295,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--loop-threads", type=int, default=None,
+                        help="the training loop's torch threads (default: every core); fewer leaves cores idle")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # a child: one variant, one round
     args = parser.parse_args()
     if args.variant:
@@ -302,6 +308,7 @@ def main() -> None:
         for v in variants[r % len(variants):] + variants[: r % len(variants)]:  # rotated order
             cmd = [sys.executable, __file__, "--variant", v, "--gib", str(args.gib), "--rounds", "1"]
             cmd += (["--small"] if args.small else []) + (["--dir", args.dir] if args.dir else [])
+            cmd += ["--loop-threads", str(args.loop_threads)] if args.loop_threads else []
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
             if proc.returncode:
                 sys.exit(f"{v} failed:\n{proc.stdout}{proc.stderr}")
@@ -310,6 +317,7 @@ def main() -> None:
     medians = {v: {k: statistics.median(s[k] for s in runs) for k in runs[0] if isinstance(runs[0][k], float)}
                for v, runs in samples.items()}
     results = {"gib": args.gib, "small": args.small, "rounds": args.rounds, "cpus": os.cpu_count(),
+               "loop_threads": args.loop_threads,
                "load_average": [min(load), max(load)], "medians": medians, "samples": samples}
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         "checkpoint_compare_small.json" if args.small else "checkpoint_compare.json")

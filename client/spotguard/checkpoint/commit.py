@@ -172,35 +172,21 @@ def part_digest(snap: Snapshot, index: list[dict[str, Any]], files: dict[str, di
     already (a file each); small ones are hashed here from ``small`` (the packed small.bin), which
     costs little since they are small. DCP files of sharded entries count whole."""
     sha, start = hashlib.sha256(), 0
-    heads = _heads(snap, index)
     for (name, kind, tree), end in zip(snap.entries, snap.ends):
         if name not in VOLATILE:
             sha.update(json.dumps([name, kind, tree], separators=(",", ":")).encode())
-            for k in range(start, end):
-                entry = index[k]
+            for entry, t in zip(index[start:end], snap.tensors[start:end]):
                 if entry["file"] != SMALL:
                     body = files[entry["file"]]["sha256"]
                 elif small is not None:
                     body = hashlib.sha256(small[entry["offset"] : entry["offset"] + entry["nbytes"]]).hexdigest()
                 else:
-                    body = hashlib.sha256(tensor_bytes(snap.tensors[k])).hexdigest()
-                sha.update((heads[k] + body).encode())
+                    body = hashlib.sha256(tensor_bytes(t)).hexdigest()
+                sha.update(f"{entry['dtype']}{entry['shape']}{body}".encode())
         start = end
     for relpath in sorted(k for k in files if k.startswith("dcp/")):
         sha.update(f"{relpath}{files[relpath]['sha256']}".encode())
     return sha.hexdigest()
-
-
-def _heads(snap: Snapshot, index: list[dict[str, Any]]) -> list[str]:
-    """Each tensor's dtype and shape as the digest spells them; kept with a packed layout, which
-    the next saves reuse."""
-    packed = getattr(snap, "packed", None)
-    if packed is not None and packed.index is index and packed.heads is not None:
-        return packed.heads
-    heads = [f"{entry['dtype']}{entry['shape']}" for entry in index]
-    if packed is not None and packed.index is index:
-        packed.heads = heads
-    return heads
 
 
 def _pack_small(index: list[dict[str, Any]], tensors: list[torch.Tensor], size: int) -> bytearray:

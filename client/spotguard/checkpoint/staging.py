@@ -39,6 +39,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -101,20 +102,25 @@ def layout_specs(specs: Iterable[Spec], large_bytes: int) -> tuple[list[dict[str
 @dataclass
 class Packed:
     """A snapshot's layout, computed once for the buffers that stage it: ``arena`` is ``small.bin``
-    (``size`` bytes; the small tensors' staging buffers are views into it), ``index`` and
-    ``index_json`` what :func:`layout` gives for them, ``large_bytes`` its threshold. Read only."""
+    (``size`` bytes; the small tensors' staging buffers are views into it), ``index`` what
+    :func:`layout` gives for them, ``large_bytes`` its threshold. Read only."""
 
     arena: torch.Tensor
     size: int
     index: list[dict[str, Any]]
-    index_json: str
     large_bytes: int
     staged: list[torch.Tensor]
     """The staging buffers, in order: a snapshot staged into these same tensors has this layout."""
-    views: dict[int, torch.Tensor]
-    """Position -> the small tensor's view into ``arena``."""
-    heads: list[str] | None = None
-    """Each tensor's dtype and shape as the part digest spells them (``commit.part_digest``)."""
+
+    @cached_property
+    def index_json(self) -> str:
+        """``index`` as tree.json spells it, made once by the first persist that writes it."""
+        return json.dumps(self.index, separators=(",", ":"))
+
+    @property
+    def views(self) -> dict[int, torch.Tensor]:
+        """Position -> the small tensor's view into ``arena``."""
+        return {i: self.staged[i] for i, entry in enumerate(self.index) if entry["file"] == SMALL}
 
 
 @dataclass
@@ -244,17 +250,17 @@ class Stager:
         if not small:
             self._packed = None
             return None
-        if old is not None and old.size == size and len(old.views) == len(small) and all(
-                old.views.get(i) is staged[i] and old.index[i]["offset"] == index[i]["offset"] for i in small):
-            arena, views = old.arena, old.views  # the small tensors stayed where they were
+        old_small = [] if old is None else [i for i, entry in enumerate(old.index) if entry["file"] == SMALL]
+        if old is not None and old.size == size and old_small == small and all(
+                old.staged[i] is staged[i] and old.index[i]["offset"] == index[i]["offset"] for i in small):
+            arena = old.arena  # the small tensors stayed where they were
         else:
-            arena, views = self._arena(size).zero_(), {}
+            arena = self._arena(size).zero_()
             for i in small:
-                view = views[i] = _view(arena, index[i], staged[i].shape, staged[i].dtype)
+                view = _view(arena, index[i], staged[i].shape, staged[i].dtype)
                 view.copy_(staged[i])
                 staged[i] = self._buffers[i] = view
-        self._packed = Packed(arena, size, index, json.dumps(index, separators=(",", ":")), self._large,
-                              list(staged), views)
+        self._packed = Packed(arena, size, index, self._large, list(staged))
         return self._packed
 
     @property
@@ -382,9 +388,7 @@ class _Preparation:
         self._flush(small, throttle, arena, index)
         if arena is not None and index is not None and not self._stopping.is_set():
             assert self._large is not None
-            views = {i: self._ready[i] for i, entry in enumerate(index) if entry["file"] == SMALL}
-            self._packed = Packed(arena, size, index, json.dumps(index, separators=(",", ":")), self._large,
-                                  list(self._ready), views)
+            self._packed = Packed(arena, size, index, self._large, list(self._ready))
 
     def _flush(self, small: list[tuple[int, Spec]], throttle: Throttle, arena: torch.Tensor | None,
                index: list[dict[str, Any]] | None) -> None:

@@ -315,15 +315,15 @@ class Daemon:
     def _peer_first(self, job: str) -> str | None:
         """Why a commit of ``job`` goes to the partners before the bucket: a terminating notice
         leaves less time than the bucket takes (or than nobody knows yet); None otherwise."""
-        left = [s for n in self.store.pending() if n.kind in TERMINATING_KINDS
-                and (s := n.seconds_left()) is not None]
-        if not left:
+        lefts = [s for n in self.store.pending() if n.kind in TERMINATING_KINDS
+                 and (s := n.seconds_left()) is not None]
+        if not lefts:
             return None
-        bucket = self.queue.time_to_durable(job)
+        left, bucket = max(min(lefts), 0.0), self.queue.time_to_durable(job)
         if bucket is None:
-            return f"a notice leaves {max(min(left), 0):.0f} s and the bucket's time to durable is not known yet"
-        if bucket > min(left):
-            return f"the bucket takes about {bucket:.0f} s and a notice leaves {max(min(left), 0):.0f} s"
+            return f"a notice leaves {left:.0f} s and the bucket's time to durable is not known yet"
+        if bucket > left:
+            return f"the bucket takes about {bucket:.0f} s and a notice leaves {left:.0f} s"
         return None
 
     def _terminating(self) -> bool:

@@ -130,8 +130,13 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
     nbytes = state_bytes(model, opt)
     out = {"variant": variant, "bytes": nbytes}
     step = loop()
-    base = [step() for _ in range(BASE_STEPS)]
     path = work / variant
+    setup = SETUP_FNS.get(variant)
+    observe = setup(path, model, opt, out) if setup else (lambda seconds: None)  # Run's observe_step
+    base = []
+    for _ in range(BASE_STEPS):
+        base.append(step())
+        observe(base[-1])
     if variant == "dd":
         blocks = max(1, nbytes >> 24)
         began = time.perf_counter()
@@ -151,10 +156,13 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
     out["stall_s"] = time.perf_counter() - began
     while not done() and len(during) < 2000:
         during.append(step())
+        observe(during[-1])
     out["durable_s"] = out.pop("durable_at", time.perf_counter()) - began
     if during:
         out["inflation"] = statistics.median(during) / statistics.median(base) - 1
         out["steps_during"] = len(during)
+    if "_ck" in out and out["_ck"]._budget is not None:
+        out["share_end"] = float(out["_ck"]._budget.share)
     if "_ck" in out:  # its staging copy goes before the restore is measured
         out.pop("_ck").close()
     with torch.no_grad():
@@ -225,8 +233,9 @@ def dcp_load(path, model, opt, out):
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["opt"])
 
 
-def _spotguard_save(uncapped: bool):
-    def save(path, model, opt, base, out):
+def _spotguard_setup(uncapped: bool):
+    def setup(path, model, opt, out):
+        """The Checkpointer of a fresh start, before the loop's first steps, as a job makes it."""
         from spotguard.checkpoint import Checkpointer
 
         kwargs = {"background_nice": None, "background_cpu_share": None} if uncapped else {}
@@ -235,13 +244,18 @@ def _spotguard_save(uncapped: bool):
         ck.load_latest({"model": model, "optimizer": opt})  # a fresh start: prepares the staging buffers
         ck._stager.wait_prepared()  # as the steps before a job's first save would give it time to
         out["prepare_s"] = time.perf_counter() - began  # in the background, under the budget's share
-        for s in base:
-            ck.observe_step(s)  # what Run reports at each step
-        out["save_began"] = time.perf_counter()
-        ck.save(1, {"model": model, "optimizer": opt})
         out["_ck"] = ck
-        return lambda: not ck.in_flight
-    return save
+        return ck.observe_step  # what Run reports at each step, before and while the save persists
+    return setup
+
+
+def spotguard_save(path, model, opt, base, out):
+    ck = out["_ck"]
+    out["save_began"] = time.perf_counter()
+    ck.save(1, {"model": model, "optimizer": opt})
+    if ck._budget is not None:  # the share (cores) the budget started this persist with
+        out["share_start"] = float(ck._budget.share)
+    return lambda: not ck.in_flight
 
 
 def spotguard_load(path, model, opt, out):
@@ -253,8 +267,9 @@ def spotguard_load(path, model, opt, out):
 
 
 VARIANT_FNS = {"torch_save": (torch_save, torch_load), "dcp": (dcp_save, dcp_load),
-               "dcp_async": (dcp_async, dcp_load), "spotguard": (_spotguard_save(False), spotguard_load),
-               "spotguard_uncapped": (_spotguard_save(True), spotguard_load)}
+               "dcp_async": (dcp_async, dcp_load), "spotguard": (spotguard_save, spotguard_load),
+               "spotguard_uncapped": (spotguard_save, spotguard_load)}
+SETUP_FNS = {"spotguard": _spotguard_setup(False), "spotguard_uncapped": _spotguard_setup(True)}
 
 
 def child(args) -> None:

@@ -1,4 +1,5 @@
-"""Large page-aligned writes go O_DIRECT from the staging buffer; everything else as before."""
+"""Large page-aligned writes go O_DIRECT from the staging buffer, and a restore reads whole pages
+O_DIRECT into its page-aligned buffers; everything else through the page cache, as before."""
 
 from __future__ import annotations
 
@@ -80,3 +81,43 @@ def test_one_fd_takes_an_aligned_write_then_an_unaligned_one(tmp_path):
     assert not flag_after_aligned
     expected = aligned.numpy().tobytes()
     assert (tmp_path / "f").read_bytes() == expected + bytes(odd) + expected
+
+
+@pytest.mark.parametrize("nbytes", [(20 << 20), (3 << 20) + 123])
+def test_a_restore_reads_whole_pages_direct_and_the_tail_buffered(tmp_path, nbytes):
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    (tmp_path / "f").write_bytes(data.numpy().tobytes())
+    out = staged(nbytes)
+    assert out.data_ptr() % 4096 == 0
+    out.zero_()
+    with _fs.FileReader(tmp_path / "f") as reader:
+        spans = range(0, nbytes, 1 << 20)
+        for start in reversed(spans):  # in any order, as the restore's threads take them
+            reader.read(memoryview(out.numpy()), start, min(start + (1 << 20), nbytes))
+        direct = reader.direct
+    assert torch.equal(out, data)
+    if O_DIRECT and not direct:
+        pytest.skip("the file system under tmp_path refuses O_DIRECT")
+
+
+def test_an_unaligned_buffer_is_read_buffered(tmp_path):
+    data = bytes(range(256)) * 8192
+    (tmp_path / "f").write_bytes(data)
+    out = bytearray(len(data) + 100)
+    with _fs.FileReader(tmp_path / "f") as reader:
+        reader.read(memoryview(out)[100:], 0, len(data))
+    assert bytes(out[100:]) == data
+
+
+def test_a_file_shorter_than_listed_is_an_error_not_zeros(tmp_path):
+    (tmp_path / "f").write_bytes(b"x" * (8192 + 10))
+    out = staged(3 << 20)
+    with _fs.FileReader(tmp_path / "f") as reader, pytest.raises(EOFError, match="shorter"):
+        reader.read(memoryview(out.numpy()), 0, 3 << 20)
+
+
+def test_a_symlink_is_not_followed(tmp_path):
+    (tmp_path / "target").write_bytes(b"secret")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    with pytest.raises(OSError):
+        _fs.FileReader(tmp_path / "link")

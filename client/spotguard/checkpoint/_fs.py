@@ -7,8 +7,8 @@ directories are fsynced after entries change, because a rename is only durable o
 directory is.
 
 Integrity: every file gets its sha256 (the content address the buckets store it under) and, for the
-local restore, a crc32 of each :data:`CHUNK_BYTES` chunk (:func:`digests_of`). A restore checks the
-chunks' crc32 in a thread pool while the next chunk is read (:func:`read_into`'s ``on_chunk``), so
+local restore, a crc32 of each :data:`CHUNK_BYTES` chunk (:func:`digests_of`). A restore reads the
+chunks in several threads (:class:`FileReader`) and checks each one's crc32 as soon as it is read, so
 verification overlaps the reading: zlib's crc32 is about 2x sha256 with SHA-NI on this machine, and
 per-chunk values need no ordering between threads. A file without them (written before, or by DCP)
 is checked against its sha256.
@@ -42,7 +42,7 @@ __all__ = [
     "write_file",
     "sha256_of",
     "digests_of",
-    "read_into",
+    "FileReader",
     "remove_tree",
     "free_bytes",
     "is_enospc",
@@ -183,24 +183,65 @@ def digests_of(data: memoryview | bytes, pace: Callable[..., Any] | None = None)
     return {"sha256": digest.hexdigest(), "crc32": crcs, "crc32_chunk": CHUNK_BYTES}
 
 
-def read_into(path: Path, out: memoryview, chunk: int = CHUNK_BYTES,
-              on_chunk: Callable[[int, memoryview], Any] | None = None) -> None:
-    """Fill ``out`` from the start of ``path``; a short file is an error, never silent zeros.
-    ``on_chunk(offset, piece)`` is called with each whole ``chunk`` bytes (the last one shorter) as
-    soon as it is read, while the next one is read (the restore hashes it in another thread)."""
-    view = _flat(out)
-    with open(path, "rb", buffering=0) as f:
-        offset, total = 0, len(view)
-        while offset < total:
-            end = min(offset + chunk, total)
-            start = offset
-            while offset < end:
-                n = f.readinto(view[offset:end])
-                if not n:
-                    raise EOFError(f"{path}: file shorter than {total} bytes")
-                offset += n
-            if on_chunk is not None:
-                on_chunk(start, view[start:end])
+class FileReader:
+    """A file opened to fill a page-aligned buffer in spans, from several threads at once (``pread``):
+    whole pages ``O_DIRECT`` where the file system takes it, the rest through the page cache.
+
+    Why: a restore reads what the saves wrote ``O_DIRECT`` (not in the page cache), into buffers that
+    become the staging copy. Reading them ``O_DIRECT`` too lets the disk fill the buffer with no copy
+    out of the page cache, and spans read in parallel keep several requests in flight across the
+    part's files: 1 GiB in 0.7 s here where one thread's buffered reads took 1.0-1.1 s (``dd``
+    reading buffered with the kernel's read-ahead: 0.55 s)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.direct_fd, self.direct = path, -1, False
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        if _O_DIRECT:
+            try:
+                self.direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | _O_DIRECT)
+                self.direct = True
+            except OSError as exc:  # tmpfs before Linux 6.6, some FUSE file systems
+                if exc.errno != errno.EINVAL:
+                    self.close()
+                    raise
+
+    def read(self, out: memoryview, start: int, end: int) -> None:
+        """Fill ``out[start:end]`` from the file's bytes ``start:end``; a short file is an error."""
+        view, pos = _flat(out), start
+        if self.direct and start % _PAGE == 0 and (_address(view) + start) % _PAGE == 0:
+            direct_end = start + (end - start) // _PAGE * _PAGE
+            while pos < direct_end:
+                try:
+                    n = os.preadv(self.direct_fd, [view[pos:direct_end]], pos)
+                except OSError as exc:  # O_DIRECT refused at read time: the page cache from now on
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self.direct = False
+                    break
+                pos += n
+                if not n or n % _PAGE:
+                    break  # the end of a short file: the buffered loop below says so
+        while pos < end:
+            n = os.preadv(self.fd, [view[pos:end]], pos)
+            if not n:
+                raise EOFError(f"{self.path}: file shorter than {end} bytes")
+            pos += n
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.direct_fd = -1
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
 
 
 def remove_tree(path: Path) -> None:

@@ -27,23 +27,44 @@ class Throttle:
     ``s = share / threads`` (no sleep from ``s >= 1`` on). Niceness alone does not keep a save from
     slowing training: the loop's idle gaps, SMT siblings and memory bandwidth are shared whatever
     the priority. :meth:`lift` lifts the cap at once and for good (an emergency save waits for this
-    one); an ``adaptive`` throttle's share is moved by :class:`~._budget.Budget` with :meth:`set`."""
+    one); an ``adaptive`` throttle's share is moved by :class:`~._budget.Budget` with :meth:`set`,
+    which also holds the work back for a few steps with :meth:`pause` (never longer than it says)."""
 
     def __init__(self, share: float | None, threads: int = 2, adaptive: bool = False) -> None:
         if share is not None and not 0 < share <= threads:
             raise ValueError(f"cpu share must be in (0, {threads}]")
         self.share = None if share is None or share >= threads else share
         self.threads, self.adaptive, self.lifted = threads, adaptive, False
+        self._going = threading.Event()
+        self._going.set()
+        self._resume_at = 0.0
 
     def set(self, share: float) -> None:
         """A new share (cores), unless the cap was lifted."""
         if not self.lifted:
             self.share = share
 
+    def pause(self, seconds: float) -> None:
+        """Start no new piece of work for up to ``seconds`` (the budget's control window)."""
+        if not self.lifted:
+            self._resume_at = time.monotonic() + seconds
+            self._going.clear()
+
+    def resume(self) -> None:
+        self._going.set()
+
+    @property
+    def paused(self) -> bool:
+        """Work is held back now (a pause that ran out no longer holds it)."""
+        return not self._going.is_set() and self._resume_at > time.monotonic()
+
     def lift(self) -> None:
         self.lifted, self.share = True, None
+        self._going.set()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        while not self._going.is_set() and (left := self._resume_at - time.monotonic()) > 0:
+            self._going.wait(left)
         start = time.thread_time()
         result = fn(*args)
         share = self.share

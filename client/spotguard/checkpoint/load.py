@@ -4,14 +4,15 @@ Verification before anything is restored: the manifest parses and names this for
 file is a regular file (no symlink) inside the checkpoint, has an allowed name (``.bin``/``.json``,
 or DCP's ``.metadata``/``__r_i.distcp`` in a part's ``dcp/``, whose pickle :mod:`.sharded` reads
 restricted: nothing is unpickled freely) and the listed size; with ``verify`` the crc32 of each of
-its chunks matches the manifest's, computed in a thread pool while the next chunk is read, or, for a
-file listed without them (older checkpoints), its sha256, while the next file is read. Only then are
+its chunks matches the manifest's, computed by the thread that read the chunk while others read the
+next ones, or, for a file listed without them (older checkpoints), its sha256. Only then are
 values decoded and handed to ``load_state_dict`` / ``copy_``, so a corrupt checkpoint never
 half-overwrites a live state. The sha256 stays the content address of buckets (the daemon's uploads
 and :mod:`spotguard.storage` check it); the local restore needs integrity only, at the disk's speed.
 
-Large files are read into page-aligned buffers that the Checkpointer then adopts as its staging
-buffers (:meth:`.Stager.adopt`): a restore costs one copy of the state, not two.
+Large files are read (``O_DIRECT`` where the file system takes it, :class:`._fs.FileReader`) into
+page-aligned buffers that the Checkpointer then adopts as its staging buffers (:meth:`.Stager.adopt`):
+a restore costs one copy of the state, not two.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ __all__ = ["read_manifest", "check", "read_entries", "restore"]
 
 logger = logging.getLogger(__name__)
 _SUFFIXES = (".bin", ".json")
+READERS = 4
+"""Spans (:data:`._fs.CHUNK_BYTES`) read and checked at once: enough to keep a disk's queue busy."""
 _DCP_NAMES = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")  # DCP's files, only in a part's dcp/
 
 
@@ -90,7 +93,7 @@ def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: boo
     ``buffers`` (a list), it receives ``(tensor, entry name)`` for each snapshot position that has a
     file of its own (None for the packed ones): for :meth:`.Stager.adopt`."""
     try:
-        with Workers(2, "spotguard-ckpt-verify") as pool:
+        with Workers(READERS, "spotguard-ckpt-read") as pool:
             reader = _PartReader(path, manifest["files"], part, pool, verify)
             tree = json.loads(reader.read_file(TREE).numpy().tobytes())
             tensors = reader.tensors(tree["tensors"])
@@ -111,41 +114,72 @@ def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: boo
 
 
 class _PartReader:
+    """Reads a part's files into page-aligned buffers, :data:`READERS` spans at a time across files,
+    and checks each span's crc32 in the thread that read it (both release the GIL), so reading and
+    verification overlap and several requests stay in flight. A file listed without crc32s (older
+    checkpoints) is checked by its sha256 once it is read."""
+
     def __init__(self, path: Path, files: dict, part: str, pool: Workers, verify: bool) -> None:
         self.path, self.files, self.part, self.pool, self.verify = path, files, part, pool, verify
-        self.hashes: list[tuple[str, str, Any, Future[Any]]] = []
-        """(relpath, what, expected, computed) of every check still to compare."""
+        self.sha256s: list[tuple[str, Any, Future[Any]]] = []
+        """(relpath, expected, computed) of the files checked by their sha256."""
         self.cache: dict[str, torch.Tensor] = {}
+        self.failed = False
+        """A span failed: the others still queued skip their reads."""
 
     def read_file(self, name: str) -> torch.Tensor:
-        rel = f"{self.part}/{name}"
-        if rel not in self.files:
-            raise CheckpointCorruptError(f"{self.path}: {rel} is not listed in the manifest")
-        if rel not in self.cache:
-            meta = self.files[rel]
-            buf = aligned_bytes(meta["size"])
-            crcs = _chunk_crcs(meta) if self.verify else None
-            chunk = meta["crc32_chunk"] if crcs is not None else _fs.CHUNK_BYTES
+        self.read_files([name])
+        return self.cache[f"{self.part}/{name}"]
 
-            def check_chunk(offset: int, piece: memoryview) -> None:
-                expected = crcs[offset // chunk] if offset // chunk < len(crcs) else None
-                computed = self.pool.submit(zlib.crc32, piece)
-                self.hashes.append((rel, f"crc32 of bytes {offset}+", expected, computed))
-            try:
-                _fs.read_into(self.path / rel, memoryview(buf.numpy()), chunk,
-                              check_chunk if crcs is not None else None)
-            except (OSError, EOFError) as exc:
-                raise CheckpointCorruptError(f"{self.path}: cannot read {rel}: {exc}") from exc
-            if self.verify and crcs is None:
-                self.hashes.append((rel, "sha256", meta.get("sha256"),
-                                    self.pool.submit(_fs.sha256_of, memoryview(buf.numpy()))))
-            elif crcs is not None and len(crcs) != -(-meta["size"] // chunk):
-                raise CheckpointCorruptError(
-                    f"{self.path}: {rel} lists {len(crcs)} crc32 chunks for {meta['size']} bytes")
-            self.cache[rel] = buf
-        return self.cache[rel]
+    def read_files(self, names: list[str]) -> None:
+        spans: list[Future[None]] = []
+        readers: list[_fs.FileReader] = []
+        legacy: list[tuple[str, Any, memoryview]] = []
+        try:
+            for name in dict.fromkeys(names):
+                rel = f"{self.part}/{name}"
+                if rel not in self.files:
+                    raise CheckpointCorruptError(f"{self.path}: {rel} is not listed in the manifest")
+                if rel not in self.cache:
+                    spans += self._submit(rel, self.files[rel], readers, legacy)
+            for span in spans:
+                span.result()
+        except (OSError, EOFError) as exc:
+            raise CheckpointCorruptError(f"{self.path}: cannot read: {exc}") from exc
+        finally:
+            self.failed = any(not s.done() or s.exception() for s in spans)  # the rest skip their reads
+            for span in spans:  # none may still write into a buffer once this returns or raises
+                span.exception()
+            for reader in readers:
+                reader.close()
+        self.sha256s += [(rel, expected, self.pool.submit(_fs.sha256_of, view)) for rel, expected, view in legacy]
+
+    def _submit(self, rel: str, meta: dict[str, Any], readers: list[_fs.FileReader],
+                legacy: list[tuple[str, Any, memoryview]]) -> list[Future[None]]:
+        buf = aligned_bytes(meta["size"])
+        crcs = _chunk_crcs(meta) if self.verify else None
+        chunk = meta["crc32_chunk"] if crcs is not None else _fs.CHUNK_BYTES
+        if crcs is not None and len(crcs) != -(-meta["size"] // chunk):
+            raise CheckpointCorruptError(f"{self.path}: {rel} lists {len(crcs)} crc32 chunks for {meta['size']} bytes")
+        readers.append(reader := _fs.FileReader(self.path / rel))
+        view = memoryview(buf.numpy())
+        self.cache[rel] = buf
+        if self.verify and crcs is None:
+            legacy.append((rel, meta.get("sha256"), view))
+        return [self.pool.submit(self._span, reader, rel, view, offset, min(offset + chunk, meta["size"]),
+                                 crcs[offset // chunk] if crcs is not None else None)
+                for offset in range(0, meta["size"], chunk)]
+
+    def _span(self, reader: _fs.FileReader, rel: str, view: memoryview, start: int, end: int,
+              expected: int | None) -> None:
+        if self.failed:
+            return
+        reader.read(view, start, end)
+        if expected is not None and zlib.crc32(view[start:end]) != expected:
+            raise CheckpointCorruptError(f"{self.path}: crc32 of bytes {start}+ mismatch in {rel}")
 
     def tensors(self, index: list[dict[str, Any]]) -> list[torch.Tensor]:
+        self.read_files([e["file"] for e in index])
         return [self._tensor(e) for e in index]
 
     def _tensor(self, e: dict[str, Any]) -> torch.Tensor:
@@ -159,9 +193,9 @@ class _PartReader:
         return t if nbytes == raw.numel() else t.clone()
 
     def check_hashes(self) -> None:
-        for rel, what, expected, digest in self.hashes:
+        for rel, expected, digest in self.sha256s:
             if digest.result() != expected:
-                raise CheckpointCorruptError(f"{self.path}: {what} mismatch in {rel}")
+                raise CheckpointCorruptError(f"{self.path}: sha256 mismatch in {rel}")
 
 
 def _chunk_crcs(meta: dict[str, Any]) -> list[int] | None:

@@ -5,7 +5,7 @@
 #
 #   EMERGENCY_SIZES=1,8 CHECKPOINT_SIZES=1,8 REPEATS=2 bash scripts/gpu-checks.sh
 #
-# Wheels in .whl/ (pyzmq, pydantic, ... for a machine without an index) are installed first.
+# Wheels in .whl/ (pyzmq, pydantic, xxhash, ... for a machine without an index) are installed first.
 set -u
 out=${OUT:-/tmp/gpu-checks}
 mkdir -p "$out"

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import zlib
 from pathlib import Path
 
 import pytest
@@ -64,17 +65,34 @@ def flip_byte(path: Path, at: int = 12345) -> None:
 def test_flipped_byte_falls_back_unless_verify_is_off(tmp_path, caplog):
     ckpt = two_checkpoints(tmp_path)
     meta = json.loads((ckpt / "manifest.json").read_text())["files"]
-    assert all(len(m["crc32"]) == -(-m["size"] // m["crc32_chunk"]) and len(m["sha256"]) == 64 for m in meta.values())
+    assert all(len(m["xxh3"]) == -(-m["size"] // m["xxh3_chunk"]) and len(m["sha256"]) == 64 for m in meta.values())
     flip_byte(big_file(ckpt))
-    assert_falls_back(tmp_path, caplog, "crc32 of bytes 0+ mismatch in rank-0/tensors/")
+    assert_falls_back(tmp_path, caplog, "xxh3 of bytes 0+ mismatch in rank-0/tensors/")
     assert load(tmp_path, verify=False)[0] == 2  # the flag really skips hashing
 
 
-def test_a_checkpoint_without_chunk_crcs_is_checked_by_its_sha256(tmp_path, caplog):
-    """Checkpoints written before the per-chunk crc32 list only a sha256 per file: they still load,
+def test_a_checkpoint_with_chunk_crc32s_is_checked_by_them(tmp_path, caplog):
+    """Checkpoints written just before XXH3 list a zlib crc32 per chunk instead: they still load,
+    checked by those, and a flipped byte in them is caught."""
+    ckpt = two_checkpoints(tmp_path)
+
+    def to_crc32(m, root):
+        for rel, f in m["files"].items():
+            data, chunk = (root / rel).read_bytes(), f.pop("xxh3_chunk")
+            f.pop("xxh3")
+            f["crc32"], f["crc32_chunk"] = [zlib.crc32(data[i : i + chunk]) for i in range(0, len(data), chunk)], chunk
+    rewrite_manifest(ckpt, lambda m: to_crc32(m, ckpt))
+    rewrite_manifest(tmp_path / "step-0000000001", lambda m: to_crc32(m, tmp_path / "step-0000000001"))
+    assert load(tmp_path)[0] == 2
+    flip_byte(big_file(ckpt))
+    assert_falls_back(tmp_path, caplog, "crc32 of bytes 0+ mismatch in rank-0/tensors/")
+
+
+def test_a_checkpoint_without_chunk_checks_is_checked_by_its_sha256(tmp_path, caplog):
+    """Checkpoints written before the per-chunk checks list only a sha256 per file: they still load,
     and a flipped byte in them is still caught."""
     ckpt = two_checkpoints(tmp_path)
-    strip = lambda m: [f.pop(k) for f in m["files"].values() for k in ("crc32", "crc32_chunk")]  # noqa: E731
+    strip = lambda m: [f.pop(k) for f in m["files"].values() for k in ("xxh3", "xxh3_chunk")]  # noqa: E731
     rewrite_manifest(ckpt, strip)
     rewrite_manifest(tmp_path / "step-0000000001", strip)
     assert load(tmp_path)[0] == 2

@@ -10,10 +10,10 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 
 import pytest
 import torch
+import xxhash
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from spotguard.checkpoint import Checkpointer, CheckpointError, CommitInfo
@@ -124,9 +124,9 @@ def test_on_disk_layout_is_the_contract(tmp_path):
     for rel, meta in manifest["files"].items():
         data = (ckpt / rel).read_bytes()
         chunk = 16 << 20
-        crcs = [zlib.crc32(data[i : i + chunk]) for i in range(0, len(data), chunk)]
-        assert meta == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "crc32": crcs,
-                        "crc32_chunk": chunk}
+        checks = [xxhash.xxh3_64_intdigest(data[i : i + chunk]) for i in range(0, len(data), chunk)]
+        assert meta == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "xxh3": checks,
+                        "xxh3_chunk": chunk}
     assert any(rel.startswith("rank-0/tensors/") for rel in manifest["files"])
     assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
     assert all(stat.S_IMODE(os.stat(ckpt / rel).st_mode) == 0o600 for rel in manifest["files"])

@@ -7,11 +7,12 @@ directories are fsynced after entries change, because a rename is only durable o
 directory is.
 
 Integrity: every file gets its sha256 (the content address the buckets store it under) and, for the
-local restore, a crc32 of each :data:`CHUNK_BYTES` chunk (:func:`digests_of`). A restore reads the
-chunks in several threads (:class:`FileReader`) and checks each one's crc32 as soon as it is read, so
-verification overlaps the reading: zlib's crc32 is about 2x sha256 with SHA-NI on this machine, and
-per-chunk values need no ordering between threads. A file without them (written before, or by DCP)
-is checked against its sha256.
+local restore, a 64-bit XXH3 of each :data:`CHUNK_BYTES` chunk (:func:`digests_of`). A restore reads the
+chunks in several threads (:class:`FileReader`) and checks each one as soon as it is read, so
+verification overlaps the reading. XXH3 (the ``xxhash`` package) hashes 1 GiB in 0.10 s on one core
+here, zlib's crc32 (the check of the checkpoints written just before it, still read) in 0.27 s and
+sha256 with SHA-NI in 0.73 s; per-chunk values need no ordering between threads. A file without
+either (written before, or by DCP) is checked against its sha256.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import fcntl
 import hashlib
 import os
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import zlib
-
 import numpy as np
+import xxhash
 
 from spotguard._fsync import fsync_dir
 
@@ -169,18 +170,26 @@ def sha256_of(data: memoryview | bytes, pace: Callable[..., Any] | None = None) 
 
 
 def digests_of(data: memoryview | bytes, pace: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """A file's digests for its manifest entry: ``sha256`` (hex, of the whole) and ``crc32`` (one
-    value per ``crc32_chunk`` bytes, for the restore's verification; see the module docstring).
+    """A file's digests for its manifest entry: ``sha256`` (hex, of the whole) and ``xxh3`` (one
+    64-bit XXH3 per ``xxh3_chunk`` bytes, for the restore's verification; see the module docstring).
     Chunk by chunk, each through ``pace(fn, *args)`` when given; both run while the chunk is warm."""
-    digest, view, crcs = hashlib.sha256(), _flat(memoryview(data)), []
+    digest, view, chunks = hashlib.sha256(), _flat(memoryview(data)), []
 
     def one(piece: memoryview) -> None:
         digest.update(piece)
-        crcs.append(zlib.crc32(piece))
+        chunks.append(xxhash.xxh3_64_intdigest(piece))
     for offset in range(0, len(view), CHUNK_BYTES):
         piece = view[offset : offset + CHUNK_BYTES]
         pace(one, piece) if pace else one(piece)
-    return {"sha256": digest.hexdigest(), "crc32": crcs, "crc32_chunk": CHUNK_BYTES}
+    return {"sha256": digest.hexdigest(), "xxh3": chunks, "xxh3_chunk": CHUNK_BYTES}
+
+
+CHUNK_CHECKS: dict[str, Callable[[memoryview], int]] = {
+    "xxh3": lambda piece: xxhash.xxh3_64_intdigest(piece),
+    "crc32": lambda piece: zlib.crc32(piece),
+}
+"""The per-chunk checks a manifest entry may list (``<name>`` and ``<name>_chunk``), preferred first:
+XXH3 since issue 31, zlib's crc32 in the checkpoints written just before it."""
 
 
 class FileReader:

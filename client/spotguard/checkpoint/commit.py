@@ -113,7 +113,7 @@ class _Writer:
 
 
 def _entry(size: int, digest: str | dict[str, Any]) -> dict[str, Any]:
-    """A manifest entry: ``{size, sha256}``, plus the chunks' crc32 where the hasher gave them."""
+    """A manifest entry: ``{size, sha256}``, plus the chunks' XXH3 where the hasher gave them."""
     return {"size": size, **digest} if isinstance(digest, dict) else {"size": size, "sha256": digest}
 
 
@@ -126,7 +126,7 @@ def _fsync_close(fd: int) -> None:
 
 def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None,
                throttle: Throttle | None = None, writer: _Writer | None = None) -> tuple[dict[str, dict], str]:
-    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256, crc32...}}`` and the part's
+    """Write ``snap`` under ``dest`` (created); returns ``{relpath: {size, sha256, xxh3...}}`` and the part's
     :func:`part_digest`. ``nice`` applies to the writer, hashing and fsync threads, ``throttle`` to
     writing and hashing; an emergency save passes its ``writer`` (see :mod:`.emergency`), same files."""
     packed = getattr(snap, "packed", None)

@@ -3,9 +3,10 @@
 Verification before anything is restored: the manifest parses and names this format; every listed
 file is a regular file (no symlink) inside the checkpoint, has an allowed name (``.bin``/``.json``,
 or DCP's ``.metadata``/``__r_i.distcp`` in a part's ``dcp/``, whose pickle :mod:`.sharded` reads
-restricted: nothing is unpickled freely) and the listed size; with ``verify`` the crc32 of each of
-its chunks matches the manifest's, computed by the thread that read the chunk while others read the
-next ones, or, for a file listed without them (older checkpoints), its sha256. Only then are
+restricted: nothing is unpickled freely) and the listed size; with ``verify`` the check of each of
+its chunks (XXH3, or crc32 in checkpoints written just before it) matches the manifest's, computed by
+the thread that read the chunk while others read the next ones, or, for a file listed without them
+(older checkpoints, DCP's), its sha256. Only then are
 values decoded and handed to ``load_state_dict`` / ``copy_``, so a corrupt checkpoint never
 half-overwrites a live state. The sha256 stays the content address of buckets (the daemon's uploads
 and :mod:`spotguard.storage` check it); the local restore needs integrity only, at the disk's speed.
@@ -22,7 +23,6 @@ import logging
 import math
 import os
 import re
-import zlib
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from pathlib import Path, PurePosixPath
@@ -115,9 +115,9 @@ def read_entries(path: Path, manifest: dict[str, Any], part: str, *, verify: boo
 
 class _PartReader:
     """Reads a part's files into page-aligned buffers, :data:`READERS` spans at a time across files,
-    and checks each span's crc32 in the thread that read it (both release the GIL), so reading and
-    verification overlap and several requests stay in flight. A file listed without crc32s (older
-    checkpoints) is checked by its sha256 once it is read."""
+    and checks each span in the thread that read it (both release the GIL), so reading and
+    verification overlap and several requests stay in flight. A file listed without chunk checks
+    (older checkpoints) is checked by its sha256 once it is read."""
 
     def __init__(self, path: Path, files: dict, part: str, pool: Workers, verify: bool) -> None:
         self.path, self.files, self.part, self.pool, self.verify = path, files, part, pool, verify
@@ -157,26 +157,26 @@ class _PartReader:
     def _submit(self, rel: str, meta: dict[str, Any], readers: list[_fs.FileReader],
                 legacy: list[tuple[str, Any, memoryview]]) -> list[Future[None]]:
         buf = aligned_bytes(meta["size"])
-        crcs = _chunk_crcs(meta) if self.verify else None
-        chunk = meta["crc32_chunk"] if crcs is not None else _fs.CHUNK_BYTES
-        if crcs is not None and len(crcs) != -(-meta["size"] // chunk):
-            raise CheckpointCorruptError(f"{self.path}: {rel} lists {len(crcs)} crc32 chunks for {meta['size']} bytes")
+        check = _chunk_check(meta) if self.verify else None
+        name, values, chunk = check if check is not None else ("", None, _fs.CHUNK_BYTES)
+        if values is not None and len(values) != -(-meta["size"] // chunk):
+            raise CheckpointCorruptError(f"{self.path}: {rel} lists {len(values)} {name} chunks for {meta['size']} bytes")
         readers.append(reader := _fs.FileReader(self.path / rel))
         view = memoryview(buf.numpy())
         self.cache[rel] = buf
-        if self.verify and crcs is None:
+        if self.verify and values is None:
             legacy.append((rel, meta.get("sha256"), view))
         return [self.pool.submit(self._span, reader, rel, view, offset, min(offset + chunk, meta["size"]),
-                                 crcs[offset // chunk] if crcs is not None else None)
+                                 (name, values[offset // chunk]) if values is not None else None)
                 for offset in range(0, meta["size"], chunk)]
 
     def _span(self, reader: _fs.FileReader, rel: str, view: memoryview, start: int, end: int,
-              expected: int | None) -> None:
+              expected: tuple[str, int] | None) -> None:
         if self.failed:
             return
         reader.read(view, start, end)
-        if expected is not None and zlib.crc32(view[start:end]) != expected:
-            raise CheckpointCorruptError(f"{self.path}: crc32 of bytes {start}+ mismatch in {rel}")
+        if expected is not None and _fs.CHUNK_CHECKS[expected[0]](view[start:end]) != expected[1]:
+            raise CheckpointCorruptError(f"{self.path}: {expected[0]} of bytes {start}+ mismatch in {rel}")
 
     def tensors(self, index: list[dict[str, Any]]) -> list[torch.Tensor]:
         self.read_files([e["file"] for e in index])
@@ -198,12 +198,14 @@ class _PartReader:
                 raise CheckpointCorruptError(f"{self.path}: sha256 mismatch in {rel}")
 
 
-def _chunk_crcs(meta: dict[str, Any]) -> list[int] | None:
-    """The per-chunk crc32 of a manifest entry when it has a usable set (else None: use its sha256)."""
-    crcs, chunk = meta.get("crc32"), meta.get("crc32_chunk")
-    if not isinstance(crcs, list) or type(chunk) is not int or not 4096 <= chunk <= 1 << 30:
-        return None
-    return crcs
+def _chunk_check(meta: dict[str, Any]) -> tuple[str, list[int], int] | None:
+    """The per-chunk check a manifest entry lists, the preferred one where it has several: its name,
+    values and chunk size; None without a usable one (then its sha256 is checked)."""
+    for name in _fs.CHUNK_CHECKS:
+        values, chunk = meta.get(name), meta.get(f"{name}_chunk")
+        if isinstance(values, list) and type(chunk) is int and 4096 <= chunk <= 1 << 30:
+            return name, values, chunk
+    return None
 
 
 def restore(state: Mapping[str, Any], entries: dict[str, tuple[str, Any]]) -> None:

@@ -20,13 +20,14 @@ without it. :class:`Budget` turns that into the ``share`` (in cores) of the
   reference (the baseline's median): not above ``1 + target``, the share grows by half (up to the
   spare cores, or the starting share where the loop leaves less; at two cores or more the throttle
   stops pacing). Above it, the persist is held back (:meth:`~._workers.Throttle.pause`) for a control
-  window of as many steps, its first one dropped (work still in flight): if the steps with the
-  persist ran more than ``target`` over those without it, the share halves (down to :data:`FLOOR`);
-  if not, the machine itself slowed down (a neighbour, the clock, the data), the control window's
-  median becomes the reference, and the share grows. Measured on this machine with no persist at
-  all, 56 % of 5-step windows ran over 3 % above the steps before them: compared with a stale
-  baseline alone, the budget sank to its floor on drift, not on cost. The control window costs the
-  persist a few steps only when steps look slower. The share is remembered for the next persist.
+  window of as many steps, which becomes the reference, then a fresh window runs with it: if that
+  one runs more than ``target`` over the control, the share halves (down to :data:`FLOOR`), else it
+  grows. The first step after each switch is dropped (work in flight). Why both: measured here with
+  no persist at all, 56 % of 5-step windows ran over 3 % above the steps before them, so a stale
+  baseline sank the budget to its floor on drift; and comparing the control with the window that
+  looked slow, picked for being slow, found a "cost" of 5-40 % at every share (regression to the
+  mean). The control costs the persist a few steps, only when steps look slower. The share is
+  remembered for the next persist.
 - **No step times** (a Checkpointer used without ``Run``, or the first steps of a job): the persist
   keeps the share it starts with, ``background_cpu_share`` (0.25 of a core), which kept steps within
   +1.8 % on a loaded 2-core machine; so it is never worse than the fixed cap this replaces.
@@ -106,8 +107,9 @@ class Budget:
         self._during: list[float] = []
         self._reference: float | None = None
         """The median step without the persist: the baseline's, then the last control window's."""
-        self._suspect: float | None = None
-        """The median of a window that looked slow while its control window runs."""
+        self._phase = "steer"
+        """``steer``: windows with the persist; ``control``: held back after one looked slow;
+        ``check``: a fresh window with it, compared with the control window."""
         self._throttle: Throttle | None = None
         self._lock = threading.Lock()
         self.decisions: list[tuple[float, float, float]] = []
@@ -122,7 +124,7 @@ class Budget:
                 self.started = True
                 self.share = max(self.share, SPARE_USE * spare)
             throttle.set(self.share)
-            self._throttle, self._during, self._suspect = throttle, [], None
+            self._throttle, self._during, self._phase = throttle, [], "steer"
             self._reference = statistics.median(s for s, _, _ in self._base) if len(self._base) >= WINDOW else None
         return throttle
 
@@ -162,26 +164,25 @@ class Budget:
             if throttle.lifted or self._reference is None:
                 return  # no cap to steer, or no baseline to steer by
             self._during.append(seconds)
-            if len(self._during) < WINDOW + (self._suspect is not None):
+            if len(self._during) < WINDOW + (self._phase != "steer"):  # the first step after a switch: mixed
                 return
             window, self._during = statistics.median(self._during[-WINDOW:]), []
-            if self._suspect is None and window > self._reference * (1 + self.target):
-                self._suspect = window  # the persist's cost, or the machine's drift? Steps without it say
+            if self._phase == "steer" and window > self._reference * (1 + self.target):
+                self._phase = "control"  # the persist's cost, or the machine's drift? Steps without it say
                 throttle.pause((WINDOW + 1) * 2 * self._reference + PAUSE_SLACK)
                 return
-            if self._suspect is not None:
+            if self._phase == "control":
                 held = throttle.paused
                 throttle.resume()
-                if not held:  # the pause ran out before its steps did: the window is not a control
-                    self._suspect = None
-                    return
-                slowed, self._suspect, self._reference = self._suspect, None, window  # steps without it
-                if slowed > window * (1 + self.target):
-                    self.share = max(FLOOR, self.share * SHRINK)
-                    throttle.set(self.share)
-                    self.decisions.append((slowed, window, self.share))
-                    return  # else the machine slowed, not because of the persist: grow
-            self.share = min(max(self.spare(), self.start), self.share * GROW)
+                # Not the window that looked slow (picked for being slow, it would make any cost look
+                # real): a fresh one with the persist is compared with this one without it.
+                self._phase, self._reference = ("check", window) if held else ("steer", self._reference)
+                return
+            checked, self._phase = self._phase == "check", "steer"
+            if checked and window > self._reference * (1 + self.target):
+                self.share = max(FLOOR, self.share * SHRINK)
+            else:
+                self.share = min(max(self.spare(), self.start), self.share * GROW)
             throttle.set(self.share)
             self.decisions.append((window, self._reference, self.share))
 

@@ -291,8 +291,15 @@ def test_throttle_caps_the_cpu_share_of_a_thread():
         return n
 
     start = time.perf_counter()
-    assert Throttle(0.5, threads=2).run(burn, 0.05) > 0  # a quarter CPU per thread
-    assert time.perf_counter() - start >= 0.05 / 0.25 * 0.95  # 50 ms of CPU, then 150 ms asleep
+    assert Throttle(0.5, threads=2).run(burn, 0.05) > 0  # half a CPU: all of it for the one thread working
+    assert time.perf_counter() - start >= 0.05 / 0.5 * 0.95  # 50 ms of CPU, then 50 ms asleep
+    throttle, start = Throttle(0.5, threads=2), time.perf_counter()
+    both = [threading.Thread(target=throttle.run, args=(burn, 0.05)) for _ in range(2)]
+    for thread in both:
+        thread.start()
+    for thread in both:
+        thread.join()
+    assert time.perf_counter() - start >= 0.1 / 0.5 * 0.95  # two threads share the half CPU
     assert Throttle(2.0).share is None and Throttle(None).share is None  # no cap: no sleeping at all
     with pytest.raises(ValueError):
         Checkpointer("/nonexistent-never-created", background_cpu_share=0)

@@ -21,10 +21,13 @@ __all__ = ["Workers", "Throttle", "lower_priority"]
 
 
 class Throttle:
-    """Caps the CPU used by the threads that call :meth:`run` to ``share`` of one CPU in total,
-    split evenly over ``threads`` of them: after a piece of work that used ``c`` CPU seconds
-    (user + system: a page-cache write counts), the thread sleeps ``c * (1 - s) / s`` with
-    ``s = share / threads`` (no sleep from ``s >= 1`` on). Niceness alone does not keep a save from
+    """Caps the CPU used by the threads that call :meth:`run` to ``share`` of one CPU in total
+    (no cap from ``share >= threads`` on): each piece of work's CPU seconds (user + system: a
+    page-cache write counts) are charged to one ledger, and the thread that ran it sleeps until the
+    ledger is back within ``share`` of the time gone by (at most :data:`BURST` of idle time is
+    banked). One ledger, not a fixed part per thread: when one thread waits on the disk the other
+    may use the whole share (split evenly, a core's share on two threads got half a core's work
+    done with a core idle). Niceness alone does not keep a save from
     slowing training: the loop's idle gaps, SMT siblings and memory bandwidth are shared whatever
     the priority. :meth:`lift` lifts the cap at once and for good (an emergency save waits for this
     one); an ``adaptive`` throttle's share is moved by :class:`~._budget.Budget` with :meth:`set`,
@@ -38,6 +41,9 @@ class Throttle:
         self._going = threading.Event()
         self._going.set()
         self._resume_at = 0.0
+        self._ledger = threading.Lock()
+        self._free_at = 0.0
+        """When the CPU charged so far is within the share (monotonic seconds)."""
 
     def set(self, share: float) -> None:
         """A new share (cores), unless the cap was lifted."""
@@ -67,11 +73,19 @@ class Throttle:
             self._going.wait(left)
         start = time.thread_time()
         result = fn(*args)
-        share = self.share
+        used, share = time.thread_time() - start, self.share
         if share is not None and share < self.threads:
-            per_thread = share / self.threads
-            time.sleep((time.thread_time() - start) * (1 - per_thread) / per_thread)
+            with self._ledger:
+                now = time.monotonic()
+                self._free_at = max(self._free_at, now - BURST) + used / share
+                delay = self._free_at - now
+            if delay > 0:
+                time.sleep(delay)
         return result
+
+
+BURST = 0.05
+"""Seconds of idle share a throttle banks: a thread back from a wait may run this long unpaced."""
 
 
 class Workers:

@@ -9,9 +9,11 @@ without it. :class:`Budget` turns that into the ``share`` (in cores) of the
   its own can call :meth:`.Checkpointer.observe_step`). Steps taken while no persist runs form the
   baseline (the last :data:`BASELINE` of them).
 - **Spare cores.** Over the baseline, the idle time of the CPUs this process may run on
-  (``/proc/stat``: what the loop, its loader workers and everything else on the node leave), split
-  over the ranks of this node (``LOCAL_WORLD_SIZE``), each of which persists its own part. Where
-  ``/proc/stat`` cannot be read, the cores less this process's CPU use.
+  (``/proc/stat``: what the loop, its loader workers and everything else on the node leave), no more
+  than its cgroup's CPU quota leaves (a container's limit, :mod:`._cgroup`: beyond it the kernel
+  throttles the whole pod, the loop too), split over the ranks of this node (``LOCAL_WORLD_SIZE``),
+  each of which persists its own part. Where ``/proc/stat`` cannot be read, the cores less this
+  process's CPU use.
 - **The start.** The first persist with a baseline starts at :data:`SPARE_USE` of the spare cores
   (at least ``background_cpu_share``): on a GPU node with idle cores the persist runs at the disk's
   speed from its first chunk, rather than growing from a quarter of a core while the newest state
@@ -49,6 +51,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from spotguard.checkpoint._cgroup import Quota, quota
 from spotguard.checkpoint._workers import Throttle
 
 __all__ = ["Budget", "FLOOR", "WINDOW", "BASELINE", "SPARE_USE", "idle_seconds"]
@@ -90,7 +93,7 @@ class Budget:
     throttle is read by the persist's threads (a float attribute: no lock needed for it)."""
 
     def __init__(self, start: float, target: float = 0.03, cores: int | None = None,
-                 idle: Callable[[], float | None] | None = None) -> None:
+                 idle: Callable[[], float | None] | None = None, cgroup: Quota | None | bool = True) -> None:
         self.share = self.start = start
         self.target = target
         self.cores = cores or len(os.sched_getaffinity(0))
@@ -99,8 +102,11 @@ class Budget:
         cpus = os.sched_getaffinity(0)
         self._idle_now = idle or (lambda: idle_seconds(cpus))
         """The idle seconds of this process's CPUs so far (a test gives its own)."""
-        self._idle: deque[tuple[float, float]] = deque(maxlen=BASELINE)
-        """(wall, idle seconds of our CPUs) sampled every :data:`SAMPLE_EVERY` outside a persist."""
+        self._idle: deque[tuple[float, float, float | None]] = deque(maxlen=BASELINE)
+        """(wall, idle seconds of our CPUs, CPU seconds our cgroup used) sampled every
+        :data:`SAMPLE_EVERY` outside a persist."""
+        self._quota = quota() if cgroup is True else cgroup or None
+        """The CPU quota of this process's cgroup (a container's limit), if it has one."""
         self.ranks = max(1, _int_env("LOCAL_WORLD_SIZE", 1))
         self.started = False
         """A persist began with a baseline: the next ones start from the share learned."""
@@ -142,8 +148,11 @@ class Budget:
         """The idle cores over the baseline, split over the node's ranks; None without a baseline of
         :data:`SAMPLE_EVERY` seconds or more."""
         if len(self._idle) >= 2 and self._idle[-1][0] - self._idle[0][0] >= SAMPLE_EVERY:
-            (wall0, idle0), (wall1, idle1) = self._idle[0], self._idle[-1]
-            return max(FLOOR, (idle1 - idle0) / (wall1 - wall0) / self.ranks)
+            (wall0, idle0, used0), (wall1, idle1, used1) = self._idle[0], self._idle[-1]
+            spare = (idle1 - idle0) / (wall1 - wall0)
+            if self._quota is not None and used0 is not None and used1 is not None:
+                spare = min(spare, self._quota.cores - (used1 - used0) / (wall1 - wall0))
+            return max(FLOOR, spare / self.ranks)
         if len(self._base) < 2 or self._base[-1][1] - self._base[0][1] < SAMPLE_EVERY:
             return None
         (_, wall0, cpu0), (_, wall1, cpu1) = self._base[0], self._base[-1]
@@ -159,7 +168,7 @@ class Budget:
                 if not self._idle or now - self._idle[-1][0] >= SAMPLE_EVERY:
                     idle = self._idle_now()
                     if idle is not None:
-                        self._idle.append((now, idle))
+                        self._idle.append((now, idle, self._quota.used() if self._quota else None))
                 return
             if throttle.lifted or self._reference is None:
                 return  # no cap to steer, or no baseline to steer by

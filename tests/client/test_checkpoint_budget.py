@@ -11,7 +11,8 @@ from functools import partial
 import pytest
 
 from spotguard.checkpoint import Checkpointer
-from spotguard.checkpoint._budget import BASELINE, FLOOR, SPARE_USE, WINDOW, Budget, idle_seconds
+from spotguard.checkpoint._budget import (BASELINE, FLOOR, PAUSE_SLACK, SPARE_USE, WINDOW, Budget,
+                                         idle_seconds)
 
 approx = partial(pytest.approx, rel=1e-3)  # the idle clock is read a moment after the step's end
 
@@ -113,7 +114,7 @@ def test_a_control_window_never_holds_the_persist_longer_than_its_steps_should_t
     throttle = budget.begin()
     steps(budget, WINDOW, 0.02)  # slow: a control window starts
     assert throttle.paused
-    time.sleep((WINDOW + 1) * 2 * 0.005 + 0.25)  # the loop went quiet (an eval, a hang)
+    time.sleep((WINDOW + 1) * 2 * budget._reference + PAUSE_SLACK + 0.05)  # the loop went quiet (an eval)
     assert not throttle.paused
     began = time.monotonic()
     throttle.run(lambda: None)  # the persist's next piece of work is not held

@@ -50,6 +50,7 @@ def disposition(loader):
     # leaves the main process waiting on that lock for ever (about 1 run in 150 here).
     it = iter(loader)
     next(it)
+    next(it)  # batches go to the workers in turn: both have started (under load, one may start late)
     masks = []
     for worker in it._workers:
         with open(f"/proc/{worker.pid}/status") as status:

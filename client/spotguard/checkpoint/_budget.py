@@ -65,8 +65,9 @@ BASELINE = 16
 GROW, SHRINK = 1.5, 0.5
 SPARE_USE = 0.75
 """The part of the measured spare cores a first persist starts with (the rest absorbs noise)."""
-PAUSE_SLACK = 0.2
-"""Seconds a control window's pause may run over its steps' expected time (it ends by itself)."""
+PAUSE_SLACK = 0.5
+"""Seconds a control window's pause may run over twice its steps' expected time (it then ends by
+itself: a loop that stops reporting steps, an eval, never holds the persist longer)."""
 SAMPLE_EVERY = 0.2
 """Seconds between two readings of the CPUs' idle time (``/proc/stat``), whatever the step time."""
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

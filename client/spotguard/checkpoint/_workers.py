@@ -42,8 +42,8 @@ class Throttle:
         self._going.set()
         self._resume_at = 0.0
         self._ledger = threading.Lock()
-        self._free_at = 0.0
-        """When the CPU charged so far is within the share (monotonic seconds)."""
+        self._free_at = time.monotonic()
+        """When the CPU charged so far is within the share (monotonic seconds): nothing banked at first."""
 
     def set(self, share: float) -> None:
         """A new share (cores), unless the cap was lifted."""

@@ -110,7 +110,7 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 def _direct_end(view: memoryview) -> int:
     """Bytes of ``view`` an ``O_DIRECT`` write may take: whole pages from a page-aligned start."""
-    if not _O_DIRECT or len(view) < DIRECT_MIN_BYTES or np.frombuffer(view, np.uint8).ctypes.data % _PAGE:
+    if not _O_DIRECT or len(view) < DIRECT_MIN_BYTES or _address(view) % _PAGE:
         return 0
     return len(view) - len(view) % _PAGE
 
@@ -177,17 +177,14 @@ def digests_of(data: memoryview | bytes, pace: Callable[..., Any] | None = None)
 
     def one(piece: memoryview) -> None:
         digest.update(piece)
-        chunks.append(xxhash.xxh3_64_intdigest(piece))
+        chunks.append(CHUNK_CHECKS["xxh3"](piece))
     for offset in range(0, len(view), CHUNK_BYTES):
         piece = view[offset : offset + CHUNK_BYTES]
         pace(one, piece) if pace else one(piece)
     return {"sha256": digest.hexdigest(), "xxh3": chunks, "xxh3_chunk": CHUNK_BYTES}
 
 
-CHUNK_CHECKS: dict[str, Callable[[memoryview], int]] = {
-    "xxh3": lambda piece: xxhash.xxh3_64_intdigest(piece),
-    "crc32": lambda piece: zlib.crc32(piece),
-}
+CHUNK_CHECKS: dict[str, Callable[[memoryview], int]] = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32}
 """The per-chunk checks a manifest entry may list (``<name>`` and ``<name>_chunk``), preferred first:
 XXH3 since issue 31, zlib's crc32 in the checkpoints written just before it."""
 

@@ -13,6 +13,7 @@ Exceptions: none escape; see the exit statuses.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -65,7 +66,11 @@ config_option = click.option("--config", metavar="PATH", help="TOML settings fil
 @click.option("--metrics-port", metavar="PORT", help="Port of /metrics (0: any free port).")
 @click.option("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR.")
 @click.option("--print-config", is_flag=True, help="Print the effective settings as JSON and exit.")
-def daemon(config: str | None, metrics_port: str | None, print_config: bool, **flags: Any) -> None:
+@click.option("--parent-pid", type=click.IntRange(1), metavar="PID",
+              help="Stop (raising no notice) once process PID is no longer this daemon's parent: "
+                   "for the private daemon of a supervisor that passes its own pid.")
+def daemon(config: str | None, metrics_port: str | None, print_config: bool, parent_pid: int | None,
+           **flags: Any) -> None:
     """Run the node daemon in the foreground (systemd, a container, a terminal)."""
     overrides = {k: v for k, v in flags.items() if v is not None}
     if metrics_port is not None:
@@ -74,10 +79,13 @@ def daemon(config: str | None, metrics_port: str | None, print_config: bool, **f
     if print_config:
         click.echo(json.dumps(redacted(settings), indent=2))
         return
-    _run_daemon(settings)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        fail(1, f"not started: its parent is not pid {parent_pid} (--parent-pid), which is gone "
+                "or never started it")
+    _run_daemon(settings, parent_pid)
 
 
-def _run_daemon(settings: Settings) -> None:
+def _run_daemon(settings: Settings, parent_pid: int | None = None) -> None:
     import asyncio
 
     from spotguard_daemon.core import logs
@@ -87,7 +95,8 @@ def _run_daemon(settings: Settings) -> None:
 
     logs.configure(settings.log_level, settings.log_format)
     try:
-        status = asyncio.run(Daemon(settings, on_ready=lambda: _announce_root(settings)).run())
+        status = asyncio.run(Daemon(settings, on_ready=lambda: _announce_root(settings),
+                                    parent_pid=parent_pid).run())
     except (ServerError, OSError) as exc:
         fail(1, f"cannot start: {exc}")
     exit_abandoning(status)  # a store call still in flight must not hold the exit (abandon.py)

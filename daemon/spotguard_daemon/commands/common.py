@@ -141,7 +141,7 @@ def daemon_status(endpoint: str, timeout: float = 0.5) -> dict | None:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 @contextlib.contextmanager
@@ -169,9 +169,10 @@ def guarded(name: str, body: Callable[[], int], close: Callable[[int], None],
             status = body()
         except failure as exc:
             click.echo(f"spotguard {name}: failed: {exc}", err=True)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             status = 130
-            click.echo(f"spotguard {name}: interrupted", err=True)
+            by = f" by {exc.args[0]}" if exc.args and exc.args[0] != "SIGINT" else " (Ctrl-C)"
+            click.echo(f"spotguard {name}: interrupted{by}: stopping what it started", err=True)
         finally:
             with _signals(signal.SIG_IGN):
                 close(status)

@@ -30,7 +30,15 @@ Notices come from a private daemon (``--platform none``, embedded default settin
 and state in private temporary directories), started for each launch that gets one and stopped
 after it: a daemon keeps a notice pending past its deadline, and a relaunch on a real spot
 machine meets a fresh node anyway. A daemon already running on the node is never used: its notice
-would stop every job on the node.
+would stop every job on the node. The private daemon gets ``--parent-pid`` (the drill's pid), so
+that it stops by itself within a second when the drill dies even of a SIGKILL, which no handler
+sees.
+
+A launch that hangs is killed, its whole process group and every descendant seen, with SIGKILL,
+and the drill fails naming it, what its record last showed, how long it waited and the last lines
+of its output: after ``--launch-timeout``, or, for a launch that recorded its finish and does not
+exit (a thread, a child or a pool left running after training), ``EXIT_GRACE_S`` plus twice what the
+reference took from its finish to its exit.
 
 The verdict comes only from the run records the library writes (``$SPOTGUARD_RECORD``, one file
 per launch), never from what the job prints; see :mod:`spotguard_daemon.commands.drill_checks`. Output: a
@@ -41,8 +49,9 @@ writable by no one else (:func:`~spotguard_daemon.commands.drill_tree.private_di
 
 Exit statuses: 0 PASSED; 1 FAILED (a check failed, the diagnosis on stderr); 2 usage; 3
 INCONCLUSIVE (nothing failed, but fewer preemptions took effect than asked, or the final states
-could not be compared: what to change is printed); 130 interrupted. Every process the drill
-started is stopped on every path.
+could not be compared: what to change is printed); 130 interrupted (SIGINT or SIGTERM: the
+running launch and the daemon are stopped and the temporary directory removed first). Every
+process the drill started is stopped on every path.
 """
 
 from __future__ import annotations
@@ -77,6 +86,11 @@ __all__ = ["drill", "KINDS", "EXIT_INCONCLUSIVE"]
 POLL_S = 0.05
 STOP_S = 10.0
 """Seconds a launch gets after SIGTERM before SIGKILL, when the drill stops it."""
+EXIT_GRACE_S = 60.0
+"""Seconds a launch that recorded its finish gets to exit, beyond twice what the reference took
+from its finish to its exit, before the drill calls it hung at exit."""
+TAIL_LINES = 5
+"""Lines of a hung launch's output the drill's message shows."""
 EXIT_INCONCLUSIVE = 3
 
 
@@ -260,7 +274,8 @@ class Drill(Planning):
         self.live.ended(launch)
 
     def _watch(self, launch: Launch, proc: subprocess.Popen, record: Path, endpoint: str | None) -> None:
-        offset, kill_at, give_up = 0, None, time.monotonic() + self.timeout
+        offset, kill_at, started = 0, None, time.monotonic()
+        give_up, finished_at = started + self.timeout, None
         while True:
             running = proc.poll() is None
             offset = self._read(launch, record, offset)
@@ -270,14 +285,57 @@ class Drill(Planning):
             self.tree.note(proc.pid)
             if launch.kind and not launch.preempted and self._due(launch):
                 kill_at = self._preempt(launch, proc, endpoint)
-            if time.monotonic() > give_up:
-                raise DrillError(f"launch {launch.index} ran longer than --launch-timeout "
-                                 f"({self.timeout:g} s); see {launch.log}")
+            now = time.monotonic()
+            if finished_at is None and launch.first("finish") is not None:
+                finished_at = now
+            if now > give_up:
+                self._hung(launch, proc, f"ran longer than --launch-timeout ({self.timeout:g} s)")
+            if finished_at is not None and kill_at is None and now > finished_at + self.exit_grace():
+                self._hung(launch, proc, f"had not exited {now - finished_at:.0f} s after it "
+                                         f"recorded its finish ({now - started:.0f} s in)")
             if kill_at is not None and time.monotonic() >= kill_at:
                 launch.killed, kill_at = True, None
                 self._kill(proc, signal.SIGKILL)
             self.live.bar(launch)
             time.sleep(POLL_S)
+
+    def exit_grace(self) -> float:
+        """Seconds a launch that recorded its finish gets to exit: :data:`EXIT_GRACE_S`, plus twice
+        what the measured run (the reference) took from its finish to its exit, so that a job that
+        evaluates or exports after training is given the time it showed it needs."""
+        finish = self.measured.first("finish") if self.measured else None
+        after = self.measured.t_end - finish["t"] if finish and self.measured.t_end else 0.0
+        return EXIT_GRACE_S + 2 * max(0.0, after)
+
+    def _hung(self, launch: Launch, proc: subprocess.Popen, how: str) -> None:
+        """Kill the hung launch at once (SIGKILL to its process group and to every descendant
+        seen: nothing of it is judged any more) and raise DrillError saying which launch, what it
+        was doing by its record, how long the drill waited and the last lines of its output."""
+        launch.killed = True
+        self._kill(proc, signal.SIGKILL)
+        name, finish, stop_ = self.live.name(launch), launch.first("finish"), launch.first("stop")
+        if launch.index == 0:
+            role = "the uninterrupted run, never preempted"
+        else:
+            role = "the first launch" if launch.index == 1 else "a relaunch"
+            role += (f", preempted ({launch.kind}) at step {launch.preempted_step}" if launch.preempted
+                     else f", its {launch.kind} preemption not yet delivered" if launch.kind
+                     else ", no preemption planned: the run to the end")
+        if finish is not None:
+            state = (f"it recorded its finish at step {finish['step']}, so it hangs at exit (a "
+                     "thread, a child process or a pool left running after training?)")
+        elif stop_ is not None:
+            state = f"it recorded its stop at step {stop_['step']} and did not exit"
+        elif launch.started:
+            state = (f"its record last showed step {launch.reached}"
+                     + (f" (resumed from step {launch.resumed_from})" if launch.resumed_from else ""))
+        else:
+            state = "it recorded no spotguard event (it never started a spotguard run)"
+        tail = _last_lines(launch.log, TAIL_LINES)
+        output = ("; its last output:\n" + "\n".join(f"    | {line}" for line in tail) if tail
+                  else "; it printed nothing")
+        raise DrillError(f"{name} {how}. It was {role}; {state}. Its process group and every "
+                         f"descendant were killed (pid {proc.pid}){output}\nsee {launch.log}")
 
     def _refuse_resumed(self, launch: Launch) -> None:
         """The drill's first run (the reference, else launch 1) resumed: its checkpoint directory
@@ -342,7 +400,8 @@ class Drill(Planning):
             try:
                 proc = start_daemon(["--config", str(config), "--platform", "none", "--runtime-dir",
                                      str(runtime), "--state-dir", str(state), "--checkpoint-root",
-                                     str(self.root or os.getcwd())], env, log, endpoint)
+                                     str(self.root or os.getcwd()), "--parent-pid", str(os.getpid())],
+                                    env, log, endpoint)
             except LaunchError as exc:
                 raise DrillError(f"the drill's daemon did not start: {exc}") from exc
         self.procs.append(proc)
@@ -357,9 +416,29 @@ class Drill(Planning):
         self.tree.signal(signum)
 
     def close(self) -> None:
+        """Stop every launch and daemon still running (each one's group: SIGTERM, SIGKILL after
+        ``STOP_S``), kill the descendants of the launch seen last (an interrupt may have cut its
+        own clean-up short), and remove the temporary directory."""
         for proc in reversed(self.procs):
             stop(proc, STOP_S)
+        self.tree.signal(signal.SIGKILL)
+        self.tree.clear()
         shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+def _last_lines(log: Path | None, count: int) -> list[str]:
+    """The last ``count`` non-empty lines of a launch's log (each at most 300 characters, control
+    characters shown escaped), or []."""
+    from spotguard_daemon.commands.common import printable
+
+    try:
+        with open(log, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - 64 * 1024))
+            text = file.read().decode(errors="replace")
+    except (OSError, TypeError):
+        return []
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return [printable(line[:300]) for line in lines[-count:]]
 
 
 def _last_line(log: Path | None) -> str:

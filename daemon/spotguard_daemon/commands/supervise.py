@@ -86,16 +86,22 @@ def spawn(argv: list[str], env: dict[str, str], out: IO | int | None = None,
 def start_daemon(args: list[str], env: dict[str, str], log: IO | int | None, endpoint: str,
                  timeout: float = 30.0) -> subprocess.Popen:
     """``spotguard daemon ARGS`` in a session of its own, once it answers on ``endpoint``; the
-    caller stops it (:func:`stop`). LaunchError when it exits or stays silent for ``timeout``."""
+    caller stops it (:func:`stop`). LaunchError when it exits or stays silent for ``timeout``; one
+    interrupted while it waits (Ctrl-C, or SIGTERM raising as :func:`~.common.guarded` has it) is
+    stopped before the interruption goes on: the caller never got it to stop."""
     proc = spawn([sys.executable, "-m", "spotguard_daemon", "daemon", *args], env, log,
                  None if log is None else subprocess.STDOUT)
     give_up = time.monotonic() + timeout
-    while daemon_status(endpoint) is None:
-        if proc.poll() is not None or time.monotonic() > give_up:
-            stop(proc)
-            raise LaunchError(f"the daemon did not start (status {proc.returncode})"
-                              + (f"; see {log.name}" if hasattr(log, "name") else ""))
-        time.sleep(0.1)
+    try:
+        while daemon_status(endpoint) is None:
+            if proc.poll() is not None or time.monotonic() > give_up:
+                stop(proc)
+                raise LaunchError(f"the daemon did not start (status {proc.returncode})"
+                                  + (f"; see {log.name}" if hasattr(log, "name") else ""))
+            time.sleep(0.1)
+    except BaseException:
+        stop(proc)
+        raise
     return proc
 
 

@@ -12,7 +12,10 @@ run left pending (``status`` lists them at once; they are published on PUB and d
 ``RESTORE_HEARTBEATS`` heartbeats later, when the clients that stayed connected have seen the new
 daemon id and registered again, so the signal fallback reaches them; one that registers again up to
 ``RESTORE_LATE_SECONDS`` later still gets it), start one task per runner
-plus the request, heartbeat and housekeeping loops, then tell systemd ``READY=1``. The first
+plus the request, heartbeat and housekeeping loops, then tell systemd ``READY=1``. A daemon given a
+``parent_pid`` (``spotguard daemon --parent-pid``: the private daemon of ``spotguard drill``) stops
+as :meth:`Daemon.stop` does, raising nothing, once that process is no longer its parent: the
+supervisor died, even of a SIGKILL, and the kernel reparented the daemon. The first
 SIGTERM/SIGINT means the node is going or only the daemon is (:meth:`Daemon.node_stops`, setting
 ``signal.means``). A node stop with clients registered raises a ``signal`` notice due in
 ``signal.grace`` seconds (with none registered there is nobody to warn: it raises nothing, so a
@@ -93,8 +96,10 @@ class Daemon:
     """One daemon process. ``watchers`` overrides detection (tests); ``registry`` the metrics'."""
 
     def __init__(self, settings: Settings, *, watchers: list | None = None, registry=None,
-                 on_ready: Callable[[], None] = lambda: None) -> None:
+                 on_ready: Callable[[], None] = lambda: None, parent_pid: int | None = None) -> None:
         self.settings = settings
+        self.parent_pid = parent_pid
+        """The supervisor whose death stops this daemon (:meth:`_check_parent`), or None."""
         self._on_ready = on_ready
         """Called once serving (the CLI says where commits may lie only once start-up succeeded)."""
         self.daemon_id = uuid.uuid4().hex[:12]
@@ -486,7 +491,8 @@ class Daemon:
             ("goodput flush", self.handler.ledger.flush),
             ("goodput store", self.progress.tick), ("job rates", self.rates.snapshot),
             ("reap", lambda: self.metrics.clients.set(self.handler.reap())),
-            ("acknowledge", self._acknowledge_ready), ("manual notices", self._complete_manual)]
+            ("acknowledge", self._acknowledge_ready), ("manual notices", self._complete_manual),
+            ("parent", self._check_parent)]
         while True:
             for name, step in steps:  # one failing step never stops the others nor the watchdog
                 try:
@@ -497,6 +503,20 @@ class Daemon:
                 systemd.notify("WATCHDOG=1")
                 next_ping = loop.time() + watchdog
             await asyncio.sleep(min(HOUSEKEEPING_SECONDS, watchdog or HOUSEKEEPING_SECONDS))
+
+    def parent_gone(self) -> bool:
+        """Whether the ``parent_pid`` given is no longer this process's parent. The parent pid
+        the kernel reports changes the moment the parent dies (the daemon is reparented), so a
+        recycled pid can never pass for the parent."""
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+    def _check_parent(self) -> None:
+        """Stop, raising no notice, once the supervisor that started this daemon is gone."""
+        if self.parent_gone():
+            log.warning("the process that started this daemon (pid %d) is gone: stopping",
+                        self.parent_pid)
+            self.parent_pid = None
+            self.stop()
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

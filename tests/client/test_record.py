@@ -79,22 +79,26 @@ def test_state_digest_ignores_rng_but_not_any_trained_byte(tmp_path):
     from spotguard import Checkpointer
     from spotguard.run import _RngState
 
-    def digest(root, *, seed, big_delta=0.0, small_delta=0.0, step_value=7):
+    def digest(root, *, seed, big_delta=0.0, small_delta=0.0, step_value=7, shape=(2, 3), blocking=True):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 2))  # 1.4 MB + small
         with torch.no_grad():
             model[0].weight[0, 0] += big_delta
             model[1].bias[0] += small_delta
         random.seed(seed)  # an RNG the job never drew from: differs between processes
+        state = {"model": model, "extra": {"n": step_value, "v": torch.arange(6.0).reshape(shape)}, "rng": _RngState()}
         with Checkpointer(root) as ckpt:
-            ckpt.save(1, {"model": model, "extra": {"n": step_value}, "rng": _RngState()}, blocking=True)
+            ckpt.save(1, state, blocking=blocking)  # blocking: laid out at write time; else staged packed
             return ckpt.wait().digest
 
     base = digest(tmp_path / "a", seed=1)
     assert digest(tmp_path / "b", seed=2) == base
+    assert digest(tmp_path / "b2", seed=2, blocking=False) == base
     assert digest(tmp_path / "c", seed=1, big_delta=1e-6) != base
     assert digest(tmp_path / "d", seed=1, small_delta=1e-6) != base
+    assert digest(tmp_path / "d2", seed=1, small_delta=1e-6, blocking=False) != base
     assert digest(tmp_path / "e", seed=1, step_value=8) != base
+    assert digest(tmp_path / "f", seed=1, shape=(3, 2)) != base  # the same bytes, another shape
 
 
 def test_one_schema_reports_each_malformed_line_and_keeps_the_rest(tmp_path):

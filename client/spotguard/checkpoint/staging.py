@@ -112,6 +112,10 @@ class Packed:
     staged: list[torch.Tensor]
     """The staging buffers, in order: a snapshot staged into these same tensors has this layout."""
 
+    runs_json: dict[tuple[int, int], str] = field(default_factory=dict, repr=False)
+    """``index[start:end]`` as JSON, for the state digest of the entry owning that run (made once
+    by the first persist that needs it; see :func:`.commit.part_digest`)."""
+
     @cached_property
     def index_json(self) -> str:
         """``index`` as tree.json spells it, made once by the first persist that writes it."""

@@ -7,7 +7,8 @@ does), spotguard uncapped, and ``dd`` (write ``conv=fsync``, cold read) as the d
 
 The state is a real model plus AdamW (state created by one step); a small separate training loop
 (4 x Linear(1024)) runs before and while an asynchronous save persists, so inflation is
-``median step during / median of the steps before - 1``. "stall" is the save call alone; "durable"
+``median step during / median of the steps before - 1``; ``no_save`` measures it with nothing
+persisting (as many steps as a persist typically spans), the method's own drift on this machine. "stall" is the save call alone; "durable"
 is the save call to committed (fsync + rename for spotguard; the future for DCP async). spotguard's
 staging buffers are prepared in the background after ``load_latest``, before the save (as the steps
 before a job's first save give them time to): that time is its own column, not the stall. The restore loads into the live model and
@@ -33,7 +34,9 @@ import threading
 import time
 from pathlib import Path
 
-VARIANTS = ["torch_save", "dcp", "dcp_async", "spotguard", "spotguard_uncapped", "dd"]
+VARIANTS = ["torch_save", "dcp", "dcp_async", "spotguard", "spotguard_uncapped", "no_save", "dd"]
+CONTROL_STEPS = 30
+"""Steps ``no_save`` measures after the baseline's: the method's own drift, with nothing persisting."""
 PAGE = os.sysconf("SC_PAGE_SIZE")
 BATCH, BASE_STEPS = 256, 20
 """The training loop's batch, and its steps before a save (the smoke test makes both small)."""
@@ -137,6 +140,11 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
     for _ in range(BASE_STEPS):
         base.append(step())
         observe(base[-1])
+    if variant == "no_save":  # the control: the same steps measured with nothing persisting
+        during = [step() for _ in range(CONTROL_STEPS)]
+        out["inflation"] = statistics.median(during) / statistics.median(base) - 1
+        out["steps_during"] = len(during)
+        return out
     if variant == "dd":
         blocks = max(1, nbytes >> 24)
         began = time.perf_counter()
@@ -292,6 +300,9 @@ def table(rows: dict[str, dict]) -> str:
              "| restore / torch.load | restore / dd read | restore peak RSS above the state | buffers prepared in |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
+        if "stall_s" not in r:  # the control: only its steps
+            lines.append(f"| {name} (control) | - | - | - | {r['inflation']:+.1%} | - | - | - | - | - |")
+            continue
         infl = f"{r['inflation']:+.1%}" if "inflation" in r else "-"
         rss = f"{r['restore_peak_rss_extra']:.2f}x" if "restore_peak_rss_extra" in r else "-"
         prep = f"{r['prepare_s']:.2f} s" if "prepare_s" in r else "-"

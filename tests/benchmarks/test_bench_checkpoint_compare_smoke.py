@@ -15,9 +15,13 @@ import bench_checkpoint_compare as bench  # noqa: E402
 def test_spotguard_and_torch_save_rounds_measure_save_restore_and_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "BATCH", 8)
     monkeypatch.setattr(bench, "BASE_STEPS", 6)
-    rows = {v: bench.run_variant(v, 0.004, False, tmp_path) for v in ("torch_save", "spotguard", "dd")}
+    monkeypatch.setattr(bench, "CONTROL_STEPS", 4)
+    rows = {v: bench.run_variant(v, 0.004, False, tmp_path) for v in ("torch_save", "spotguard", "no_save", "dd")}
+    control = rows.pop("no_save")
+    assert control["steps_during"] == 4 and control["inflation"] > -1
     for name, row in rows.items():
         assert row["bytes"] > 3 << 20 and 0 < row["stall_s"] <= row["durable_s"] and row["restore_s"] > 0, name
     assert "inflation" in rows["spotguard"] and 0 <= rows["spotguard"]["restore_peak_rss_extra"] < 5
-    table = bench.table({k: {key: v for key, v in r.items() if not key.startswith("_")} for k, r in rows.items()})
-    assert "| spotguard |" in table and "restore / torch.load" in table
+    table = bench.table({k: {key: v for key, v in r.items() if not key.startswith("_")}
+                         for k, r in {**rows, "no_save": control}.items()})
+    assert "| spotguard |" in table and "restore / torch.load" in table and "| no_save (control) |" in table

@@ -18,7 +18,16 @@ would SIGTERM them and join them for ever. Workers started with ``spawn`` or ``f
 in a fresh interpreter without the wrapper: for those, ``spotguard.DataLoader`` or
 ``ignore_stop_signals(loader)``, as the docs say.
 
-Every forked child first drops the Guard's handlers it inherited (the Guard's at-fork hook): a
+A stop signal can also come while a worker starts (each epoch without persistent workers),
+between its fork and torch's hook. The Guard's at-fork hook tells :func:`forked` in every forked
+child, first; a child forked from torch's loader code (:func:`_starts_loader_worker`: the forking
+thread's stack, which the child goes on from, passes through ``torch.utils.data.dataloader``) of a
+guarded process blocks SIGTERM and SIGINT at once. One that comes meanwhile stays pending, and the
+kernel drops it when :func:`keep_through_stop_signals` sets SIG_IGN, then unblocks them. (One
+caught by the Guard's inherited handler before that runs in the child, harmlessly: Python skips it
+once the handler is restored, or the child's copy of the Guard notes it.)
+
+Every forked child then drops the Guard's handlers it inherited (the same at-fork hook): a
 child that is not a loader worker (a ``multiprocessing.Pool``'s, whose ``terminate()`` sends
 SIGTERM; a helper process) gets the handlers from before the Guard back, and dies of SIGTERM as it
 would without spotguard, instead of noting a "notice" no thread of its own will ever read.
@@ -48,10 +57,37 @@ _parent_guarded = False
 :func:`forked`, from the Guard's at-fork hook)."""
 
 
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+_STACK_DEPTH = 16
+"""Frames of the forking thread looked at: torch's loader iterator is 6 or 7 up from :func:`forked`."""
+
+
 def forked(guarded: bool) -> None:
-    """Called in every forked child, first: remember whether its parent was guarded."""
+    """Called in every forked child, first: remember whether its parent was guarded; in a loader
+    worker of a guarded process, hold SIGTERM and SIGINT until the worker ignores them."""
     global _parent_guarded
     _parent_guarded = guarded
+    if guarded and _wrapped() and _starts_loader_worker():
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+
+
+def _wrapped() -> bool:
+    """Whether torch's worker start hook is :func:`protect`'s wrapper (it unblocks them)."""
+    hook = getattr(sys.modules.get(_MODULE), "_set_worker_signal_handlers", None)
+    return getattr(hook, "__spotguard__", False)
+
+
+def _starts_loader_worker() -> bool:
+    """In a forked child: whether torch's loader forked it, as a worker. The child goes on from
+    ``os.fork()`` in ``multiprocessing``'s Popen, under the iterator that starts the workers."""
+    frame = sys._getframe(1)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == "torch.utils.data.dataloader":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def protect() -> None:
@@ -115,6 +151,7 @@ def keep_through_stop_signals() -> None:
     and exit once the main process is gone, however it died."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # held since the fork: now dropped
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent,), name="spotguard-worker-orphan", daemon=True).start()

@@ -101,3 +101,67 @@ def test_plain_loaders_outlive_stop_signals_while_a_guard_lives_and_only_then(tm
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert lines == {"before": "default", "guarded": "True", "persistent": "True", "stop": "True",
                      "guarded-workers": "ignored", "child": str(-signal.SIGTERM), "after": "default"}, done.stdout + done.stderr[-3000:]
+
+
+EARLY_JOB = """
+import multiprocessing, multiprocessing.util, os, signal, time
+import torch
+from spotguard.guard import Guard
+
+class Early:
+    # multiprocessing runs its after-fork callbacks in every forked child before the child's target,
+    # so before torch's worker loop ignores the stop signals: the window where torchrun's killpg
+    # finds a loader worker that is starting (each epoch, without persistent workers)
+    on = False
+
+EARLY = Early()
+multiprocessing.util.register_after_fork(EARLY, lambda early: early.on and os.kill(os.getpid(), signal.SIGTERM))
+
+def epochs(n=3):
+    data = torch.utils.data.TensorDataset(torch.arange(24.0).view(-1, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    try:
+        return [b[0].tolist() for _ in range(n) for b in loader]
+    except RuntimeError as exc:  # torch: "DataLoader worker (pid(s) ...) exited unexpectedly"
+        return "died" if "DataLoader worker" in str(exc) else repr(exc)
+
+def main():
+    os.setsid()  # as torchrun starts each rank
+    expected = epochs()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what a forked child gets back below
+    guard = Guard(daemon=False, force_exit=False)
+    EARLY.on = True  # from here, every forked child is SIGTERMed as it starts
+    drawn = epochs()
+    print("workers", drawn == expected or drawn)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    child.start()  # not a loader's worker: dies of the early SIGTERM as without spotguard
+    child.join(10)
+    print("child", child.exitcode)
+    EARLY.on = False
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        pool.apply_async(time.sleep, (30,))
+        time.sleep(0.5)
+        workers = list(pool._pool)
+        pool.terminate()  # SIGTERMs its busy worker: the Pool's workers keep SIGTERM's default
+    print("pool", [w.exitcode for w in workers])
+    print("stop", guard.stop_requested)  # the workers' SIGTERMs were theirs alone
+    guard.close()
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_loader_workers_ignore_a_stop_signal_that_comes_while_they_start(tmp_path):
+    """A SIGTERM that reaches a plain loader's worker between its fork and torch's worker loop (a
+    preemption while an epoch's workers start) is held from the fork on and dropped once the worker
+    ignores it: the loop gets every batch. Other forked children (a Process, a Pool's workers) still
+    die of SIGTERM, early or late."""
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_JOB)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines == {"workers": "True", "child": str(-signal.SIGTERM), "pool": f"[{-signal.SIGTERM}]",
+                     "stop": "False"}, done.stdout + done.stderr[-3000:]

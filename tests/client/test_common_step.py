@@ -95,7 +95,7 @@ def test_a_relaunch_after_a_dead_daemon_agrees_on_the_newest_step_every_rank_can
     jobs = {"job"}
     holding = PeerServer(tmp_path / "peer-a", SECRET, keep=2, timeout=30, jobs=lambda: jobs)
     empty = PeerServer(tmp_path / "peer-empty", SECRET, keep=2, timeout=30, jobs=lambda: jobs)
-    holding_url, empty_url = (f"http://%s:%d" % server.start("127.0.0.1", 0) for server in (holding, empty))
+    holding_url, empty_url = ("http://%s:%d" % server.start("127.0.0.1", 0) for server in (holding, empty))
     request.addfinalizer(holding.close), request.addfinalizer(empty.close)  # closed whatever fails
     with PeerClient(holding_url, SECRET, "job") as client:  # node b's daemon had copied its step 50 to a
         client.push("ranks-1", 50, ckpt / "node-1" / "step-0000000050")

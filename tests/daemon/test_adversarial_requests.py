@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import socket
 import stat
 import subprocess
@@ -86,7 +85,7 @@ def assert_notice_delivered(daemon) -> None:
     with zmq.Context() as ctx, subscribe(ctx, daemon.pub_endpoint) as sub:
         notice = daemon.request(NotifyRequest(kind="rebalance", deadline_seconds=600)).data["notice"]
         deadline = time.monotonic() + 10
-        while (event := next_event(sub, "notice")).notice.id != notice["id"]:
+        while next_event(sub, "notice").notice.id != notice["id"]:
             assert time.monotonic() < deadline
     assert daemon.proc.poll() is None
 
@@ -223,7 +222,7 @@ def test_fake_commits_cannot_poison_the_queue(daemon_factory, tmp_path):
     with zmq.Context() as ctx, subscribe(ctx, daemon.pub_endpoint) as sub:
         assert commit(checkpoint(root, 7), 7).ok
         deadline = time.monotonic() + 30
-        while (event := next_event(sub, "durable", 30)).step != 7:
+        while next_event(sub, "durable", 30).step != 7:
             assert time.monotonic() < deadline
     assert daemon.request(StatusRequest()).data["uploads"]["durable"]["job"]["step"] == 7
     assert daemon.output().count("commit refused: step 3 is older") == 1

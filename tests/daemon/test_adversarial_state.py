@@ -41,7 +41,7 @@ def test_a_full_state_directory_keeps_notices_flowing_and_the_previous_store_who
     filler = fill(small_tmpfs)
     with zmq.Context() as ctx, subscribe(ctx, daemon.pub_endpoint) as sub:
         second = notify(daemon)
-        while (event := next_event(sub, "notice")).notice.id != second:
+        while next_event(sub, "notice").notice.id != second:
             pass
     status = daemon.request(StatusRequest())
     assert status.ok and second in {n["id"] for n in status.data["notices"]}

@@ -258,5 +258,5 @@ def test_kubernetes_manifests_validate_against_the_api_schemas():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for path in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml")):
         for resource in yaml.safe_load_all(path.read_text()):
-            for version in ("1.30.0", kubernetes_validate.latest_version()):  # native sidecars: 1.29+
-                kubernetes_validate.validate(resource, version, strict=True)  # raises on any error
+            for api_version in ("1.30.0", kubernetes_validate.latest_version()):  # native sidecars: 1.29+
+                kubernetes_validate.validate(resource, api_version, strict=True)  # raises on any error

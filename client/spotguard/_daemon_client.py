@@ -9,9 +9,11 @@ must go on whether or not a daemon runs beside it. What it tracks:
 * **missed notices**: a heartbeat lists the pending notice ids; one this link never saw (published
   before the subscription took effect) makes it ask for ``status``.
 * **reconnects**: ZeroMQ reconnects the SUB socket by itself when the daemon comes back on the same
-  endpoint; a heartbeat from a new ``daemon_id`` (a restart) or the first one after silence makes
-  the link register again and ask for ``status``, so pending notices published while nobody
-  listened (the ZeroMQ "slow joiner" gap) are still learnt.
+  endpoint; a heartbeat from a ``daemon_id`` other than the one this process registered with (a
+  restart, even one before any heartbeat of the first daemon arrived; the id is the ``status``
+  reply's that follows each register) or the first one after silence makes the link register
+  again and ask for ``status``, so pending notices published while nobody listened (the ZeroMQ
+  "slow joiner" gap) are still learnt. A register that failed is tried again on the next heartbeat.
 
 An ``ipc://`` socket is used only in a directory that no other user could have made or can write
 (:func:`spotguard._paths.untrusted`, checked before every request and before subscribing): a fake
@@ -91,6 +93,8 @@ class DaemonLink:
         """Why the socket directory is not trusted (:func:`spotguard._paths.untrusted`), logged once."""
         self._lock = threading.Lock()
         self._daemon_id: str | None = None
+        self._registered_with: str | None = None
+        """The ``daemon_id`` of the daemon that accepted the newest register (None: unknown)."""
         self._last_seen = 0.0
         self._interval = 1.0
         self._alive = False
@@ -123,18 +127,22 @@ class DaemonLink:
         if reply is None or not reply.ok:
             return False
         self.registered = reply.data
-        self.refresh()
+        status = self.refresh()  # from the daemon just registered with: its id
+        self._registered_with = (status.data.get("daemon_id", self._daemon_id)
+                                 if status is not None and status.ok else None)
         return True
 
-    def refresh(self) -> None:
+    def refresh(self) -> Reply | None:
         """Ask ``status`` and pass its pending notices to the sink (e.g. the notice behind a
-        signal that overtook its event); note the notices it recently signalled for."""
+        signal that overtook its event); note the notices it recently signalled for. Returns the
+        reply (None: none came)."""
         status = self.request(StatusRequest())
         if status is not None and status.ok:
             self.signalled = _signalled(status.data.get("signalled"))
         for notice in _pending_notices(status):
             self._seen.add(notice.id)
             self._sink(notice)
+        return status
 
     def poll(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for events, pass them to the sink, update liveness."""
@@ -218,13 +226,14 @@ class DaemonLink:
 
     def _on_heartbeat(self, beat: HeartbeatEvent) -> None:
         self._interval = beat.interval
-        restarted = self._daemon_id is not None and beat.daemon_id != self._daemon_id
+        known = self._daemon_id or self._registered_with  # a daemon killed before its first heartbeat came
+        restarted = known is not None and beat.daemon_id != known
         rejoined = not self._alive
         self._daemon_id = beat.daemon_id
         self._mark_seen()
         if restarted:
             log.info("daemon restarted (id %s); registering again", beat.daemon_id)
-        if restarted or rejoined:
+        if rejoined or beat.daemon_id != self._registered_with:  # also retries a register that failed
             self.connect()
         elif not self._seen.issuperset(beat.pending):
             self.refresh()  # a notice published before our subscription took effect

@@ -104,7 +104,8 @@ class FakeDaemon:
         request = decode_request(body)
         self.requests.append(request)
         if request.type == "status":
-            return Reply(ok=True, data={"notices": [n.model_dump(mode="json") for n in self.pending]})
+            return Reply(ok=True, data={"daemon_id": self.daemon_id,  # as the real daemon's status
+                                        "notices": [n.model_dump(mode="json") for n in self.pending]})
         return Reply(ok=True)
 
 

@@ -66,6 +66,9 @@ def test_a_pending_notice_survives_a_sigkill_restart(platform, simulator, daemon
                                                 "deadline_seconds": seconds}, timeout=5).raise_for_status()
         before = next_notice(sub)
         assert wait_for(lambda: guard.notice is not None and "sent SIGUSR1 to 1 of 1" in daemon.output())
+        # The state file is written right after the delivery: a kill before it is another case (the
+        # watcher's first poll announces the notice as new, before the subscribers reconnected).
+        assert wait_for(lambda: before.id in (daemon.state_dir / "notices.json").read_text())
 
         daemon.kill()
         time.sleep(0.5)  # the platform's notice stays pending; nobody watches it meanwhile
@@ -119,3 +122,23 @@ def test_a_client_that_registers_again_only_after_the_re_announcement_still_gets
     finally:
         client.kill()
         client.wait(10)
+
+
+def test_a_guard_that_saw_no_heartbeat_yet_registers_with_a_daemon_restarted_meanwhile(daemon_factory):
+    """The daemon is SIGKILLed before any of its heartbeats reached a guard that registered with it
+    (they are a minute apart here) and another one takes its place within the guard's silence
+    limit: the new daemon's first heartbeat that arrives still makes the guard register with it."""
+    daemon = daemon_factory(env={"SPOTGUARD_ZMQ__HEARTBEAT_INTERVAL": "60"})
+    guard = Guard(pub_endpoint=daemon.pub_endpoint, request_endpoint=daemon.request_endpoint,
+                  force_exit=False, job_id="restart")
+    try:
+        assert guard.daemon_alive and "registered (rank 0, job 'restart'" in daemon.output()
+        daemon.kill()
+        log_start = len(daemon.output())
+        daemon.env["SPOTGUARD_ZMQ__HEARTBEAT_INTERVAL"] = "0.2"
+        daemon.start()
+        assert wait_for(lambda: "registered (rank 0, job 'restart'" in daemon.output()[log_start:],
+                        timeout=5), daemon.output()[log_start:]
+        assert guard.daemon_alive
+    finally:
+        guard.close()

@@ -10,8 +10,8 @@ must go on whether or not a daemon runs beside it. What it tracks:
   before the subscription took effect) makes it ask for ``status``.
 * **reconnects**: ZeroMQ reconnects the SUB socket by itself when the daemon comes back on the same
   endpoint; a heartbeat from a ``daemon_id`` other than the one this process registered with (a
-  restart, even one before any heartbeat of the first daemon arrived; the id is the ``status``
-  reply's that follows each register) or the first one after silence makes the link register
+  restart, even one before any heartbeat of the first daemon arrived; the register's reply names
+  it) or the first one after silence makes the link register
   again and ask for ``status``, so pending notices published while nobody listened (the ZeroMQ
   "slow joiner" gap) are still learnt. A register that failed is tried again on the next heartbeat.
 
@@ -127,9 +127,11 @@ class DaemonLink:
         if reply is None or not reply.ok:
             return False
         self.registered = reply.data
-        status = self.refresh()  # from the daemon just registered with: its id
-        self._registered_with = (status.data.get("daemon_id", self._daemon_id)
-                                 if status is not None and status.ok else None)
+        status = self.refresh()
+        # The daemon that took the register: its reply names it (an older daemon's does not, and
+        # the status that follows does, unless that daemon restarted in between).
+        self._registered_with = reply.data.get("daemon_id") or (
+            status.data.get("daemon_id", self._daemon_id) if status is not None and status.ok else None)
         return True
 
     def refresh(self) -> Reply | None:

@@ -284,7 +284,8 @@ class RequestHandler:
                  client.job_id, "yes" if client.uid is not None and client.handles_signal else "no")
         self._on_change()
         return Reply(ok=True, data={"notices": self._notices(), "signal": client.public()["signal"],
-                                    "mtbf": self._mtbf(), "checkpoint_root": self._root and str(self._root)})
+                                    "mtbf": self._mtbf(), "checkpoint_root": self._root and str(self._root),
+                                    "daemon_id": self._info().get("daemon_id")})
 
     def _count_restart(self, request: RegisterRequest, client: Client) -> None:
         """Count a rank-0 resume and the committed steps it re-runs, under the tier it came from

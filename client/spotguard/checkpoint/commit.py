@@ -168,21 +168,19 @@ def write_part(dest: Path, snap: Snapshot, *, large_bytes: int, nice: int | None
 
 
 def part_digest(snap: Snapshot, index: list[dict[str, Any]], files: dict[str, dict],
-                small: memoryview | None = None, encoded: list[str] | None = None) -> str:
+                small: memoryview | None, encoded: list[str]) -> str:
     """sha256 of a part's training state: each entry's structure (its tree, its tensors' index
     entries) and its tensors' bytes, in order, entries in :data:`~.layout.VOLATILE` excluded.
 
     Large tensors are hashed already (a file each: their sha256 goes in). An entry's small tensors
-    sit in order in one run of ``small.bin`` (``small``, packed; alignment gaps are zeros), so that
-    run goes in whole, as its XXH3-128: one call per entry, where a sha256 per small tensor was
-    0.3 s of Python for 80,000 of them. The layout is a function of the tensors and the threshold, so equal states give
-    equal digests. DCP files of sharded entries count whole. ``encoded``: the entries' JSON."""
+    sit in order in one run of ``small`` (small.bin as written; alignment gaps are zeros; None
+    when the part has none), so that run goes in whole, as its XXH3-128: one call per entry, where
+    a sha256 per small tensor was 0.3 s of Python for 80,000 of them. The layout is a function of
+    the tensors and the threshold, so equal states give equal digests. DCP files of sharded entries
+    count whole. ``encoded``: the entries' JSON, as tree.json has them."""
     sha, start = hashlib.sha256(), 0
-    encoded = encoded or [_json(entry) for entry in snap.entries]
     packed = getattr(snap, "packed", None)
     runs = packed.runs_json if packed is not None and packed.index is index else {}
-    if small is None and any(e["file"] == SMALL for e in index):
-        small = memoryview(_pack_small(index, snap.tensors, _small_size(index)))
     for entry_json, (name, _, _), end in zip(encoded, snap.entries, snap.ends):
         if name not in VOLATILE:
             mine = index[start:end]
@@ -208,10 +206,6 @@ def _small_run(entries: list[dict[str, Any]]) -> tuple[int, int] | None:
         return None
     last = next(e for e in reversed(entries) if e["file"] == SMALL)
     return first["offset"], last["offset"] + last["nbytes"]
-
-
-def _small_size(index: list[dict[str, Any]]) -> int:
-    return max((e["offset"] + e["nbytes"] for e in index if e["file"] == SMALL), default=0)
 
 
 def _json(value: Any) -> str:

@@ -162,7 +162,7 @@ class Drill(Planning):
                    "exited 0 without finishing a spotguard run")
             if not launch.started:
                 how += " before it started a spotguard run (no start event)"
-            said = _last_line(launch.log)
+            said = next(iter(_last_lines(launch.log, 1)), "")
             raise DrillError(f"the reference run (the command, uninterrupted) {how}"
                              + (f": {said!r}" if said else "") + f"; see {launch.log}. Fix the "
                              "command first: nothing was drilled")
@@ -439,15 +439,6 @@ def _last_lines(log: Path | None, count: int) -> list[str]:
         return []
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return [printable(line[:300]) for line in lines[-count:]]
-
-
-def _last_line(log: Path | None) -> str:
-    """The last non-empty line of a launch's log (at most 300 characters), or ''."""
-    try:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    except (OSError, AttributeError):
-        return ""
-    return lines[-1].strip()[:300] if lines else ""
 
 
 def _loss_spread(last: Launch, reference: Launch, second: Launch) -> dict:

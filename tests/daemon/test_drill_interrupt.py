@@ -2,7 +2,9 @@
 
 * a drill killed with SIGKILL (a test's subprocess timeout, the OOM killer) cannot clean up, but
   the private daemon it started must not outlive it: the drill passes ``--parent-pid``, and the
-  daemon stops once its parent is gone;
+  daemon stops once its parent is gone; nor may the launch it started, a child that left its
+  session included, nor its temporary directory: its reaper stops and removes them, and a drill
+  that ends leaves no reaper behind;
 * SIGTERM (or Ctrl-C) stops the running launch and the daemon, removes the drill's temporary
   directory and exits 130 saying so, also when it lands while the daemon is still starting;
 * a launch that hangs (here: at exit, after it recorded its finish) is killed at once, its whole
@@ -78,6 +80,17 @@ def daemon_of(drill_pid: int) -> int | None:
     return None
 
 
+def reaper_of(drill_pid: int) -> int | None:
+    """The pid of the drill's reaper, if one runs."""
+    for pid in descendants(drill_pid):
+        try:
+            if b"spotguard_daemon.commands.drill_reaper" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
 def temp_dir_of(daemon_pid: int) -> Path:
     """The drill's temporary directory, from its daemon's ``--config /tmp/sg-drill-*/daemon.toml``."""
     argv = Path(f"/proc/{daemon_pid}/cmdline").read_bytes().decode().split("\0")
@@ -87,20 +100,22 @@ def temp_dir_of(daemon_pid: int) -> Path:
 
 
 class Running:
-    """``spotguard drill --no-reference -n 1 -- sleep 30``: its one launch gets a notice, so it
-    starts a daemon before the launch; the launch (``sleep``) gets nothing before its step 1,
-    which never comes."""
+    """``spotguard drill --no-reference -n 1 -- sleep 30`` (or ``command``): its one launch gets a
+    notice, so it starts a daemon before the launch; the launch (``sleep``) gets nothing before
+    its step 1, which never comes."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, command: tuple[str, ...] = ("sleep", "30")) -> None:
         self.out = tmp_path / "drill.out"
         with open(self.out, "wb") as out:
             self.proc = subprocess.Popen(
                 [*DRILL, "--no-reference", "-n", "1", "--launch-timeout", "60",
-                 "--report-dir", str(tmp_path / "report"), "--", "sleep", "30"],
+                 "--report-dir", str(tmp_path / "report"), "--", *command],
                 stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
         self.daemon: int | None = None
         self.job: int | None = None
         self.temp: Path | None = None
+        self.others: set[int] = set()
+        """Other processes to kill at the end, if still there: the reaper, a job's children."""
 
     def wait_for_daemon(self, timeout: float = 30.0) -> int:
         """The daemon's pid, as soon as the daemon process exists (it may not answer yet)."""
@@ -130,7 +145,8 @@ class Running:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for pid, kill in ((self.job, os.killpg), (self.daemon, os.kill)):
+        for pid, kill in ((self.job, os.killpg), (self.daemon, os.kill),
+                          *((other, os.kill) for other in self.others)):
             if pid is not None and alive(pid):
                 try:
                     kill(pid, signal.SIGKILL)
@@ -157,6 +173,60 @@ def test_a_drill_killed_with_sigkill_leaves_no_daemon_behind(running):
     assert wait_gone(daemon, 5.0), f"the drill's daemon (pid {daemon}) outlived the killed drill"
     log = (running.out.parent / "report" / "daemon-01.log").read_text()
     assert f"the process that started this daemon (pid {running.proc.pid}) is gone" in log
+
+
+ESCAPING = """\
+import subprocess, time
+subprocess.Popen(["sleep", "300"], start_new_session=True)  # out of the launch's group
+time.sleep(300)
+"""
+"""A launch that outlives its drill unless stopped, with a child in a session of its own."""
+
+
+def wait_until(found, timeout: float, every: float = 0.05):
+    """``found()`` once true (its value), else its last value after ``timeout`` seconds."""
+    give_up = time.monotonic() + timeout
+    while not (value := found()) and time.monotonic() < give_up:
+        time.sleep(every)
+    return value
+
+
+@pytest.mark.timeout(90)
+def test_a_drill_killed_with_sigkill_leaves_no_launch_and_no_temp_dir_behind(tmp_path):
+    running = Running(tmp_path, (sys.executable, "-c", ESCAPING))
+    try:
+        running.wait_for_daemon()
+        running.others |= {reaper_of(running.proc.pid)} - {None}
+        job = running.wait_for_launch()
+        escaped = wait_until(lambda: descendants(job), 30.0)
+        running.others |= escaped
+        assert escaped and all(stat_fields(pid)[2] != str(job) for pid in escaped)  # own group
+        running.proc.kill()  # no handler runs, close() neither
+        running.proc.wait()
+
+        def left() -> set:
+            return ({pid for pid in {job, *escaped} if alive(pid)}
+                    | ({running.temp} if running.temp.exists() else set()))
+
+        wait_until(lambda: not left(), 15.0, 0.1)
+        assert left() == set(), "the killed drill left its launch or its temp dir behind"
+    finally:
+        running.clean_up()
+
+
+@pytest.mark.timeout(90)
+def test_a_drill_that_ends_leaves_no_reaper_behind(tmp_path):
+    running = Running(tmp_path, (sys.executable, "-c", "import time; time.sleep(2)"))
+    try:
+        running.wait_for_daemon()
+        reaper = reaper_of(running.proc.pid)
+        running.others |= {reaper} - {None}
+        assert reaper is not None, "the drill started no reaper"
+        assert running.proc.wait(60) == 1, running.output()  # no spotguard run: FAILED, closed
+        assert not alive(reaper), "the reaper outlived the drill that ended"
+        assert not running.temp.exists()
+    finally:
+        running.clean_up()
 
 
 @pytest.mark.timeout(90)

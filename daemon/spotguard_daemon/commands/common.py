@@ -16,6 +16,7 @@ import contextlib
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,8 +25,8 @@ import click
 
 from spotguard_daemon.core.settings import Settings, SettingsError, load_settings
 
-__all__ = ["Duration", "daemon_status", "fail", "guarded", "no_daemon", "printable", "request",
-           "seconds", "settings_or_exit"]
+__all__ = ["Duration", "daemon_status", "fail", "guarded", "held_interrupts", "no_daemon",
+           "printable", "request", "seconds", "settings_or_exit"]
 
 _CONTROL = {c: ascii(chr(c))[1:-1] for c in [*range(0x00, 0x20), *range(0x7f, 0xa0), 0x200e, 0x200f,
                                           *range(0x202a, 0x202f), *range(0x2066, 0x206a)] if c != 0x0a}
@@ -156,6 +157,24 @@ def _signals(handler: object) -> Iterator[None]:
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
+
+
+@contextlib.contextmanager
+def held_interrupts() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the block runs, then raised again (their handlers run
+    as usual): a block that starts a process and keeps it where the caller's clean-up finds it is
+    never cut short in between (an interrupt as ``subprocess.Popen`` returns loses the process,
+    left running). Outside the main thread, where no handler runs, nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    try:
+        with _signals(lambda signum, frame: came.append(signum)):
+            yield
+    finally:
+        for signum in came[:1]:
+            signal.raise_signal(signum)
 
 
 def guarded(name: str, body: Callable[[], int], close: Callable[[int], None],

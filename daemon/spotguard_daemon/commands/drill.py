@@ -51,7 +51,12 @@ Exit statuses: 0 PASSED; 1 FAILED (a check failed, the diagnosis on stderr); 2 u
 INCONCLUSIVE (nothing failed, but fewer preemptions took effect than asked, or the final states
 could not be compared: what to change is printed); 130 interrupted (SIGINT or SIGTERM: the
 running launch and the daemon are stopped and the temporary directory removed first). Every
-process the drill started is stopped on every path.
+process the drill started is stopped on every path. A drill that dies without its clean-up (a
+SIGKILL, the OOM killer) leaves nothing running either: its reaper, a small process of its own
+started first and told of each launch over a pipe, sees the pipe close, stops the running launch as
+``close()`` would (SIGTERM to its group, SIGKILL after ``STOP_S``, then its descendants seen, each
+checked to still be the process seen) and removes the temporary directory
+(:mod:`spotguard_daemon.commands.drill_reaper`).
 """
 
 from __future__ import annotations
@@ -72,9 +77,10 @@ import click
 from spotguard._audit import ELASTIC_ENV
 from spotguard._record import RecordError, read_new
 from spotguard._run_parts import SAVE_EVERY_ENV
-from spotguard_daemon.commands.common import Duration, guarded
+from spotguard_daemon.commands.common import Duration, guarded, held_interrupts
 from spotguard_daemon.commands.drill_checks import KINDS, Launch, judge, reproducible, SPREAD_FACTOR
 from spotguard_daemon.commands.drill_plan import Planning
+from spotguard_daemon.commands.drill_reaper import Reaper
 from spotguard_daemon.commands.drill_report import Live, write_report
 from spotguard_daemon.commands.drill_resize import PROMISE, nproc, resize_checks, with_nproc
 from spotguard_daemon.commands.drill_spread import distance, entry_of, final_loss, loss_distance
@@ -113,6 +119,12 @@ class Drill(Planning):
         self.slots = [(i + self.rng.uniform(0.2, 0.8)) / preemptions for i in range(preemptions)]
         """Where in the span of steps that can be preempted each preemption falls (0..1)."""
         self.sockets = Path(tempfile.mkdtemp(prefix="sg-drill-", dir="/tmp"))
+        try:
+            self.reaper = Reaper(self.sockets, STOP_S)
+            """Stops the launches and removes :attr:`sockets` should the drill die unclosed."""
+        except BaseException:
+            shutil.rmtree(self.sockets, ignore_errors=True)
+            raise
         self.procs: list[subprocess.Popen] = []
         self.root: Path | None = None
         """The job's checkpoint directory, from the reference's start: the drill's daemons watch it
@@ -265,11 +277,14 @@ class Drill(Planning):
             self._watch(launch, proc, record, daemon[1] if daemon else None)
         finally:
             stop(proc, STOP_S)
+            self.reaper.ended(proc.pid)
             launch.pids |= set(self.tree.known)
             self.tree.signal(signal.SIGKILL)  # workers orphaned by a killed launcher
             self.tree.clear()
+            self.reaper.cleared()
             if daemon:
                 stop(daemon[0], STOP_S)
+                self.reaper.ended(daemon[0].pid)
         launch.t_end, launch.status = time.time(), proc.returncode
         self.live.ended(launch)
 
@@ -282,7 +297,7 @@ class Drill(Planning):
             self._refuse_resumed(launch)
             if not running:
                 return
-            self.tree.note(proc.pid)
+            self.reaper.seen(self.tree.note(proc.pid))
             if launch.kind and not launch.preempted and self._due(launch):
                 kill_at = self._preempt(launch, proc, endpoint)
             now = time.monotonic()
@@ -383,11 +398,14 @@ class Drill(Planning):
     # ------------------------------------------------------------------ processes
 
     def _spawn(self, argv: list[str], env: dict[str, str], log: object) -> subprocess.Popen:
-        try:
-            proc = spawn(argv, env, log, subprocess.STDOUT)
-        except LaunchError as exc:
-            raise DrillError(str(exc)) from exc
-        self.procs.append(proc)
+        """Start a launch, known to :meth:`close` and to the reaper before an interrupt lands."""
+        with held_interrupts():
+            try:
+                proc = spawn(argv, env, log, subprocess.STDOUT)
+            except LaunchError as exc:
+                raise DrillError(str(exc)) from exc
+            self.procs.append(proc)
+            self.reaper.launch(proc.pid)
         return proc
 
     def _daemon(self, launch: Launch) -> tuple[subprocess.Popen, str]:
@@ -401,7 +419,8 @@ class Drill(Planning):
                 proc = start_daemon(["--config", str(config), "--platform", "none", "--runtime-dir",
                                      str(runtime), "--state-dir", str(state), "--checkpoint-root",
                                      str(self.root or os.getcwd()), "--parent-pid", str(os.getpid())],
-                                    env, log, endpoint)
+                                    env, log, endpoint,
+                                    spawned=lambda proc: self.reaper.launch(proc.pid, daemon=True))
             except LaunchError as exc:
                 raise DrillError(f"the drill's daemon did not start: {exc}") from exc
         self.procs.append(proc)
@@ -411,19 +430,21 @@ class Drill(Planning):
         """``signum`` to the launch's process group (its leader not yet reaped, so the group is
         still its) and to every descendant that is still the process seen, as a platform stops a
         whole machine."""
-        self.tree.note(proc.pid)
+        self.reaper.seen(self.tree.note(proc.pid))
         killpg(proc, signum)
         self.tree.signal(signum)
 
     def close(self) -> None:
         """Stop every launch and daemon still running (each one's group: SIGTERM, SIGKILL after
         ``STOP_S``), kill the descendants of the launch seen last (an interrupt may have cut its
-        own clean-up short), and remove the temporary directory."""
+        own clean-up short), remove the temporary directory, and let the reaper go (it stops
+        nothing then)."""
         for proc in reversed(self.procs):
             stop(proc, STOP_S)
         self.tree.signal(signal.SIGKILL)
         self.tree.clear()
         shutil.rmtree(self.sockets, ignore_errors=True)
+        self.reaper.close()
 
 
 def _last_lines(log: Path | None, count: int) -> list[str]:

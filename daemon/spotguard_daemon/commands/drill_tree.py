@@ -36,29 +36,33 @@ class Tree:
     def __init__(self) -> None:
         self.known: dict[int, int] = {}
 
-    def note(self, root: int) -> None:
+    def note(self, root: int) -> dict[int, int]:
         """Remember the processes below ``root`` not seen yet, each with its identity, read and
-        then checked to still descend from ``root`` (the pid was not reused in between)."""
+        then checked to still descend from ``root`` (the pid was not reused in between); those
+        new ones, pid -> start time."""
+        new = {}
         for pid in descendants(root) - self.known.keys():
             start = process_start_time(pid)
             if start is not None and owner_uid(pid) == os.geteuid() and descends(pid, root):
-                self.known[pid] = start
+                self.known[pid] = new[pid] = start
+        return new
 
     def is_same(self, pid: int) -> bool:
         """Whether ``pid`` still names the process noted: same start time, same owner (this user)."""
         return (pid in self.known and process_start_time(pid) == self.known[pid]
                 and owner_uid(pid) == os.geteuid())
 
-    def signal(self, signum: int) -> list[int]:
-        """``signum`` to every noted process that is still the one noted; the others (gone, or
-        their pid reused) are forgotten. The pids signalled."""
+    def signal(self, signum: int, group: bool = False) -> list[int]:
+        """``signum`` to every noted process that is still the one noted (``group``: to the
+        process group each one leads); the others (gone, or their pid reused) are forgotten. The
+        pids signalled."""
         sent = []
         for pid in list(self.known):
             if not self.is_same(pid):
                 del self.known[pid]
                 continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signum)
+                (os.killpg if group else os.kill)(pid, signum)
                 sent.append(pid)
         return sent
 

@@ -24,9 +24,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Callable, Iterable
 
-from spotguard_daemon.commands.common import daemon_status, request
+from spotguard_daemon.commands.common import daemon_status, held_interrupts, request
 from spotguard_daemon.proctree import catches, descendants, stat_fields
 
 __all__ = ["LaunchError", "CommandNotFound", "spawn", "start_daemon", "killpg",
@@ -84,15 +84,21 @@ def spawn(argv: list[str], env: dict[str, str], out: IO | int | None = None,
 
 
 def start_daemon(args: list[str], env: dict[str, str], log: IO | int | None, endpoint: str,
-                 timeout: float = 30.0) -> subprocess.Popen:
+                 timeout: float = 30.0,
+                 spawned: Callable[[subprocess.Popen], None] | None = None) -> subprocess.Popen:
     """``spotguard daemon ARGS`` in a session of its own, once it answers on ``endpoint``; the
     caller stops it (:func:`stop`). LaunchError when it exits or stays silent for ``timeout``; one
     interrupted while it waits (Ctrl-C, or SIGTERM raising as :func:`~.common.guarded` has it) is
-    stopped before the interruption goes on: the caller never got it to stop."""
-    proc = spawn([sys.executable, "-m", "spotguard_daemon", "daemon", *args], env, log,
-                 None if log is None else subprocess.STDOUT)
-    give_up = time.monotonic() + timeout
+    stopped before the interruption goes on, which is held while it starts
+    (:func:`~.common.held_interrupts`): the caller never got it to stop. ``spawned`` is called
+    with the process as soon as it exists, before the wait (the drill's reaper is told)."""
+    proc, give_up = None, time.monotonic() + timeout
     try:
+        with held_interrupts():
+            proc = spawn([sys.executable, "-m", "spotguard_daemon", "daemon", *args], env, log,
+                         None if log is None else subprocess.STDOUT)
+        if spawned is not None:
+            spawned(proc)
         while daemon_status(endpoint) is None:
             if proc.poll() is not None or time.monotonic() > give_up:
                 stop(proc)
@@ -100,7 +106,8 @@ def start_daemon(args: list[str], env: dict[str, str], log: IO | int | None, end
                                   + (f"; see {log.name}" if hasattr(log, "name") else ""))
             time.sleep(0.1)
     except BaseException:
-        stop(proc)
+        if proc is not None:
+            stop(proc)
         raise
     return proc
 

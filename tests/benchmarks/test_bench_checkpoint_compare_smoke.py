@@ -24,4 +24,5 @@ def test_spotguard_and_torch_save_rounds_measure_save_restore_and_memory(tmp_pat
     assert "inflation" in rows["spotguard"] and 0 <= rows["spotguard"]["restore_peak_rss_extra"] < 5
     table = bench.table({k: {key: v for key, v in r.items() if not key.startswith("_")}
                          for k, r in {**rows, "no_save": control}.items()})
+    assert rows["dd"]["parallel_read_s"] > 0 and "restore / parallel read" in table
     assert "| spotguard |" in table and "restore / torch.load" in table and "| no_save (control) |" in table

@@ -73,6 +73,47 @@ def test_restore_of_a_missing_step_fails_in_one_line(populated, moto, tmp_path):
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
 
 
+def _objects(store) -> set[str]:
+    return set(store.list("objects/"))
+
+
+def test_delete_removes_a_job_and_keeps_what_another_job_shares(populated, moto, make_ckpt, tmp_path):
+    durable = Durable(populated)
+    shared = {"o.bin": b"o" * 10}  # the same bytes as run's step 10: one object, two jobs
+    durable.upload(make_ckpt(tmp_path / "other", 5, {**shared, "x.bin": os.urandom(1000)}), "other")
+    run_only = {object_key(meta["sha256"]) for step in (10, 20)
+                for name, meta in durable.manifest("run", step)["files"].items() if name == "w.bin"}
+    assert run_only <= _objects(populated)
+    asked = CliRunner().invoke(checkpoints, ["delete", "--store", populated.url, "--job", "run",
+                                             "--endpoint-url", moto.url], input="n\n",
+                               env={"SPOTGUARD_STORAGE__URL": None})
+    assert asked.exit_code == 1 and "nothing deleted (not confirmed" in asked.output
+    assert "Delete 2 durable checkpoint(s) of job 'run' (steps 10-20)" in asked.output
+    assert durable.list("run") == [10, 20]
+    result = invoke("delete", "--store", populated.url, "--job", "run", "--yes", endpoint=moto.url)
+    assert result.exit_code == 0, result.output
+    assert "deleted 2 durable checkpoint(s) of job 'run'" in result.output and "3 object(s)" in result.output  # both w.bin, step 20's o.bin
+    assert not list(populated.list("jobs/run/")) and not run_only & _objects(populated)
+    assert durable.jobs() == ["other"] and durable.verify("other", 5) == []  # the shared object stayed
+    again = invoke("delete", "--store", populated.url, "--job", "run", "--yes", endpoint=moto.url)
+    assert again.exit_code == 1 and "job 'run' has no durable checkpoint; jobs there: other" in again.output
+
+
+def test_delete_refuses_while_the_job_uploads(populated, moto):
+    import time
+
+    populated.put_bytes(f"jobs/run/pending/{int(time.time())}-0123abcd.json", b'{"hashes": []}')
+    before = _objects(populated)
+    result = invoke("delete", "--store", populated.url, "--job", "run", "--yes", endpoint=moto.url)
+    assert result.exit_code == 1 and "nothing deleted" in result.output and "upload in flight" in result.output
+    assert Durable(populated).list("run") == [10, 20] and _objects(populated) == before
+    populated.delete([k for k in populated.list("jobs/run/pending/")])
+    populated.put_bytes("jobs/run/pending/1000-0123abcd.json", b'{"hashes": []}')  # a crashed upload's, long stale
+    result = invoke("delete", "--store", populated.url, "--job", "run", "--yes", endpoint=moto.url)
+    assert result.exit_code == 0, result.output
+    assert not list(populated.list("jobs/run/"))
+
+
 def test_a_bad_store_url_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(checkpoints, ["list", "--store", "ftp://x/y", "--job", "j"])
     assert result.exit_code == 2 and "unsupported store URL" in result.output

@@ -74,7 +74,7 @@ class References:
                     if token:
                         indexed.add((found.group(1), found.group(2), token))
                 elif "/pending/" in key:
-                    if _pending_is_stale(key, pending_ttl):
+                    if pending_is_stale(key, pending_ttl):
                         stale.append(key)
                     else:
                         referenced |= self._note(key)
@@ -158,6 +158,6 @@ class References:
             raise Unreadable(f"{key} ({exc})") from exc
 
 
-def _pending_is_stale(key: str, ttl: float) -> bool:
+def pending_is_stale(key: str, ttl: float) -> bool:
     stamp = key.rsplit("/", 1)[-1].split("-", 1)[0]
     return not stamp.isdigit() or int(stamp) < time.time() - ttl

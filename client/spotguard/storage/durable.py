@@ -48,7 +48,7 @@ from spotguard.storage._keys import OBJECTS, object_key
 from spotguard.storage._local import ManifestError, read_manifest, step_name, validate_manifest
 from spotguard.storage.base import IntegrityError, NotFound, Store, StoreError, TransientError
 
-__all__ = ["Durable", "DurableInfo", "PruneReport", "object_key", "progress_key"]
+__all__ = ["Durable", "DurableInfo", "PruneReport", "JobDeleted", "UploadInFlight", "object_key", "progress_key"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,19 @@ class PruneReport:
     objects_deleted: int
     pending_deleted: int
     incomplete_cleaned: int
+
+
+@dataclass(frozen=True)
+class JobDeleted:
+    """What one :meth:`Durable.delete_job` did."""
+
+    steps: list[int]
+    keys_deleted: int
+    objects_deleted: int
+
+
+class UploadInFlight(StoreError):
+    """:meth:`Durable.delete_job` refused: the job has an upload in flight (a live pending note)."""
 
 
 def _retrying(call: Callable[[], Any], attempts: int, what: str) -> Any:
@@ -480,6 +493,29 @@ class Durable:
         objects, pending = self._collect_garbage(pending_ttl, grace)
         clean = getattr(self.store, "clean_incomplete", None)
         return PruneReport(doomed, objects, pending, clean(pending_ttl) if clean else 0)
+
+    def delete_job(self, job_id: str, *, pending_ttl: float = 24 * 3600) -> JobDeleted:
+        """Delete every checkpoint of ``job_id`` and what the job keeps under ``jobs/<job>/``, then
+        the objects no other job's manifest, part or live upload references (shared objects stay).
+
+        Refused (:class:`UploadInFlight`, nothing deleted) while the job has a pending note younger
+        than ``pending_ttl``: an upload of it is in flight and would commit a step whose objects
+        this deleted. ``latest`` goes first, so no reader follows it to a manifest that is gone;
+        the objects go last, and only those unreferenced once every key of the job is deleted."""
+        prefix = f"jobs/{_job(job_id)}/"
+        keys = list(self.store.list(prefix))
+        live = [k for k in keys if k.startswith(f"{prefix}pending/") and not _references.pending_is_stale(k, pending_ttl)]
+        if live:
+            raise UploadInFlight(f"{self.store.url}: job {job_id!r} has an upload in flight ({live[0]}); "
+                                 "stop the job's daemon or wait for the upload to end")
+        steps = self.list(job_id)
+        pointer = f"{prefix}latest"
+        self.store.delete([k for k in keys if k == pointer])
+        self.store.delete(sorted((k for k in keys if k != pointer), reverse=True))  # manifests: newest first
+        objects, _ = self._collect_garbage(pending_ttl, 0.0) if keys else (0, 0)
+        log.info("durable %s: deleted job %s (%d checkpoints, %d keys, %d objects)", self.store.url, job_id,
+                 len(steps), len(keys), objects)
+        return JobDeleted(steps, len(keys), objects)
 
     def _collect_garbage(self, pending_ttl: float, grace: float) -> tuple[int, int]:
         present = set(self.store.list(OBJECTS))  # listed first: later uploads are never collected

@@ -1,8 +1,10 @@
-"""``spotguard checkpoints``: list, verify and restore durable checkpoints from the command line.
+"""``spotguard checkpoints``: list, verify, restore and delete durable checkpoints from the command line.
 
 The store is ``--store URL`` or, when absent, the configured ``storage.url`` (settings file and
 ``SPOTGUARD_STORAGE__*`` environment, as for the daemon). ``list`` without ``--job`` lists the jobs
-in the store; a job with no durable checkpoint is named in one line with the jobs that exist. Exit statuses: 0 success; 1 the store
+in the store; a job with no durable checkpoint is named in one line with the jobs that exist.
+``delete`` asks first (``--yes`` does not), refuses while the job has an upload in flight, and keeps
+every object another job's checkpoint shares. Exit statuses: 0 success; 1 the store
 failed, the checkpoint is unsound or absent (one line on stderr); 2 invalid settings or usage.
 Credentials come from each cloud SDK's standard chain and are never printed.
 """
@@ -63,7 +65,7 @@ def _store_command(func: Callable[..., None], job_required: bool = True) -> Call
 
 @click.group("checkpoints")
 def checkpoints() -> None:
-    """List, verify and restore durable checkpoints."""
+    """List, verify, restore and delete durable checkpoints."""
 
 
 @checkpoints.command("list")
@@ -143,3 +145,28 @@ def restore(durable: Any, job: str, step: int | None, dest: Path) -> None:
         raise _absent(durable, job)
     path = durable.restore(job, dest, step)
     click.echo(f"restored {job} into {path}")
+
+
+@checkpoints.command("delete")
+@_store_command
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def delete(durable: Any, job: str, yes: bool) -> None:
+    """Delete every durable checkpoint of JOB, and the objects no other job uses."""
+    from spotguard.storage.durable import UploadInFlight
+
+    steps = durable.list(job)
+    if not steps:
+        raise _absent(durable, job)
+    what = f"{len(steps)} durable checkpoint(s) of job {job!r} (steps {steps[0]}-{steps[-1]}) in {durable.store.url}"
+    try:
+        confirmed = yes or click.confirm(f"Delete {what}?", err=True)
+    except click.Abort:  # no answer (stdin closed, Ctrl-C)
+        confirmed = False
+    if not confirmed:
+        raise click.ClickException("nothing deleted (not confirmed; --yes skips the question)")
+    try:
+        done = durable.delete_job(job)
+    except UploadInFlight as exc:
+        raise click.ClickException(f"nothing deleted: {exc}") from None
+    click.echo(f"deleted {what}: {done.keys_deleted} key(s) of the job and {done.objects_deleted} "
+               "object(s) no other checkpoint uses")

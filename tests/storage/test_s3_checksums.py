@@ -2,7 +2,8 @@
 
 moto stores the checksums it is sent without verifying them, so these tests pin what AWS (which
 does verify) receives: an object sent in one request carries its expected sha256, each part of a
-multipart upload a CRC32.
+multipart upload its own sha256, so that S3's composite checksum proves a large object's bytes and an
+unchanged large file is not sent again.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def test_a_small_file_is_sent_with_its_content_address_for_s3_to_check(s3, tmp_p
     assert store.get_bytes(f"objects/sha256/{sha}") == data
 
 
-def test_each_part_of_a_large_file_carries_a_crc32(s3, tmp_path):
+def test_each_part_of_a_large_file_carries_its_sha256(s3, tmp_path):
     store, sent = s3
     data = bytes(range(256)) * (6 * 1024 * 1024 // 256)  # over part_size: multipart (parts >= 5 MiB)
     path = tmp_path / "big.bin"
@@ -64,7 +65,38 @@ def test_each_part_of_a_large_file_carries_a_crc32(s3, tmp_path):
     store.put_file(f"objects/sha256/{sha}", path, sha256=sha, size=len(data))
     parts = [checksum_headers(h) for op, h in sent if op == "UploadPart"]
     assert len(parts) == 2, [op for op, _ in sent]
-    assert all("x-amz-checksum-crc32" in h or h.get("x-amz-trailer") == "x-amz-checksum-crc32"
-               for h in parts), parts
-    assert not any("x-amz-checksum-sha256" in h for h in parts)  # S3 has no whole-object sha256 here
+    halves = [data[: 5 << 20], data[5 << 20:]]  # s3transfer's parts: at least 5 MiB, sent concurrently
+    assert sorted(h.get("x-amz-checksum-sha256", "") for h in parts) == sorted(b64sha256(p) for p in halves) \
+        or all(h.get("x-amz-trailer") == "x-amz-checksum-sha256" for h in parts), parts
     assert store.get_bytes(f"objects/sha256/{sha}") == data
+
+
+def test_an_unchanged_large_file_is_proven_by_its_composite_checksum_and_not_sent_again(s3, tmp_path,
+                                                                                       make_ckpt):
+    from spotguard.storage import Durable
+
+    store, sent = s3
+    durable = Durable(store)
+    frozen = {"base.bin": bytes(range(256)) * (6 * 1024 * 1024 // 256)}  # multipart: 2 parts
+    first = durable.upload(make_ckpt(tmp_path / "a", 1, {**frozen, "lora.bin": b"1" * 100}), "ft")
+    assert first.objects_uploaded == 2
+    sent.clear()
+    again = durable.upload(make_ckpt(tmp_path / "a", 2, {**frozen, "lora.bin": b"2" * 100}), "ft")
+    assert (again.objects_uploaded, again.objects_skipped) == (1, 1)  # only the changed adapter
+    assert not [op for op, _ in sent if op in ("CreateMultipartUpload", "UploadPart")]
+    assert durable.verify("ft", 2) == []
+
+
+def test_a_planted_large_object_of_the_right_size_is_not_proven(s3, tmp_path):
+    store, _ = s3
+    data = bytes(range(256)) * (6 * 1024 * 1024 // 256)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    planted = tmp_path / "planted.bin"
+    planted.write_bytes(data[:-1] + b"X")  # same size, same part layout, one byte off
+    store.put_file(f"objects/sha256/{sha}", planted, sha256=hashlib.sha256(planted.read_bytes()).hexdigest(),
+                   size=len(data))
+    assert not store.holds(f"objects/sha256/{sha}", path, sha, len(data))
+    store.put_file(f"objects/sha256/{sha}", path, sha256=sha, size=len(data))
+    assert store.holds(f"objects/sha256/{sha}", path, sha, len(data))

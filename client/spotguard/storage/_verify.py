@@ -38,6 +38,16 @@ def file_digest(path: Path, algorithm: str) -> bytes:
         return hashlib.file_digest(src, algorithm).digest()
 
 
+def composite_sha256(path: Path, chunk: int) -> bytes:
+    """S3's checksum of a multipart object sent in ``chunk``-byte parts: the sha256 of the parts'
+    sha256 digests, computed here of the local file ``path``, read once."""
+    outer = hashlib.sha256()
+    with open(path, "rb", buffering=0) as src:
+        while piece := src.read(chunk):
+            outer.update(hashlib.sha256(piece).digest())
+    return outer.digest()
+
+
 class VerifyingReader(io.RawIOBase):
     """A read-once view of ``path`` that raises :class:`IntegrityError` unless its first ``size``
     bytes hash to ``sha256``. ``window`` > 0 makes it seekable back by up to that many bytes."""

@@ -5,8 +5,12 @@ Uploads go through s3transfer (``upload_file``) with a tuned :class:`TransferCon
 link. S3 checks what it receives: an object sent in one request (``put_bytes``, and ``put_file`` below
 ``part_size``) carries its expected sha256 (``x-amz-checksum-sha256``; the content address for
 checkpoint objects), so S3 refuses bytes that are not those the manifest names; every part of a
-multipart upload carries a CRC32 (``ChecksumAlgorithm``) that S3 verifies. The file's sha256 also
-travels as ``x-amz-meta-sha256``. Retries are botocore's ``standard`` mode, every request bounded by
+multipart upload carries its sha256 (``ChecksumAlgorithm``), which S3 verifies, so the object's
+composite ``ChecksumSHA256`` (the sha256 of the parts' sha256s) proves its bytes as well: an
+unchanged large file (frozen weights) is then recognised and not sent again (:meth:`S3Store.holds`).
+The per-part hashing costs the upload about 0.7 s of CPU per GiB (hashlib with SHA-NI), against a
+re-send of every large file at every step with a CRC32 per part. The file's sha256 also travels as
+``x-amz-meta-sha256``. Retries are botocore's ``standard`` mode, every request bounded by
 ``options.connect_timeout``/``read_timeout``. Credentials come
 from boto3's default chain only and are never logged.
 
@@ -138,7 +142,7 @@ class S3Store:
                  interrupt: Callable[[int], None] | None = None) -> int:
         """With ``sha256`` and ``size`` the bytes are read once and verified while sent (see
         :mod:`._verify`): a mismatch aborts the multipart upload and raises ``IntegrityError``."""
-        extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32"}
+        extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32" if sha256 is None else "SHA256"}
         if sha256 is None or size is None:
             with _translate(f"{self.url}: upload {key}"):
                 self._client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=extra,
@@ -217,10 +221,12 @@ class S3Store:
             return False
 
     def holds(self, key: str, path: Path, sha256: str, size: int) -> bool:
-        """The size, and S3's own ``ChecksumSHA256`` of the whole object (one sent in one request:
-        S3 checked the bytes against it), else its ETag where that is the MD5 S3 computed of the
-        bytes (one request, not SSE-KMS) against the local file's. A multipart object's checksum and
-        ETag are of its parts, not its bytes: never proven, sent again."""
+        """The size, and S3's own ``ChecksumSHA256``: of the whole object (one sent in one
+        request: S3 checked the bytes against it), or composite (a multipart object whose parts S3
+        checked against their sha256s), compared with the same composite of the local file in the
+        parts :meth:`put_file` would send it in; else its ETag where that is the MD5 S3 computed of
+        the bytes (one request, not SSE-KMS) against the local file's. A multipart object with a
+        CRC32 per part (sent before) or parts of another size is not proven: sent again."""
         from spotguard.storage._verify import file_digest
 
         try:
@@ -231,9 +237,25 @@ class S3Store:
         if head.get("ContentLength") != size:
             return False
         if head.get("ChecksumSHA256"):
-            return head["ChecksumSHA256"] == _b64(bytes.fromhex(sha256))
+            got = str(head["ChecksumSHA256"])
+            return got == _b64(bytes.fromhex(sha256)) or self._composite_matches(path, size, got)
         etag = str(head.get("ETag", "")).strip('"')
         return re.fullmatch(r"[0-9a-fA-F]{32}", etag) is not None and bytes.fromhex(etag) == file_digest(path, "md5")
+
+    def _composite_matches(self, path: Path, size: int, got: str) -> bool:
+        """Whether ``got`` (S3's ``<base64>-<parts>``; some emulators leave the count out) is the
+        composite sha256 of ``path`` in the parts s3transfer sends it in."""
+        from s3transfer.utils import ChunksizeAdjuster
+
+        from spotguard.storage._verify import composite_sha256
+
+        if size < self.options.part_size:
+            return False  # sent in one request: only the whole object's sha256 proves it
+        chunk = ChunksizeAdjuster().adjust_chunksize(self.options.part_size, size)
+        value, _, count = got.partition("-")
+        if count and count != str(-(-size // chunk)):
+            return False
+        return value == _b64(composite_sha256(path, chunk))
 
     def list(self, prefix: str) -> Iterator[str]:
         base = f"{self.prefix}/" if self.prefix else ""

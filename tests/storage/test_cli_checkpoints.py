@@ -114,6 +114,16 @@ def test_delete_refuses_while_the_job_uploads(populated, moto):
     assert not list(populated.list("jobs/run/"))
 
 
+def test_delete_removes_what_a_job_without_a_complete_checkpoint_left(populated, moto):
+    left = ["jobs/partial/parts/step-0000000005/node-1.0123456789abcdef.json", "jobs/partial/pending/1000-0123abcd.json"]
+    for key in left:
+        populated.put_bytes(key, b'{"hashes": []}')
+    result = invoke("delete", "--store", populated.url, "--job", "partial", "--yes", endpoint=moto.url)
+    assert result.exit_code == 0, result.output
+    assert "deleted what job 'partial' left (no complete checkpoint)" in result.output and "2 key(s)" in result.output
+    assert not list(populated.list("jobs/partial/")) and Durable(populated).list("run") == [10, 20]
+
+
 def test_a_bad_store_url_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(checkpoints, ["list", "--store", "ftp://x/y", "--job", "j"])
     assert result.exit_code == 2 and "unsupported store URL" in result.output

@@ -399,6 +399,10 @@ class Durable:
         return sorted({found.group(1) for key in self.store.list("jobs/")
                        if (found := _MANIFEST.match(key))})
 
+    def keys_of(self, job_id: str) -> list[str]:
+        """Every key under ``jobs/<job>/``: manifests, pointer, node parts, notes, progress."""
+        return list(self.store.list(f"jobs/{_job(job_id)}/"))
+
     def list(self, job_id: str) -> list[int]:
         """Steps with a manifest, oldest first."""
         steps = []
@@ -503,7 +507,7 @@ class Durable:
         this deleted. ``latest`` goes first, so no reader follows it to a manifest that is gone;
         the objects go last, and only those unreferenced once every key of the job is deleted."""
         prefix = f"jobs/{_job(job_id)}/"
-        keys = list(self.store.list(prefix))
+        keys = self.keys_of(job_id)
         live = [k for k in keys if k.startswith(f"{prefix}pending/") and not _references.pending_is_stale(k, pending_ttl)]
         if live:
             raise UploadInFlight(f"{self.store.url}: job {job_id!r} has an upload in flight ({live[0]}); "

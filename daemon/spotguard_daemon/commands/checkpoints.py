@@ -155,9 +155,13 @@ def delete(durable: Any, job: str, yes: bool) -> None:
     from spotguard.storage.durable import UploadInFlight
 
     steps = durable.list(job)
-    if not steps:
+    if steps:
+        what = f"{len(steps)} durable checkpoint(s) of job {job!r} (steps {steps[0]}-{steps[-1]})"
+    elif durable.keys_of(job):  # node parts of steps never made global, notes: an interrupted run's
+        what = f"what job {job!r} left (no complete checkpoint)"
+    else:
         raise _absent(durable, job)
-    what = f"{len(steps)} durable checkpoint(s) of job {job!r} (steps {steps[0]}-{steps[-1]}) in {durable.store.url}"
+    what += f" in {durable.store.url}"
     try:
         confirmed = yes or click.confirm(f"Delete {what}?", err=True)
     except click.Abort:  # no answer (stdin closed, Ctrl-C)

@@ -156,7 +156,8 @@ def delete(durable: Any, job: str, yes: bool) -> None:
 
     steps = durable.list(job)
     if steps:
-        what = f"{len(steps)} durable checkpoint(s) of job {job!r} (steps {steps[0]}-{steps[-1]})"
+        span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+        what = f"{len(steps)} durable checkpoint(s) of job {job!r} ({span})"
     elif durable.keys_of(job):  # node parts of steps never made global, notes: an interrupted run's
         what = f"what job {job!r} left (no complete checkpoint)"
     else:
@@ -164,7 +165,8 @@ def delete(durable: Any, job: str, yes: bool) -> None:
     what += f" in {durable.store.url}"
     try:
         confirmed = yes or click.confirm(f"Delete {what}?", err=True)
-    except click.Abort:  # no answer (stdin closed, Ctrl-C)
+    except click.Abort:  # no answer (stdin closed, Ctrl-C): end the question's line
+        click.echo("", err=True)
         confirmed = False
     if not confirmed:
         raise click.ClickException("nothing deleted (not confirmed; --yes skips the question)")

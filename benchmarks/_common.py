@@ -95,7 +95,9 @@ class DaemonProcess:
         self.dir = Path(tempfile.mkdtemp(prefix="sgb-", dir="/tmp"))
         self.state_dir = Path(tempfile.mkdtemp(prefix="sgb-", dir=state_base)) if state_base else self.dir / "state"
         self.runtime_dir = self.dir / "run"
-        full_env = {**os.environ, **(env or {})}
+        # The simulated GCP VM says preemptible: the legacy 24 h cap counts from this host's boot,
+        # so a host up a day would see a walltime notice before any the benchmark flips.
+        full_env = {**os.environ, "SPOTGUARD_GCP__PREEMPTIBLE": "no", **(env or {})}
         if endpoint is not None:
             full_env[f"SPOTGUARD_{platform.upper()}__ENDPOINT"] = endpoint
         self.log = open(self.dir / "daemon.log", "wb")

@@ -45,7 +45,11 @@ class DaemonProcess:
         self.args = ["--platform", "none", "--runtime-dir", str(self.runtime_dir), "--state-dir",
                      str(self.state_dir), "--checkpoint-root", str(self.checkpoint_root),
                      "--metrics-port", "0", *args]
-        self.env = {**os.environ, "SPOTGUARD_ZMQ__HEARTBEAT_INTERVAL": "0.2", **(env or {})}
+        # The legacy-Preemptible watcher (on against the GCP simulator, which says preemptible) counts
+        # the 24 h cap from this host's boot: on a host up 23 h 50 min or more, every GCP test would
+        # see a walltime notice first. Its own tests set it; test_watchers_gcp drives it directly.
+        self.env = {**os.environ, "SPOTGUARD_ZMQ__HEARTBEAT_INTERVAL": "0.2", "SPOTGUARD_GCP__PREEMPTIBLE": "no",
+                    **(env or {})}
         self.log = tmp / f"daemon-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen | None = None
 

@@ -40,8 +40,11 @@ def daemonset_pod(image: str, host: dict[str, Path]) -> dict:
     for volume in spec["volumes"]:
         assert volume["hostPath"]["type"] == "DirectoryOrCreate", volume
         volume["hostPath"]["path"] = str(host[volume["name"]])
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"sg-test-{uuid.uuid4().hex[:8]}"},
-            "spec": spec}
+    # podman keeps an "always" init container after it exits instead of removing it at once, where
+    # podman 4.3 under load may find runc still reporting it running and fail the whole play.
+    metadata = {"name": f"sg-test-{uuid.uuid4().hex[:8]}",
+                "annotations": {"io.podman.annotations.init.container.type": "always"}}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
 def play(manifest: Path) -> None:

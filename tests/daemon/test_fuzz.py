@@ -61,26 +61,28 @@ def drain_replies(dealer) -> int:
 
 
 @pytest.fixture
-def client_ctx():
-    """One client context for all of a test's examples. A context per example (200 terminations in
-    a row) once made libzmq abort the *test* process inside ``zmq_ctx_term`` (a libzmq assertion, as
-    in zeromq/libzmq#1307); the daemon, which never terminates its context while serving, lived on."""
-    with zmq.Context() as ctx:
-        yield ctx
+def dealer(fuzz_daemon):
+    """One client context and one DEALER for all of a test's examples (the daemon cuts it off on an
+    oversized frame; ZeroMQ reconnects it). A context per example (200 terminations in a row) once
+    made libzmq abort the *test* process inside ``zmq_ctx_term`` (a libzmq assertion, as in
+    zeromq/libzmq#1307), and a socket per example (200 closes, each racing a reconnect after a
+    cut-off) aborted it once more under load; the daemon, which never closes its socket while
+    serving, lived on both times."""
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(fuzz_daemon.request_endpoint)
+        yield sock
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(batch=st.lists(messages, min_size=1, max_size=12))
-def test_garbage_never_stops_the_request_loop(fuzz_daemon, client_ctx, batch):
+def test_garbage_never_stops_the_request_loop(fuzz_daemon, dealer, batch):
     daemon = fuzz_daemon
-    with client_ctx.socket(zmq.DEALER) as dealer:
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(daemon.request_endpoint)
-        for with_envelope, parts in batch:
-            dealer.send_multipart([b"", *parts] if with_envelope else parts)
-        drain_replies(dealer)
-        reply = daemon.request(StatusRequest(), timeout=5)
-        assert reply.ok and reply.data["pid"] == daemon.proc.pid
+    for with_envelope, parts in batch:
+        dealer.send_multipart([b"", *parts] if with_envelope else parts)
+    drain_replies(dealer)
+    reply = daemon.request(StatusRequest(), timeout=5)
+    assert reply.ok and reply.data["pid"] == daemon.proc.pid
     assert daemon.proc.poll() is None
 
 

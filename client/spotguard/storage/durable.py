@@ -510,11 +510,12 @@ class Durable:
         keys = self.keys_of(job_id)
         live = [k for k in keys if k.startswith(f"{prefix}pending/") and not _references.pending_is_stale(k, pending_ttl)]
         if live:
-            raise UploadInFlight(f"{self.store.url}: job {job_id!r} has an upload in flight ({live[0]}); "
-                                 "stop the job's daemon or wait for the upload to end")
-        steps = self.list(job_id)
+            raise UploadInFlight(f"nothing deleted: {self.store.url}: job {job_id!r} has an upload in flight "
+                                 f"({live[0]}); stop the job's daemon or wait for the upload to end")
+        steps = sorted(int(found.group(2)) for key in keys if (found := _MANIFEST.match(key)))
         pointer = f"{prefix}latest"
-        self.store.delete([k for k in keys if k == pointer])
+        if pointer in keys:
+            self.store.delete([pointer])
         self.store.delete(sorted((k for k in keys if k != pointer), reverse=True))  # manifests: newest first
         objects, _ = self._collect_garbage(pending_ttl, 0.0) if keys else (0, 0)
         log.info("durable %s: deleted job %s (%d checkpoints, %d keys, %d objects)", self.store.url, job_id,

@@ -152,8 +152,6 @@ def restore(durable: Any, job: str, step: int | None, dest: Path) -> None:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def delete(durable: Any, job: str, yes: bool) -> None:
     """Delete every durable checkpoint of JOB, and the objects no other job uses."""
-    from spotguard.storage.durable import UploadInFlight
-
     steps = durable.list(job)
     if steps:
         span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
@@ -170,9 +168,6 @@ def delete(durable: Any, job: str, yes: bool) -> None:
         confirmed = False
     if not confirmed:
         raise click.ClickException("nothing deleted (not confirmed; --yes skips the question)")
-    try:
-        done = durable.delete_job(job)
-    except UploadInFlight as exc:
-        raise click.ClickException(f"nothing deleted: {exc}") from None
+    done = durable.delete_job(job)  # refused (UploadInFlight, a StoreError): one line, exit 1
     click.echo(f"deleted {what}: {done.keys_deleted} key(s) of the job and {done.objects_deleted} "
                "object(s) no other checkpoint uses")

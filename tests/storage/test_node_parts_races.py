@@ -99,8 +99,15 @@ def test_concurrent_completions_write_the_global_manifest_once(tmp_path):
     written twice."""
     writes: list[bytes] = []
     tried: list[bytes] = []
+    checked = threading.Barrier(4, timeout=30)
 
     class Recording(FileStore):
+        def exists(self, key: str) -> bool:
+            if key == manifest_key("job", 10) and not hasattr(local, "checked"):
+                local.checked = True
+                checked.wait()  # all four look before any writes: none takes the "already global" path
+            return super().exists(key)
+
         def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
             wrote = super().put_bytes_if_absent(key, data)
             if key == manifest_key("job", 10):
@@ -124,10 +131,9 @@ def test_concurrent_completions_write_the_global_manifest_once(tmp_path):
         part = _parts.uploaded_part(manifest, {"version": 1, "name": ckpt.name, "objects": "objects/sha256/",
                                                "uploaded": 1000.0 + k})
         seed.store.put_bytes(_parts.part_key("job", 10, k, _parts.token(part)), json.dumps(part).encode())
-    barrier = threading.Barrier(4)
+    local = threading.local()
 
     def complete() -> None:
-        barrier.wait()
         Durable(Recording(bucket)).complete("job", 10)
 
     threads = [threading.Thread(target=complete) for _ in range(4)]

@@ -15,6 +15,7 @@ import bench_checkpoint_compare as bench  # noqa: E402
 def test_spotguard_and_torch_save_rounds_measure_save_restore_and_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "BATCH", 8)
     monkeypatch.setattr(bench, "BASE_STEPS", 6)
+    monkeypatch.setattr(bench, "WARM_STEPS", 2)
     monkeypatch.setattr(bench, "CONTROL_STEPS", 4)
     rows = {v: bench.run_variant(v, 0.004, False, tmp_path) for v in ("torch_save", "spotguard", "no_save", "dd")}
     control = rows.pop("no_save")

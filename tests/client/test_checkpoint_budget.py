@@ -126,13 +126,23 @@ def test_a_control_window_never_holds_the_persist_longer_than_its_steps_should_t
 def test_a_first_persist_takes_the_spare_cores_only_where_there_are_some():
     busy = Budget(0.25, cores=8, idle=lambda: 0.0)  # the loop and its workers take every core
     baseline(busy)
-    assert busy.begin().share == 0.25  # background_cpu_share: never below the old fixed cap
+    assert busy.begin().share == FLOOR  # what it takes there, the loop loses: the least share
     idle = Budget(0.25, cores=8, idle=idle_cores(6))  # a GPU node: the loop mostly waits on the GPU
     baseline(idle)
     assert idle.begin().share == approx(SPARE_USE * 6)
     unknown = Budget(0.25, cores=8, idle=idle_cores(6))
     steps(unknown, 3, 0.001)  # too short a baseline to measure anything: the cautious start
     assert unknown.begin().share == 0.25
+
+
+def test_where_no_core_is_spare_windows_that_look_fine_do_not_grow_it():
+    """A loop on every core: steps no slower with the persist than before it (a 5-step window
+    cannot see a cost of a few percent there) leave the share at the floor, window after window."""
+    budget = Budget(0.25, cores=2, idle=lambda: 0.0)
+    baseline(budget)
+    throttle = budget.begin()
+    steps(budget, 4 * WINDOW, 0.005)
+    assert len(budget.decisions) == 4 and budget.share == throttle.share == FLOOR
 
 
 def test_the_spare_cores_are_split_over_the_ranks_of_the_node(monkeypatch):

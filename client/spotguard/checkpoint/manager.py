@@ -74,8 +74,9 @@ class Checkpointer:
     Tuning: ``background_nice`` (niceness of the background threads) and an adaptive CPU budget keep
     a periodic save from slowing training (see :mod:`._budget`): from the step times ``Run`` reports
     (:meth:`observe_step`) and the CPUs' idle time over them, the first save starts from the cores
-    the loop leaves idle (at least ``background_cpu_share`` of a CPU, where it starts without step
-    times; None = no cap at all), and each save takes what the loop leaves spare while its steps stay within
+    the loop leaves idle (at the budget's floor, 0.03 of a CPU, where it leaves none; at
+    ``background_cpu_share`` of a CPU without step times; None = no cap at all), and each save
+    takes what the loop leaves spare while its steps stay within
     ``background_inflation`` (3 %) of their time before the save; ``background_inflation=None`` keeps
     the share fixed. A ``blocking`` save (the emergency one) uses neither and lifts the cap of the
     save it has to wait for. ``verify=False`` skips the checksums on load. Tensors of
@@ -96,7 +97,8 @@ class Checkpointer:
     :param on_commit: Called with each :class:`CommitInfo` once a save is committed.
     :param verify: Check every file's sha256 on load.
     :param background_nice: Niceness of the background save threads (None: unchanged).
-    :param background_cpu_share: The least share of one CPU a background save starts with (None: no cap).
+    :param background_cpu_share: The share of one CPU a background save starts with when no step
+        times are known (None: no cap).
     :param background_inflation: The step-time slowdown a background save may cause (0.03: 3 %):
         the share adapts to it (:mod:`spotguard.checkpoint._budget`); None keeps the share fixed.
     :param large_tensor_bytes: Tensors of this many bytes or more get a file each.

@@ -57,8 +57,10 @@ def job_env(out: Path, runtime: Path, **knobs: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTGUARD_", "JOB_"))}
     # 36 steps of at least 0.1 s: a signal by step 10 leaves more steps than Run's agreement
     # interval can span (its lag is capped at 2 s), so every stop falls inside the run.
+    # PYTHONFAULTHANDLER: a rank that dies of a native abort (seen once in many runs, an [hf] rank's
+    # SIGABRT) leaves every thread's Python stack in its log, which the failing assertion shows.
     env.update(knobs, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", SPOTGUARD_RUNTIME_DIR=str(runtime),
-               PYTHONWARNINGS="ignore", JOB_STEPS="36", JOB_STEP_SLEEP="0.1")
+               PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1", JOB_STEPS="36", JOB_STEP_SLEEP="0.1")
     return env
 
 

@@ -17,11 +17,12 @@ without it. :class:`Budget` turns that into the ``share`` (in cores) of the
 - **The start.** The first persist with a baseline starts at :data:`SPARE_USE` of the spare cores
   (at least :data:`FLOOR`): on a GPU node with idle cores the persist runs at the disk's speed from
   its first chunk, rather than growing from a quarter of a core while the newest state is not
-  durable; where the loop leaves no core idle, it starts at the floor (see :data:`FLOOR` for why).
+  durable; where the loop leaves no core idle, it starts at ``target`` of a core, at least the floor
+  (see :data:`FLOOR` for why).
   Later persists start where the last one ended.
 - **Steering.** While a persist runs, every :data:`WINDOW` steps the median step is compared with the
   reference (the baseline's median): not above ``1 + target``, the share grows by half (up to
-  :data:`SPARE_USE` of the spare cores, at least :data:`FLOOR`; at two cores or more the throttle
+  :data:`SPARE_USE` of the spare cores, at least ``target`` of a core; at two cores or more the throttle
   stops pacing). Above it, the persist is held back (:meth:`~._workers.Throttle.pause`) for a control
   window of as many steps, which becomes the reference, then a fresh window runs with it: if that
   one runs more than ``target`` over the control, the share halves (down to :data:`FLOOR`), else it
@@ -58,14 +59,14 @@ from spotguard.checkpoint._workers import Throttle
 __all__ = ["Budget", "FLOOR", "WINDOW", "BASELINE", "SPARE_USE", "idle_seconds"]
 
 FLOOR = 0.03
-"""The least share a persist gets (it must end, however loaded the machine), and where it starts and
-stays when the loop leaves no core idle. There each CPU second the persist takes is taken from the
-loop, whose threads wait for each other at every step, whatever the persist's niceness: the steps
-run about ``share`` slower. Measured on 2 cores both running the loop (1 GiB, 8 rounds, medians;
-benchmarks/README.md): starting at 0.25 of a core (the old ``background_cpu_share`` floor) and
-steered, +3.7 %, durable in 15 s; at 0.03, +2.0 %, durable in 24 s (the control, nothing
-persisting: -0.1 %). Steering alone could not find that: a 5-step window's noise there is larger
-than the 3 % it looks for."""
+"""The least share a persist gets (it must end, however loaded the machine). Where the loop leaves no
+core idle, a persist starts and stays at ``target`` of a core (3 %: this floor), because there each
+CPU second the persist takes is taken from the loop, whose threads wait for each other at every
+step, whatever the persist's niceness: the steps run about ``share`` slower. Measured on 2 cores
+both running the loop (1 GiB, 8 rounds, medians; benchmarks/README.md): starting at 0.25 of a core
+(the old ``background_cpu_share`` floor) and steered, +3.7 %, durable in 15 s; at 0.03, +2.0 %,
+durable in 24 s (the control, nothing persisting: -0.1 %). Steering alone could not find that: a
+5-step window's noise there is larger than the 3 % it looks for."""
 WINDOW = 5
 """Steps per decision while a persist runs."""
 BASELINE = 16
@@ -109,6 +110,8 @@ class Budget:
                  idle: Callable[[], float | None] | None = None, cgroup: Quota | None | bool = True) -> None:
         self.share = start
         self.target = target
+        self.busy_share = max(FLOOR, target)
+        """Where the loop leaves no core idle: the steps run about the share slower (see :data:`FLOOR`)."""
         self.cores = cores or len(os.sched_getaffinity(0))
         self._base: deque[tuple[float, float, float]] = deque(maxlen=BASELINE)
         """(step seconds, wall at its end, process CPU at its end) of steps outside a persist."""
@@ -141,7 +144,7 @@ class Budget:
             spare = self._measured_spare()
             if not self.started and spare is not None:
                 self.started = True
-                self.share = max(FLOOR, SPARE_USE * spare)
+                self.share = max(self.busy_share, SPARE_USE * spare)
             throttle.set(self.share)
             self._throttle, self._during, self._phase = throttle, [], "steer"
             self._reference = statistics.median(s for s, _, _ in self._base) if len(self._base) >= WINDOW else None
@@ -204,7 +207,7 @@ class Budget:
             if checked and window > self._reference * (1 + self.target):
                 self.share = max(FLOOR, self.share * SHRINK)
             else:
-                self.share = min(max(SPARE_USE * self.spare(), FLOOR), self.share * GROW)
+                self.share = min(max(SPARE_USE * self.spare(), self.busy_share), self.share * GROW)
             throttle.set(self.share)
             self.decisions.append((window, self._reference, self.share))
 

@@ -74,7 +74,7 @@ class Checkpointer:
     Tuning: ``background_nice`` (niceness of the background threads) and an adaptive CPU budget keep
     a periodic save from slowing training (see :mod:`._budget`): from the step times ``Run`` reports
     (:meth:`observe_step`) and the CPUs' idle time over them, the first save starts from the cores
-    the loop leaves idle (at the budget's floor, 0.03 of a CPU, where it leaves none; at
+    the loop leaves idle (at ``background_inflation`` of a CPU, 0.03, where it leaves none; at
     ``background_cpu_share`` of a CPU without step times; None = no cap at all), and each save
     takes what the loop leaves spare while its steps stay within
     ``background_inflation`` (3 %) of their time before the save; ``background_inflation=None`` keeps

@@ -144,6 +144,12 @@ def parallel_read(path: Path, threads: int = 4, span: int = 16 << 20) -> float:
         buf.close()
 
 
+def steps_measured(out: dict, base: list[float], during: list[float]) -> None:
+    """The step medians before and during the save, and the inflation they make."""
+    out["step_s"], out["step_during_s"] = statistics.median(base), statistics.median(during)
+    out["inflation"], out["steps_during"] = out["step_during_s"] / out["step_s"] - 1, len(during)
+
+
 def state_bytes(model, opt) -> int:
     import torch
 
@@ -181,10 +187,7 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
         base.append(step())
         observe(base[-1])
     if variant == "no_save":  # the control: the same steps measured with nothing persisting
-        during = [step() for _ in range(CONTROL_STEPS)]
-        out["inflation"] = statistics.median(during) / statistics.median(base) - 1
-        out["steps_during"] = len(during)
-        out["step_s"], out["step_during_s"] = statistics.median(base), statistics.median(during)
+        steps_measured(out, base, [step() for _ in range(CONTROL_STEPS)])
         return out
     if variant == "dd":
         blocks = max(1, nbytes >> 24)
@@ -210,9 +213,7 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
         observe(during[-1])
     out["durable_s"] = out.pop("durable_at", time.perf_counter()) - began
     if during:
-        out["inflation"] = statistics.median(during) / statistics.median(base) - 1
-        out["steps_during"] = len(during)
-        out["step_s"], out["step_during_s"] = statistics.median(base), statistics.median(during)
+        steps_measured(out, base, during)
     if "_ck" in out and out["_ck"]._budget is not None:
         out["share_end"] = float(out["_ck"]._budget.share)
     if "_ck" in out:  # its staging copy goes before the restore is measured

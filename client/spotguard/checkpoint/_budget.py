@@ -14,12 +14,11 @@ without it. :class:`Budget` turns that into the ``share`` (in cores) of the
   throttles the whole pod, the loop too), split over the ranks of this node (``LOCAL_WORLD_SIZE``),
   each of which persists its own part. Where ``/proc/stat`` cannot be read, the cores less this
   process's CPU use.
-- **The start.** The first persist with a baseline starts at :data:`SPARE_USE` of the spare cores
-  (at least :data:`FLOOR`): on a GPU node with idle cores the persist runs at the disk's speed from
-  its first chunk, rather than growing from a quarter of a core while the newest state is not
-  durable; where the loop leaves no core idle, it starts at ``target`` of a core, at least the floor
-  (see :data:`FLOOR` for why).
-  Later persists start where the last one ended.
+- **The start.** The first persist with a baseline starts at :data:`SPARE_USE` of the spare cores,
+  at least ``target`` of a core (and :data:`FLOOR`): on a GPU node with idle cores the persist runs
+  at the disk's speed from its first chunk, rather than growing from a quarter of a core while the
+  newest state is not durable; where the loop leaves no core idle, it starts, and stays, at
+  ``target`` of a core (see :data:`FLOOR` for why). Later persists start where the last one ended.
 - **Steering.** While a persist runs, every :data:`WINDOW` steps the median step is compared with the
   reference (the baseline's median): not above ``1 + target``, the share grows by half (up to
   :data:`SPARE_USE` of the spare cores, at least ``target`` of a core; at two cores or more the throttle

@@ -14,7 +14,9 @@ from spotguard.checkpoint import Checkpointer
 from spotguard.checkpoint._budget import (BASELINE, FLOOR, PAUSE_SLACK, SPARE_USE, WINDOW, Budget,
                                          idle_seconds)
 
-approx = partial(pytest.approx, rel=1e-3)  # the idle clock is read a moment after the step's end
+approx = partial(pytest.approx, rel=0.05)
+"""The idle clock is read a moment after the step's end: on a loaded machine (CI) that moment can be
+milliseconds, a percent of the spare measured. The shares compared differ by factors of 1.5 or more."""
 
 
 def steps(budget: Budget, n: int, seconds: float, persist_cost: float = 0.0) -> list[bool]:

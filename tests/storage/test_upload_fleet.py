@@ -3,6 +3,8 @@ file store and real committed node-local checkpoints; the queue test is in test_
 
 from __future__ import annotations
 
+import logging
+import shutil
 import time
 
 from spotguard.storage.durable import Durable, manifest_key
@@ -27,24 +29,24 @@ def _global(durable: Durable, step: int) -> None:
 
 def test_node_0_proposes_one_step_at_a_time_and_the_others_follow_it(tmp_path):
     durable = Durable(FileStore(tmp_path / "bucket"))
-    leader, _ = _node(tmp_path, 0, [5, 9])
+    leader, mine = _node(tmp_path, 0, [5, 9])
     follower, paths = _node(tmp_path, 1, [5, 7, 9])
     assert follower.follows("job") and not leader.follows("job")
-    leader.uploaded(durable, "job", 5, complete=True)  # global already: nothing to propose
+    leader.uploaded(durable, "job", 5, str(mine[0]), complete=True)  # global already: nothing to propose
     assert read_next(durable.store, "job") is None
-    leader.uploaded(durable, "job", 5, complete=False)
+    leader.uploaded(durable, "job", 5, str(mine[0]), complete=False)
     assert read_next(durable.store, "job")[0] == 5
-    leader.uploaded(durable, "job", 9, complete=False)  # 5 is open: the others are completing it
+    leader.uploaded(durable, "job", 9, str(mine[1]), complete=False)  # 5 is open: the others are completing it
     assert read_next(durable.store, "job")[0] == 5
 
     assert follower.target(durable.store, "job", 9, str(paths[-1]), global_step=-1) == 5
     assert follower.finishes("job", 5) and not follower.finishes("job", 9)
-    follower.uploaded(durable, "job", 5, complete=True)
+    follower.uploaded(durable, "job", 5, str(paths[0]), complete=True)
     assert follower.target(durable.store, "job", 9, str(paths[-1]), global_step=-1) is None  # sent already
     assert follower.target(durable.store, "job", 5, str(paths[0]), global_step=5) is None  # global: done
 
     _global(durable, 5)
-    leader.uploaded(durable, "job", 9, complete=False)  # 5 is global: 9 is next
+    leader.uploaded(durable, "job", 9, str(mine[1]), complete=False)  # 5 is global: 9 is next
     assert read_next(durable.store, "job")[0] == 9
     assert follower.target(durable.store, "job", 9, str(paths[-1]), global_step=5) is None
     assert follower.finishes("job", 9)  # the upload in flight is the proposed one: finished
@@ -52,20 +54,49 @@ def test_node_0_proposes_one_step_at_a_time_and_the_others_follow_it(tmp_path):
 
 def test_a_stale_proposal_is_replaced_and_one_not_held_locally_is_skipped(tmp_path, caplog):
     durable = Durable(FileStore(tmp_path / "bucket"))
-    leader, _ = _node(tmp_path, 0, [3])
+    leader, mine = _node(tmp_path, 0, [3, 7, 8])
     follower, paths = _node(tmp_path, 1, [7])
     durable.store.put_bytes(next_key("job"), b'{"step": 3, "proposed": %f}' % (time.time() - 61))
     assert follower.target(durable.store, "job", 7, str(paths[-1]), global_step=-1) is None  # 3 is gone here
     assert not follower.finishes("job", 3)
-    leader.uploaded(durable, "job", 7, complete=False)  # 3 open for longer than the bound: replaced
+    leader.uploaded(durable, "job", 7, str(mine[1]), complete=False)  # 3 open for longer than the bound: replaced
     assert read_next(durable.store, "job")[0] == 7
     for junk in (b"[", b'{"step": true, "proposed": 1}', b'{"step": 1, "proposed": NaN}', b"x" * 300):
         durable.store.put_bytes(next_key("job"), junk)
         assert follower.target(durable.store, "job", 7, str(paths[-1]), global_step=-1) is None
-        leader.uploaded(durable, "job", 8, complete=False)  # junk is replaced by node 0's proposal
+        leader.uploaded(durable, "job", 8, str(mine[2]), complete=False)  # junk is replaced by node 0's proposal
         assert read_next(durable.store, "job")[0] == 8
     assert "not what node 0 writes" in caplog.text
     one = Fleet(lag_bound=60.0)  # a job on one node (no node section) never reads next.json
     one.learn("job", write_checkpoint(tmp_path / "single", 1, {"w.bin": b"w"}))
     assert not one.follows("job")
     assert one.target(durable.store, "job", 7, str(paths[-1]), global_step=-1) is None
+
+
+def test_a_proposal_node_0_no_longer_holds_is_replaced_before_the_bound(tmp_path):
+    """The nodes keep alike: once node 0's retention deleted the proposed step, the others' did too,
+    unless they took it already (then they finish it): node 0 proposes its next one at once."""
+    durable = Durable(FileStore(tmp_path / "bucket"))
+    leader, mine = _node(tmp_path, 0, [4, 11])
+    leader.propose(durable, "job", 4, str(mine[0]), "node 0 finishes its part")
+    leader.propose(durable, "job", 11, str(mine[1]), "node 0 finishes its part")
+    assert read_next(durable.store, "job")[0] == 4  # open, and still held here: it stays
+    shutil.rmtree(mine[0])  # the job's retention (keep) deleted it
+    leader.propose(durable, "job", 11, str(mine[1]), "node 0 finishes its part")
+    assert read_next(durable.store, "job")[0] == 11
+
+
+def test_a_follower_finishes_a_superseded_upload_once_node_0_proposed_its_step(tmp_path, caplog):
+    """Node 0 proposes a step as it starts the upload it will finish; a follower whose upload of that
+    step is superseded meanwhile (its job's retention may delete it next) goes on with it."""
+    caplog.set_level(logging.INFO, logger="spotguard_daemon.core.upload_fleet")
+    durable = Durable(FileStore(tmp_path / "bucket"))
+    leader, mine = _node(tmp_path, 0, [4])
+    follower, _ = _node(tmp_path, 1, [4, 5])
+    assert not follower.adopt(durable.store, "job", 4, global_step=-1)  # nothing proposed: superseded
+    leader.propose(durable, "job", 4, str(mine[0]), "node 0 finishes its part")
+    assert not leader.adopt(durable.store, "job", 4, global_step=-1)  # node 0 decides for itself
+    assert not follower.adopt(durable.store, "job", 5, global_step=-1)  # not the proposed step
+    assert not follower.adopt(durable.store, "job", 4, global_step=4)  # global already
+    assert follower.adopt(durable.store, "job", 4, global_step=-1) and follower.finishes("job", 4)
+    assert "finishing the upload of job step 4 although a newer checkpoint is committed: node 0 proposed it" in caplog.text

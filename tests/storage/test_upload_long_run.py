@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from spotguard.checkpoint.commit import apply_retention
 from spotguard.storage.durable import Durable
 from spotguard.storage.base import StoreOptions
 from spotguard.storage.file import FileStore
@@ -63,12 +64,20 @@ def node_ckpt(root, step: int, index: int, files: dict[str, bytes], nodes: int =
                             world_size=nodes, digest=digest * 64)
 
 
-def test_slow_nodes_converge_on_one_step_that_becomes_global_while_saving(moto, new_bucket, tmp_path):
+@pytest.mark.parametrize("keep", [3, 2])
+def test_slow_nodes_converge_on_one_step_that_becomes_global_while_saving(moto, new_bucket, tmp_path, keep):
     """Item 2: both nodes' stores are throttled, at different speeds (~0.6 s and ~0.9 s per checkpoint),
     and the job saves every 0.2 s. Before, each node finished whichever upload its own count of
     supersedes picked, so the nodes could finish different steps and none became global; now node 0
     finishes one (``max_superseded``) and proposes it, node 1 uploads that step next and finishes it,
-    so a step becomes global while the job saves, whatever the load."""
+    so a step becomes global while the job saves, whatever the load.
+
+    The job's own retention runs after each commit, as the Checkpointer's does (``keep``: the default
+    3, and 2). Before node 0 proposed a step as it started its upload, node 1's retention deleted the
+    step long before node 0's part was in the store, and no step became global in 60 saves. With 2,
+    node 1 often misses the first proposal: node 0 replaces it once its own retention deleted the
+    step. (With 1, a node that uploads slower than node 0 takes a proposal only if it is uploading
+    that step when it reads it: not in every run.)"""
     direct = new_bucket("s3")
     with SlowObjectPuts(moto.url, slow_s=0.2) as slow_a, SlowObjectPuts(moto.url, slow_s=0.3) as slow_b:
         stores = [open_store(direct.url, StoreOptions(endpoint_url=p.url, max_attempts=6)) for p in (slow_a, slow_b)]
@@ -86,7 +95,9 @@ def test_slow_nodes_converge_on_one_step_that_becomes_global_while_saving(moto, 
                 last = step
                 for k, queue in enumerate((a, b)):
                     files = {f"f{i}.bin": os.urandom(20_000) for i in range(3)}
-                    queue.submit("job", node_ckpt(tmp_path / f"ckpt{k}", step, k, files), step)
+                    ckpt = node_ckpt(tmp_path / f"ckpt{k}", step, k, files)
+                    queue.submit("job", ckpt, step)
+                    apply_retention(tmp_path / f"ckpt{k}", keep, ckpt)  # the job's, after its commit
                 time.sleep(0.2)
                 lags.append(b.watch.lag())
                 if global_while_saving is None and Durable(direct).latest("job") is not None:

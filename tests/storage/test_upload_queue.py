@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import shutil
 import threading
 import time
 
@@ -259,6 +261,54 @@ def test_a_vanished_checkpoint_is_not_retried_forever(tmp_path, make_ckpt):
 
     shutil.rmtree(ckpt)
     assert UploadQueue(Durable(store), journal).status()["pending"] == []
+
+
+class RetentionRace(UploadQueue):
+    """A queue whose first upload meets the job's next commit and retention (``keep=1``) in the
+    instant between taking the upload and opening its files."""
+
+    def __init__(self, *args, race, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.race = race
+
+    def _proposed(self, upload):
+        race, self.race = self.race, None
+        if race is not None:
+            race()
+        return super()._proposed(upload)
+
+
+def test_a_checkpoint_the_job_deleted_for_a_newer_one_is_superseded_not_refused(tmp_path, make_ckpt, caplog):
+    """With ``keep=1`` the job deletes a step as it commits the next one, perhaps before the upload of
+    the step began. That is a superseded upload (said at INFO), not a checkpoint refused with an error."""
+    caplog.set_level(logging.INFO, logger="spotguard_daemon.core.uploads")
+    store = FileStore(tmp_path / "bucket")
+    old = make_ckpt(tmp_path / "ckpt", 1, {"a.bin": b"1"})
+
+    def commit_and_retain() -> None:
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 2, {"a.bin": b"2"}), 2)
+        shutil.rmtree(old)
+
+    queue = RetentionRace(Durable(store), tmp_path / "state" / "uploads.json", race=commit_and_retain)
+    queue.submit("job", old, 1)
+    queue.start()
+    try:
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert queue.status()["refused"] == {} and Durable(store).list("job") == [2]
+    assert "the job deleted it (its retention) for a newer checkpoint" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    shutil.rmtree(tmp_path / "ckpt" / "step-0000000002")  # the newest gone too: nothing newer, refused
+    queue = UploadQueue(Durable(store), tmp_path / "state2" / "uploads.json")
+    queue.submit("job", make_ckpt(tmp_path / "ckpt", 3, {"a.bin": b"3"}), 3)
+    shutil.rmtree(tmp_path / "ckpt" / "step-0000000003")
+    queue.start()
+    try:
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert queue.status()["refused"]["job"]["step"] == 3
 
 
 @pytest.mark.parametrize("older", [True, False])

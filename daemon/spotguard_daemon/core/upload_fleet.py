@@ -7,19 +7,25 @@ global. So the nodes agree by design, through one small object::
 
     jobs/<job>/parts/next.json      {"step": N, "proposed": <unix time>}
 
-* **Node 0 proposes.** After its part of a step ``N`` is in the store and the step is not global
-  yet, node 0's daemon names ``N`` in ``next.json``, unless the step named there is newer than
-  nothing it replaces: an open proposal (not global yet, younger than
-  ``storage.durable_lag_seconds``) stays, so the others are never sent chasing a moving target. A
-  stale proposal (a node lost its local copy of it) is replaced after that bound.
+* **Node 0 proposes.** As it starts the upload of a step ``N`` that it will finish although
+  superseded (:meth:`.GlobalWatch.finish`), and after its part of a step ``N`` is in the store and
+  the step is not global yet, node 0's daemon names ``N`` in ``next.json``: early, because the
+  others hold ``N`` only for their job's ``keep`` saves, far shorter than one upload when uploads
+  are slower than the saves. An open proposal (not global yet, younger than
+  ``storage.durable_lag_seconds``, still held in node 0's local root) stays, so the others are never
+  sent chasing a moving target. Once node 0's own retention deleted the proposed step, the others'
+  did too (the nodes keep alike) unless they took it already, so it is replaced then; a stale one
+  (node 0 lost, say) after the bound.
 * **The other nodes follow.** Before each upload a follower reads ``next.json`` (one GET). When it
   names a step it still holds locally, newer than the last global one and not uploaded by it
   already, it uploads that step first (its newer commit waits in the queue) and finishes it even
-  if superseded; its own newest commit is uploaded as usual otherwise, and a follower never
-  finishes a superseded upload of a step node 0 did not propose (that is how nodes diverged).
+  if superseded. A follower whose upload is superseded reads ``next.json`` once more: when it names
+  the step in flight, the upload goes on from the files it holds open, which the job's retention
+  may have deleted meanwhile. Its own newest commit is uploaded as usual otherwise, and a follower
+  never finishes a superseded upload of a step node 0 did not propose (that is how nodes diverged).
 
 Node 0's daemon is also the only one to run the bucket's retention of the job (the others leave
-it to node 0: one prune per step, not N). Cost: one GET per upload on the followers; on node 0, per part whose step is not global, a GET, the
+it to node 0: one prune per step, not N). Cost: one GET per upload (and per superseded upload) on the followers; on node 0, per part whose step is not global, a GET, the
 global pointer's GET and HEAD, and at most one PUT: O(1) per node per step, whatever N. A job
 without a ``node`` section (one node) never reads or writes ``next.json``. Any store error only
 skips the coordination for that upload (logged at INFO); a ``next.json`` that is not what node 0
@@ -119,34 +125,67 @@ class Fleet:
         if found is None or found[0] <= global_step or found[0] == followed or found[0] > step:
             return None
         proposed = found[0]
-        if proposed != step and not (Path(path).parent / step_name(proposed) / MANIFEST).is_file():
-            return None  # this node's retention deleted it: node 0 proposes another after the bound
+        if proposed != step and not _held(path, proposed):
+            return None  # this node's retention deleted it: node 0 proposes another (see propose)
         with self._lock:
             self._following[job] = proposed
         if proposed != step:
             log.info("uploading %s step %d before step %d: node 0's part of it is in the store", job, proposed, step)
         return None if proposed == step else proposed
 
-    def uploaded(self, durable: Any, job: str, step: int, complete: bool) -> None:
+    def leads(self, job: str) -> bool:
+        """Whether this node is node 0 of a job with node-local roots (it proposes)."""
+        with self._lock:
+            return self._node.get(job) == LEADER
+
+    def adopt(self, store: Any, job: str, step: int, global_step: int) -> bool:
+        """A follower's upload of ``step`` was superseded: whether node 0 proposed ``step`` meanwhile
+        (one GET); then the upload goes on and is finished, from the files it still holds open."""
+        with self._lock:
+            if self._node.get(job, LEADER) == LEADER or self._following.get(job) == step \
+                    or self._followed.get(job) == step or step <= global_step:
+                return False
+        try:
+            found = read_next(store, job)
+        except StoreError as exc:
+            log.info("could not read %s (%s); step %d is superseded", next_key(job), exc, step)
+            return False
+        if found is None or found[0] != step:
+            return False
+        with self._lock:
+            self._following[job] = step
+        log.info("finishing the upload of %s step %d although a newer checkpoint is committed: node 0 "
+                 "proposed it", job, step)
+        return True
+
+    def uploaded(self, durable: Any, job: str, step: int, path: str, complete: bool) -> None:
         """This node's part of ``step`` is in the store: a follower notes it; node 0 proposes the step
         when it is not global and nothing open is proposed."""
         with self._lock:
             if self._following.get(job) == step:
                 self._followed[job] = step
-            leader = self._node.get(job) == LEADER
-        if not leader or complete:
-            return
+        if self.leads(job) and not complete:
+            self.propose(durable, job, step, path, "node 0's part is in the store")
+
+    def propose(self, durable: Any, job: str, step: int, path: str, why: str) -> None:
+        """Node 0: name ``step`` (committed at ``path``) in ``next.json``, unless it is named already
+        or an open proposal of an older step stays (see the module docstring)."""
         try:
             found = read_next(durable.store, job)
             if found is not None and found[0] == step:
                 return
-            if found is not None and found[0] < step and time.time() - found[1] < self.lag_bound:
+            if found is not None and found[0] < step and time.time() - found[1] < self.lag_bound \
+                    and _held(path, found[0]):
                 newest = durable.latest(job)
                 if newest is None or newest < found[0]:
                     return  # the others are still completing that one
             body = json.dumps({"step": step, "proposed": time.time()}).encode()
             durable.store.put_bytes(next_key(job), body)
-            log.info("durable %s step %d: node 0's part is in the store; the other nodes upload it next",
-                     job, step)
+            log.info("%s step %d: %s; the other nodes upload it next", job, step, why)
         except StoreError as exc:
             log.info("could not propose %s step %d to the other nodes: %s", job, step, exc)
+
+
+def _held(path: str, step: int) -> bool:
+    """Whether ``step`` is still committed in the local root of the checkpoint at ``path``."""
+    return (Path(path).parent / step_name(step) / MANIFEST).is_file()

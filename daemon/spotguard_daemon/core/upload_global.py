@@ -110,16 +110,17 @@ class GlobalWatch:
                 return f"{count} uploads in a row were superseded (storage.max_superseded={self.max_superseded})"
         return None
 
-    def finish_anyway(self, job: str, step: int) -> bool:
-        """Whether the upload of ``step``, superseded, is finished all the same (:meth:`finish`);
-        the warning is said once per upload."""
+    def finish_anyway(self, job: str, step: int, starting: bool = False) -> bool:
+        """Whether the upload of ``step``, superseded (or, ``starting``, about to start), is finished
+        all the same (:meth:`finish`); the warning is said once per upload."""
         if self._finishing.get(job) == step:
             return True
         why = self.finish(job)
         if why is not None:
             self._finishing[job] = step
-            log.warning("finishing the upload of %s step %d although a newer checkpoint is committed: %s",
-                        job, step, why)
+            log.warning("finishing the upload of %s step %d %s: %s", job, step,
+                        "whatever newer checkpoints come" if starting else "although a newer checkpoint is committed",
+                        why)
         return why is not None
 
     def recheck(self, durable: Any, job: str, step: int) -> None:

@@ -46,6 +46,7 @@ that escapes anyway restarts the worker (``spotguard_upload_worker_restarts_tota
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -331,8 +332,9 @@ class UploadQueue:
             with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
                                 self.staging) as ckpt:
                 self.fleet.learn(upload.job_id, ckpt)
-                info = self.durable.upload(ckpt, upload.job_id, progress=flight.progress,
-                                           interrupt=flight.interrupt, cleanup=False)
+                if self.fleet.leads(upload.job_id) and self.watch.finish_anyway(upload.job_id, upload.step, starting=True):
+                    self.fleet.propose(self.durable, upload.job_id, upload.step, upload.path, "node 0 finishes its part")
+                info = self._send(upload, ckpt, flight)
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
             self.watch.superseded(upload.job_id)
@@ -344,7 +346,13 @@ class UploadQueue:
                 self._current = None
                 self._enqueue(upload)
         except (confine.UnsafeCheckpoint, ManifestError) as exc:
-            self._refuse(upload, exc)
+            if self._deleted_for_newer(upload):
+                log.info("upload of %s step %d superseded: the job deleted it (its retention) for a newer "
+                         "checkpoint before the upload began", upload.job_id, upload.step)
+                self.watch.superseded(upload.job_id)
+                self._finish(upload, None)
+            else:
+                self._refuse(upload, exc)
         except IntegrityError as exc:  # files changed since the commit, or a corrupt transfer
             self._refuse(upload, exc) if upload.attempts >= INTEGRITY_ATTEMPTS else self._failed(upload, exc)
         except Exception as exc:  # noqa: BLE001 - any SDK's transport error: retry, never die
@@ -354,10 +362,31 @@ class UploadQueue:
             self.metrics.seconds.observe(info.seconds)
             self.watch.uploaded(upload.job_id, info.step, info.complete, upload.submitted)
             self._finish(upload, info)  # the pointer is written: durable now, published before any delete
-            self.fleet.uploaded(self.durable, upload.job_id, info.step, info.complete)
+            self.fleet.uploaded(self.durable, upload.job_id, info.step, upload.path, info.complete)
             self.durable.cleanup(info)  # a slow or stalled delete delays nothing a client waits for
             if not self.fleet.follows(upload.job_id):  # node-local roots: node 0 prunes for the fleet
                 self.retention.run(upload.job_id)
+
+    def _send(self, upload: Upload, ckpt: Path, flight: Flight) -> DurableInfo:
+        """:meth:`Durable.upload`; a follower's upload superseded goes on when node 0 proposed its
+        step meanwhile (the objects sent are reused), before the job's retention can delete it."""
+        try:
+            return self.durable.upload(ckpt, upload.job_id, progress=flight.progress,
+                                       interrupt=flight.interrupt, cleanup=False)
+        except Superseded:
+            if not self.fleet.adopt(self.durable.store, upload.job_id, upload.step,
+                                    self.watch.global_step(upload.job_id)):
+                raise
+        flight.abandon = None
+        return self.durable.upload(ckpt, upload.job_id, progress=flight.progress,
+                                   interrupt=flight.interrupt, cleanup=False)
+
+    def _deleted_for_newer(self, upload: Upload) -> bool:
+        """Whether ``upload``'s checkpoint is gone while a newer commit of its job is queued: the
+        job's own retention (``keep``) deleted it, not a checkpoint to refuse."""
+        with self._cond:
+            newer = self._queue.get(upload.job_id)
+        return newer is not None and newer.step > upload.step and not os.path.lexists(upload.path)
 
     def _proposed(self, upload: Upload) -> Upload:
         """The upload to send: ``upload``, or on a node other than node 0 the older step node 0

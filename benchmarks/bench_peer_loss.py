@@ -1,7 +1,8 @@
 """Steps a node lost without notice costs, with and without the peer tier (issue 30).
 
     python benchmarks/bench_peer_loss.py [--repeats 2] [--width 262144] [--bucket-mbs 50]
-                                         [--nodes 2] [--link-mbit 8000]              (root: ip netns, tc)
+                                         [--nodes 2] [--link-mbit 8000] [--scenarios bucket,peer]
+                                                                                     (root: ip netns, tc)
 
 ``--nodes`` network namespaces (``tests/multinode/_twonodes.py``; three or more on a bridge),
 node-local roots (a tmpfs each), the S3 emulator as the bucket with each daemon's uploads capped at
@@ -104,15 +105,17 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=60)
     parser.add_argument("--nodes", type=int, default=2, help="nodes (namespaces), 2 ranks each; the last is lost")
     parser.add_argument("--link-mbit", type=int, default=0, help="shape every node's link with tc (0: unshaped)")
+    parser.add_argument("--scenarios", default="bucket,peer", help="comma-separated: bucket, peer")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    scenarios = args.scenarios.split(",")
     why = netns_available()
     if why:
         sys.exit(f"bench_peer_loss: {why}")
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-peer-loss-") as tmp:
         for i in range(args.repeats):
-            for scenario in ("bucket", "peer") if i % 2 == 0 else ("peer", "bucket"):
+            for scenario in scenarios if i % 2 == 0 else scenarios[::-1]:
                 runs.append(once(Path(tmp), scenario, args, i))
                 print(runs[-1], flush=True)
     write_results("peer_loss", {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, args.out)
@@ -120,7 +123,7 @@ def main() -> None:
                           "ranks resumed from", "relaunch -> first step s"],
                          [[r["scenario"], r["reached_at_kill"], r["global_at_kill"], r["resumed_from"],
                            r["steps_lost"], ", ".join(r["tiers"]), r["relaunch_to_first_step_s"]] for r in runs]))
-    for scenario in ("bucket", "peer"):
+    for scenario in scenarios:
         lost = [r["steps_lost"] for r in runs if r["scenario"] == scenario]
         print(f"{scenario}: median steps lost {statistics.median(lost)}")
 

@@ -12,6 +12,7 @@ from spotguard.storage.file import FileStore
 
 from conftest import write_checkpoint
 from test_upload_long_run import node_ckpt
+from spotguard_daemon.core import upload_fleet
 from spotguard_daemon.core.upload_fleet import Fleet, next_key, read_next
 
 
@@ -32,21 +33,21 @@ def test_node_0_proposes_one_step_at_a_time_and_the_others_follow_it(tmp_path):
     leader, mine = _node(tmp_path, 0, [5, 9])
     follower, paths = _node(tmp_path, 1, [5, 7, 9])
     assert follower.follows("job") and not leader.follows("job")
-    leader.uploaded(durable, "job", 5, str(mine[0]), complete=True)  # global already: nothing to propose
+    leader.uploaded(durable, "job", 5, str(mine[0]), complete=True, seconds=0.1)  # global already: nothing to propose
     assert read_next(durable.store, "job") is None
-    leader.uploaded(durable, "job", 5, str(mine[0]), complete=False)
+    leader.uploaded(durable, "job", 5, str(mine[0]), complete=False, seconds=0.1)
     assert read_next(durable.store, "job")[0] == 5
-    leader.uploaded(durable, "job", 9, str(mine[1]), complete=False)  # 5 is open: the others are completing it
+    leader.uploaded(durable, "job", 9, str(mine[1]), complete=False, seconds=0.1)  # 5 is open: the others are completing it
     assert read_next(durable.store, "job")[0] == 5
 
     assert follower.target(durable.store, "job", 9, str(paths[-1]), global_step=-1) == 5
     assert follower.finishes("job", 5) and not follower.finishes("job", 9)
-    follower.uploaded(durable, "job", 5, str(paths[0]), complete=True)
+    follower.uploaded(durable, "job", 5, str(paths[0]), complete=True, seconds=0.1)
     assert follower.target(durable.store, "job", 9, str(paths[-1]), global_step=-1) is None  # sent already
     assert follower.target(durable.store, "job", 5, str(paths[0]), global_step=5) is None  # global: done
 
     _global(durable, 5)
-    leader.uploaded(durable, "job", 9, str(mine[1]), complete=False)  # 5 is global: 9 is next
+    leader.uploaded(durable, "job", 9, str(mine[1]), complete=False, seconds=0.1)  # 5 is global: 9 is next
     assert read_next(durable.store, "job")[0] == 9
     assert follower.target(durable.store, "job", 9, str(paths[-1]), global_step=5) is None
     assert follower.finishes("job", 9)  # the upload in flight is the proposed one: finished
@@ -59,12 +60,12 @@ def test_a_stale_proposal_is_replaced_and_one_not_held_locally_is_skipped(tmp_pa
     durable.store.put_bytes(next_key("job"), b'{"step": 3, "proposed": %f}' % (time.time() - 61))
     assert follower.target(durable.store, "job", 7, str(paths[-1]), global_step=-1) is None  # 3 is gone here
     assert not follower.finishes("job", 3)
-    leader.uploaded(durable, "job", 7, str(mine[1]), complete=False)  # 3 open for longer than the bound: replaced
+    leader.uploaded(durable, "job", 7, str(mine[1]), complete=False, seconds=0.1)  # 3 open for longer than the bound: replaced
     assert read_next(durable.store, "job")[0] == 7
     for junk in (b"[", b'{"step": true, "proposed": 1}', b'{"step": 1, "proposed": NaN}', b"x" * 300):
         durable.store.put_bytes(next_key("job"), junk)
         assert follower.target(durable.store, "job", 7, str(paths[-1]), global_step=-1) is None
-        leader.uploaded(durable, "job", 8, str(mine[2]), complete=False)  # junk is replaced by node 0's proposal
+        leader.uploaded(durable, "job", 8, str(mine[2]), complete=False, seconds=0.1)  # junk is replaced by node 0's proposal
         assert read_next(durable.store, "job")[0] == 8
     assert "not what node 0 writes" in caplog.text
     one = Fleet(lag_bound=60.0)  # a job on one node (no node section) never reads next.json
@@ -73,16 +74,21 @@ def test_a_stale_proposal_is_replaced_and_one_not_held_locally_is_skipped(tmp_pa
     assert one.target(durable.store, "job", 7, str(paths[-1]), global_step=-1) is None
 
 
-def test_a_proposal_node_0_no_longer_holds_is_replaced_before_the_bound(tmp_path):
+def test_a_proposal_no_node_can_finish_any_more_is_replaced_before_the_bound(tmp_path, monkeypatch):
     """The nodes keep alike: once node 0's retention deleted the proposed step, the others' did too,
-    unless they took it already (then they finish it): node 0 proposes its next one at once."""
+    unless they took it already; those finish it within SLOWER times node 0's own upload of it.
+    After that, node 0 proposes the step it starts next, not 10 minutes later."""
+    monkeypatch.setattr(upload_fleet, "SLOWER_SLACK", 0.0)
     durable = Durable(FileStore(tmp_path / "bucket"))
     leader, mine = _node(tmp_path, 0, [4, 11])
-    leader.propose(durable, "job", 4, str(mine[0]), "node 0 finishes its part")
-    leader.propose(durable, "job", 11, str(mine[1]), "node 0 finishes its part")
-    assert read_next(durable.store, "job")[0] == 4  # open, and still held here: it stays
+    assert leader.propose(durable, "job", 4, str(mine[0]), "node 0 finishes its part as the others will")
+    leader.uploaded(durable, "job", 4, str(mine[0]), complete=False, seconds=0.2)  # its part, in 0.2 s
+    assert not leader.propose(durable, "job", 11, str(mine[1]), "node 0 finishes its part as the others will")
     shutil.rmtree(mine[0])  # the job's retention (keep) deleted it
-    leader.propose(durable, "job", 11, str(mine[1]), "node 0 finishes its part")
+    assert not leader.propose(durable, "job", 11, str(mine[1]), "-")  # the others may still send theirs
+    assert read_next(durable.store, "job")[0] == 4
+    time.sleep((upload_fleet.SLOWER - 1) * 0.2 + 0.1)
+    assert leader.propose(durable, "job", 11, str(mine[1]), "node 0 finishes its part as the others will")
     assert read_next(durable.store, "job")[0] == 11
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import time
 
 import pytest
@@ -64,20 +66,17 @@ def node_ckpt(root, step: int, index: int, files: dict[str, bytes], nodes: int =
                             world_size=nodes, digest=digest * 64)
 
 
-@pytest.mark.parametrize("keep", [3, 2])
-def test_slow_nodes_converge_on_one_step_that_becomes_global_while_saving(moto, new_bucket, tmp_path, keep):
+def test_slow_nodes_converge_on_one_step_that_becomes_global_while_saving(moto, new_bucket, tmp_path):
     """Item 2: both nodes' stores are throttled, at different speeds (~0.6 s and ~0.9 s per checkpoint),
     and the job saves every 0.2 s. Before, each node finished whichever upload its own count of
     supersedes picked, so the nodes could finish different steps and none became global; now node 0
     finishes one (``max_superseded``) and proposes it, node 1 uploads that step next and finishes it,
     so a step becomes global while the job saves, whatever the load.
 
-    The job's own retention runs after each commit, as the Checkpointer's does (``keep``: the default
-    3, and 2). Before node 0 proposed a step as it started its upload, node 1's retention deleted the
-    step long before node 0's part was in the store, and no step became global in 60 saves. With 2,
-    node 1 often misses the first proposal: node 0 replaces it once its own retention deleted the
-    step. (With 1, a node that uploads slower than node 0 takes a proposal only if it is uploading
-    that step when it reads it: not in every run.)"""
+    The job's own retention runs after each commit, as the Checkpointer's does (the default
+    ``keep=3``). Before node 0 proposed a step as it started its upload, node 1's retention deleted
+    the step long before node 0's part was in the store, and no step became global in 60 saves."""
+    keep = 3
     direct = new_bucket("s3")
     with SlowObjectPuts(moto.url, slow_s=0.2) as slow_a, SlowObjectPuts(moto.url, slow_s=0.3) as slow_b:
         stores = [open_store(direct.url, StoreOptions(endpoint_url=p.url, max_attempts=6)) for p in (slow_a, slow_b)]
@@ -180,3 +179,47 @@ def test_the_cadence_never_plans_saves_faster_than_the_store_takes_them(tmp_path
     fixed = Cadence(every_seconds=0.05)
     fixed.floor(took)
     assert fixed.interval_s == 0.05  # a fixed interval is the user's to choose
+
+
+def test_three_nodes_behind_their_saves_make_a_step_global_again_and_again(moto, new_bucket, tmp_path):
+    """Three nodes uploading at three speeds (~0.4, 0.6 and 0.8 s a checkpoint: six objects each),
+    all slower than the job's saves (every 0.2 s), each with the job's own retention (``keep`` 1-3,
+    sampled). Node 0 proposes the step it starts uploading and finishes it; the others take it at
+    their next upload or finish the one in flight (abandoning a wait for node 0's part within
+    50 ms of a newer commit), so every node finishes the same steps, one after another. Before: no
+    step became global in 60 saves, whatever ``keep``."""
+    seed = random.randrange(1 << 16)
+    keep = random.Random(seed).choice([1, 2, 3])
+    print(f"seed {seed}: keep={keep}")
+    direct = new_bucket("s3")
+    with contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(SlowObjectPuts(moto.url, slow_s=s)) for s in (0.06, 0.09, 0.12)]
+        queues = [_queue(open_store(direct.url, StoreOptions(endpoint_url=p.url, max_attempts=6)), tmp_path / f"n{k}")
+                  for k, p in enumerate(proxies)]
+        for queue, _, _ in queues:
+            queue.durable.concurrency = 1
+            queue.retention = Retention(lambda job: None, 5.0)
+            queue.start()
+        try:
+            seen: list[int] = []  # the global steps, as they came while the job saved
+            for step in range(1, 61):
+                for k, (queue, _, _) in enumerate(queues):
+                    files = {f"f{i}.bin": os.urandom(20_000) for i in range(6)}
+                    ckpt = node_ckpt(tmp_path / f"ckpt{k}", step, k, files, nodes=3)
+                    queue.submit("job", ckpt, step)
+                    apply_retention(tmp_path / f"ckpt{k}", keep, ckpt)
+                time.sleep(0.2)
+                latest = Durable(direct).latest("job")
+                if latest is not None and latest not in seen:
+                    seen.append(latest)
+                if len(seen) == 3:
+                    break
+            assert all(queue.wait_idle(60) for queue, _, _ in queues)
+        finally:
+            for queue, _, _ in queues:
+                queue.close()
+    finished = [{s for _, s in done} for _, done, _ in queues]
+    print(f"global steps while saving: {seen} (saved up to {step}); finished per node: {finished}")
+    assert len(seen) == 3, f"global steps while saving: {seen} in {step} saves; finished per node: {finished}"
+    assert all(g in f for g in seen for f in finished)
+    assert Durable(direct).latest("job") == step  # the last one is never superseded

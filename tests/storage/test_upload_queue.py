@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -82,6 +83,47 @@ def test_finish_superseded_uploads_both(tmp_path, make_ckpt):
     finally:
         queue.close()
     assert done == [("job", 1), ("job", 2)]
+
+
+def test_uploads_behind_the_saves_are_each_finished_until_they_keep_up_and_it_is_said_once(tmp_path, make_ckpt, caplog):
+    """One node whose uploads (~0.5 s) are slower than its saves (every 0.2 s): after
+    ``max_superseded`` uploads abandoned, every upload a newer commit overtakes is finished (not one
+    in ``max_superseded`` + 1, as when the count started again after each); the warning once."""
+    caplog.set_level(logging.INFO, logger="spotguard_daemon.core")
+    store = FileStore(tmp_path / "bucket")
+    queue, done, _ = _queue(store, tmp_path, bandwidth_mbps=4, max_superseded=2)
+    queue.start()
+    try:
+        for step in range(1, 13):
+            files = {f"t{i}.bin": os.urandom(250_000) for i in range(8)}  # 2 MB, none sent before
+            queue.submit("job", make_ckpt(tmp_path / "ckpt", step, files), step)
+            time.sleep(0.2)
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    finishing = [r for r in caplog.records if r.getMessage().startswith("finishing the upload of job")]
+    assert [r.levelno for r in finishing][:1] == [logging.WARNING] and len(finishing) >= 2, caplog.text
+    assert all(r.levelno == logging.INFO for r in finishing[1:])
+    assert "so are the next ones while newer commits overtake them" in finishing[0].getMessage()
+    assert [s for _, s in done][-1] == 12 and len(done) >= len(finishing) + 1, done
+    assert "uploads of job keep up with its saves again (step 12 was not overtaken)" in caplog.text
+
+
+@pytest.mark.parametrize("notice", [False, True])
+def test_a_pending_notice_lets_the_newest_commit_go_before_one_finished_although_superseded(tmp_path, make_ckpt, notice):
+    """Behind its saves, an upload is finished although a newer commit came; not while a notice is
+    pending: the newest (the emergency save) goes at once."""
+    store = FileStore(tmp_path / "bucket")
+    queue, done, _ = _queue(store, tmp_path, bandwidth_mbps=4, lag_bound=0.001, urgent=lambda: notice)
+    queue.start()
+    try:
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 1, {f"t{i}.bin": os.urandom(500_000) for i in range(4)}), 1)
+        time.sleep(0.3)
+        queue.submit("job", make_ckpt(tmp_path / "ckpt", 2, {"t0.bin": b"final"}), 2)
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert done == ([("job", 2)] if notice else [("job", 1), ("job", 2)])
 
 
 def test_bandwidth_cap_is_respected_on_average(tmp_path, make_ckpt):

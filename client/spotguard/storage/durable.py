@@ -65,6 +65,7 @@ GC_GRACE_SECONDS = 600.0
 """The daemon's ``prune(grace=)``: an object is deleted only after it was unreferenced this long."""
 REPLICATED_WAIT_SECONDS = 60.0
 """How long a node other than node 0 waits for node 0's part before sending the replicated state."""
+_INTERRUPT_EVERY = 0.05
 MAX_POINTER_BYTES = 64
 """``latest`` holds ``step-NNNNNNNNNN\n``."""
 
@@ -325,6 +326,8 @@ class Durable:
         return sent + self._send_objects(ckpt, later, say(done_first), interrupt)
 
     def _await_node_0(self, key: str, interrupt: Callable[[int], None] | None) -> bool:
+        """Look for node 0's part once a second; ``interrupt`` is asked every :data:`_INTERRUPT_EVERY`
+        seconds in between (a newer commit abandons the wait at once, not a second later)."""
         deadline = time.monotonic() + self.replicated_wait
         while True:
             try:
@@ -336,9 +339,11 @@ class Durable:
                 log.info("durable: node 0's part %s is not in the store after %.0f s; sending the "
                          "replicated state from this node too", key, self.replicated_wait)
                 return False
-            if interrupt is not None:
-                interrupt(0)
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            look = min(time.monotonic() + 1.0, deadline)
+            while (left := look - time.monotonic()) > 0:
+                if interrupt is not None:
+                    interrupt(0)
+                time.sleep(min(_INTERRUPT_EVERY, left))
 
     def cleanup(self, info: DurableInfo) -> None:
         """Remove the pending note of an upload that is durable; a failure is logged (prune removes

@@ -253,8 +253,9 @@ class StorageSettings(_Section):
     covers is older than this, the upload in flight is finished even if a newer checkpoint is
     committed (0: no bound)."""
     max_superseded: int = Field(3, ge=0)
-    """After this many uploads of a job in a row were superseded, the next one is finished (0: no
-    bound): a node that uploads slower than the job saves still makes steps durable and global."""
+    """After this many uploads of a job in a row were superseded, the next ones are finished until
+    one is not overtaken by a newer commit (0: no bound): a node that uploads slower than the job
+    saves still makes steps durable and global, one upload after another."""
     progress_seconds: float = Field(30.0, gt=0, le=3600)
     """Each job's goodput record is copied to the store at most this often (when it changed; every
     second while a terminating notice is pending), so a fresh node counts what a restart lost."""

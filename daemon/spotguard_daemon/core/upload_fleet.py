@@ -7,21 +7,24 @@ global. So the nodes agree by design, through one small object::
 
     jobs/<job>/parts/next.json      {"step": N, "proposed": <unix time>}
 
-* **Node 0 proposes.** As it starts the upload of a step ``N`` that it will finish although
-  superseded (:meth:`.GlobalWatch.finish`), and after its part of a step ``N`` is in the store and
-  the step is not global yet, node 0's daemon names ``N`` in ``next.json``: early, because the
-  others hold ``N`` only for their job's ``keep`` saves, far shorter than one upload when uploads
-  are slower than the saves. An open proposal (not global yet, younger than
-  ``storage.durable_lag_seconds``, still held in node 0's local root) stays, so the others are never
-  sent chasing a moving target. Once node 0's own retention deleted the proposed step, the others'
-  did too (the nodes keep alike) unless they took it already, so it is replaced then; a stale one
-  (node 0 lost, say) after the bound.
+* **Node 0 proposes.** While its uploads are behind the saves (:meth:`.GlobalWatch.finish`), node
+  0's daemon names the step ``N`` it starts uploading in ``next.json`` and finishes that upload
+  although superseded, as the others will; early, because the others hold ``N`` only for their
+  job's ``keep`` saves, far shorter than one upload when uploads are slower than the saves. It also
+  names a step whose part it uploaded that is not global yet. Its other uploads are superseded as
+  usual: only proposed steps are finished although superseded, on every node. An open proposal
+  (not global yet, younger than ``storage.durable_lag_seconds``) stays, so the others are never sent
+  chasing a moving target, while node 0 still holds it in its local root (the others, keeping alike,
+  can still take it) or while the others may still be sending parts of it (:data:`SLOWER` times
+  node 0's own upload of it); after that none can, and the next start proposes anew.
 * **The other nodes follow.** Before each upload a follower reads ``next.json`` (one GET). When it
   names a step it still holds locally, newer than the last global one and not uploaded by it
   already, it uploads that step first (its newer commit waits in the queue) and finishes it even
   if superseded. A follower whose upload is superseded reads ``next.json`` once more: when it names
   the step in flight, the upload goes on from the files it holds open, which the job's retention
-  may have deleted meanwhile. Its own newest commit is uploaded as usual otherwise, and a follower
+  may have deleted meanwhile. (A follower's upload waits for node 0's part of its step before it
+  sends the replicated state, :meth:`Durable._await_node_0 <spotguard.storage.durable.Durable>`;
+  a newer commit ends that wait within 50 ms, so the follower reads a fresh proposal in time.) Its own newest commit is uploaded as usual otherwise, and a follower
   never finishes a superseded upload of a step node 0 did not propose (that is how nodes diverged).
 
 Node 0's daemon is also the only one to run the bucket's retention of the job (the others leave
@@ -52,6 +55,11 @@ log = logging.getLogger(__name__)
 LEADER = 0
 """The node whose parts propose the step: it exists in every incarnation."""
 MAX_NEXT_BYTES = 256
+SLOWER = 4
+"""A proposal no longer held in node 0's local root stays open while the others may be finishing
+their parts of it: until they would have at this many times node 0's own upload time of it."""
+SLOWER_SLACK = 2.0
+"""Seconds added to that wait (reading the proposal, a retry)."""
 
 
 def next_key(job: str) -> str:
@@ -87,6 +95,8 @@ class Fleet:
         self._node: dict[str, int] = {}
         self._following: dict[str, int] = {}
         """job -> the proposed step being uploaded now (finished although superseded)."""
+        self._done: dict[str, tuple[int, float, float]] = {}
+        """Node 0: job -> (step, when its part was in the store, seconds it took) of its last upload."""
         self._followed: dict[str, int] = {}
         """job -> the last proposed step this node uploaded (not sent again)."""
 
@@ -158,32 +168,55 @@ class Fleet:
                  "proposed it", job, step)
         return True
 
-    def uploaded(self, durable: Any, job: str, step: int, path: str, complete: bool) -> None:
-        """This node's part of ``step`` is in the store: a follower notes it; node 0 proposes the step
-        when it is not global and nothing open is proposed."""
+    def uploaded(self, durable: Any, job: str, step: int, path: str, complete: bool, seconds: float) -> None:
+        """This node's part of ``step`` is in the store (in ``seconds``): a follower notes it; node 0
+        proposes the step when it is not global and nothing open is proposed."""
         with self._lock:
             if self._following.get(job) == step:
                 self._followed[job] = step
+            self._done[job] = (step, time.time(), seconds)
         if self.leads(job) and not complete:
             self.propose(durable, job, step, path, "node 0's part is in the store")
 
-    def propose(self, durable: Any, job: str, step: int, path: str, why: str) -> None:
-        """Node 0: name ``step`` (committed at ``path``) in ``next.json``, unless it is named already
-        or an open proposal of an older step stays (see the module docstring)."""
+    def propose(self, durable: Any, job: str, step: int, path: str, why: str) -> bool:
+        """Node 0: name ``step`` (committed at ``path``) in ``next.json``, unless an open proposal of
+        an older step stays (see the module docstring); whether ``step`` is the proposed one now."""
         try:
             found = read_next(durable.store, job)
             if found is not None and found[0] == step:
-                return
+                return True
             if found is not None and found[0] < step and time.time() - found[1] < self.lag_bound \
-                    and _held(path, found[0]):
+                    and (_held(path, found[0]) or self._finishing(job, found[0])):
                 newest = durable.latest(job)
                 if newest is None or newest < found[0]:
-                    return  # the others are still completing that one
+                    return False  # the others are still completing that one
             body = json.dumps({"step": step, "proposed": time.time()}).encode()
             durable.store.put_bytes(next_key(job), body)
             log.info("%s step %d: %s; the other nodes upload it next", job, step, why)
+            return True
         except StoreError as exc:
             log.info("could not propose %s step %d to the other nodes: %s", job, step, exc)
+            return False
+
+    def _finishing(self, job: str, step: int) -> bool:
+        """Whether the others may still be sending their parts of ``step``, proposed: taken before
+        the job's retention deleted it, at most :data:`SLOWER` times slower than node 0 was."""
+        with self._lock:
+            done = self._done.get(job)
+        if done is None or done[0] != step:
+            return True  # not sent by this daemon (restarted since?): the bound decides
+        return time.time() - done[1] < (SLOWER - 1) * done[2] + SLOWER_SLACK
+
+    def finish(self, job: str, step: int) -> None:
+        """Node 0: the upload of ``step`` (proposed) is finished although superseded, as the others'."""
+        with self._lock:
+            self._following[job] = step
+
+    def coordinated(self, job: str) -> bool:
+        """Whether ``job`` has node-local roots on several nodes: which superseded uploads are
+        finished is the proposals' (this module's) decision, on node 0 too."""
+        with self._lock:
+            return job in self._node
 
 
 def _held(path: str, step: int) -> bool:

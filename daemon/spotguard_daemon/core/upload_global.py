@@ -8,8 +8,10 @@ global at once. Two things can keep a step from ever becoming global, and this m
   flight, so with saves faster than the upload no part is ever finished. :meth:`GlobalWatch.finish`
   tells the queue to finish the upload in flight instead, once this node's oldest commit that is not
   global yet is older than ``storage.durable_lag_seconds``, or once ``storage.max_superseded``
-  uploads of the job in a row were superseded: the lag between a commit and its global step stays
-  bounded by about that bound plus one upload.
+  uploads of the job in a row were superseded; and the next ones too, as long as a newer commit
+  overtakes each (the count of supersedes stays until an upload is not overtaken: the uploads are
+  behind the saves until then, said once at WARNING). The lag between a commit and its global step
+  stays bounded by about that bound plus one upload, then by about two uploads.
 * **A part uploaded before the others, or a store whose listing lags.** The node whose upload
   completes the set writes the global manifest; when no upload sees the set complete (the parts
   landed together, or the listing lagged), nothing would. So the newest incomplete step of each job
@@ -52,6 +54,9 @@ class GlobalWatch:
         """job -> (step, when to check again, the wait after that)."""
         self._finishing: dict[str, int] = {}
         """job -> the step whose upload is finished although superseded (said once)."""
+        self._behind_saves: dict[str, str] = {}
+        """job -> why its uploads are finished although overtaken, from the first such one until one
+        is not overtaken (warned once per episode, not per upload)."""
         self._to_durable: dict[str, deque[float]] = {}
         """job -> seconds from commit to durable of its last uploads (:meth:`time_to_durable`)."""
 
@@ -66,11 +71,17 @@ class GlobalWatch:
         with self._lock:
             self._superseded[job] = self._superseded.get(job, 0) + 1
 
-    def uploaded(self, job: str, step: int, complete: bool, committed_at: float | None = None) -> None:
+    def uploaded(self, job: str, step: int, complete: bool, committed_at: float | None = None,
+                 overtaken: bool = False) -> None:
         """This node's part (or checkpoint) of ``step`` is in the store; ``complete``: the step is
-        global; ``committed_at``: when it was committed (unix time), for :meth:`time_to_durable`."""
+        global; ``committed_at``: when it was committed (unix time), for :meth:`time_to_durable`;
+        ``overtaken``: a newer commit came while it was sent, so the uploads are still behind the
+        saves and the next one is finished too (the count of supersedes stays)."""
         with self._lock:
-            self._superseded.pop(job, None)
+            if not overtaken:
+                self._superseded.pop(job, None)
+                if self._behind_saves.pop(job, None) is not None:
+                    log.info("uploads of %s keep up with its saves again (step %d was not overtaken)", job, step)
             if committed_at is not None:
                 self._to_durable.setdefault(job, deque(maxlen=5)).append(max(0.0, time.time() - committed_at))
         if complete:
@@ -118,9 +129,12 @@ class GlobalWatch:
         why = self.finish(job)
         if why is not None:
             self._finishing[job] = step
-            log.warning("finishing the upload of %s step %d %s: %s", job, step,
-                        "whatever newer checkpoints come" if starting else "although a newer checkpoint is committed",
-                        why)
+            with self._lock:
+                first = self._behind_saves.setdefault(job, why) is why
+            (log.warning if first else log.info)(
+                "finishing the upload of %s step %d %s: %s%s", job, step,
+                "whatever newer checkpoints come" if starting else "although a newer checkpoint is committed",
+                why, "; so are the next ones while newer commits overtake them" if first else "")
         return why is not None
 
     def recheck(self, durable: Any, job: str, step: int) -> None:

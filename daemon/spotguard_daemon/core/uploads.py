@@ -332,8 +332,7 @@ class UploadQueue:
             with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
                                 self.staging) as ckpt:
                 self.fleet.learn(upload.job_id, ckpt)
-                if self.fleet.leads(upload.job_id) and self.watch.finish_anyway(upload.job_id, upload.step, starting=True):
-                    self.fleet.propose(self.durable, upload.job_id, upload.step, upload.path, "node 0 finishes its part")
+                self._lead(upload)
                 info = self._send(upload, ckpt, flight)
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
@@ -360,12 +359,24 @@ class UploadQueue:
         else:
             self.metrics.bytes.inc(info.bytes_uploaded)
             self.metrics.seconds.observe(info.seconds)
-            self.watch.uploaded(upload.job_id, info.step, info.complete, upload.submitted)
+            with self._cond:
+                overtaken = upload.job_id in self._queue
+            self.watch.uploaded(upload.job_id, info.step, info.complete, upload.submitted, overtaken)
             self._finish(upload, info)  # the pointer is written: durable now, published before any delete
-            self.fleet.uploaded(self.durable, upload.job_id, info.step, upload.path, info.complete)
+            self.fleet.uploaded(self.durable, upload.job_id, info.step, upload.path, info.complete, info.seconds)
             self.durable.cleanup(info)  # a slow or stalled delete delays nothing a client waits for
             if not self.fleet.follows(upload.job_id):  # node-local roots: node 0 prunes for the fleet
                 self.retention.run(upload.job_id)
+
+    def _lead(self, upload: Upload) -> None:
+        """Node 0 of a job behind its saves (:meth:`.GlobalWatch.finish`): propose the step it starts
+        uploading, and finish it although superseded, when no open proposal stays; the others take
+        it before their job's retention deletes it (:mod:`.upload_fleet`)."""
+        job = upload.job_id
+        if self.fleet.leads(job) and self.watch.finish(job) is not None and self.fleet.propose(
+                self.durable, job, upload.step, upload.path, "node 0 finishes its part as the others will"):
+            self.watch.finish_anyway(job, upload.step, starting=True)
+            self.fleet.finish(job, upload.step)
 
     def _send(self, upload: Upload, ckpt: Path, flight: Flight) -> DurableInfo:
         """:meth:`Durable.upload`; a follower's upload superseded goes on when node 0 proposed its
@@ -409,10 +420,11 @@ class UploadQueue:
         """Superseded by a newer commit of its job, or pre-empted by another job's newer commit
         (ready to go) while a notice is pending; lock held."""
         if upload.job_id in self._queue and not self.finish_superseded and not self._stop:
-            # finished all the same: the step node 0 proposed (the fleet completes it), or, on node 0
-            # or a single node, one whose lag behind the global step passed its bound
+            # finished all the same: the step node 0 proposed (every node of the fleet finishes it,
+            # node 0 too), or, on a single node, any while its uploads are behind its saves
+            # (GlobalWatch.finish); while a notice is pending, Preempted below lets the newest go
             if not self.fleet.finishes(upload.job_id, upload.step) and (
-                    self.fleet.follows(upload.job_id) or not self.watch.finish_anyway(upload.job_id, upload.step)):
+                    self.fleet.coordinated(upload.job_id) or not self.watch.finish_anyway(upload.job_id, upload.step)):
                 return Superseded
         now = time.time()
         if any(u.submitted > upload.submitted and u.not_before <= now for u in self._queue.values()) \

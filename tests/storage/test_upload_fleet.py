@@ -83,12 +83,16 @@ def test_a_proposal_no_node_can_finish_any_more_is_replaced_before_the_bound(tmp
     leader, mine = _node(tmp_path, 0, [4, 11])
     assert leader.propose(durable, "job", 4, str(mine[0]), "node 0 finishes its part as the others will")
     leader.uploaded(durable, "job", 4, str(mine[0]), complete=False, seconds=0.2)  # its part, in 0.2 s
-    assert not leader.propose(durable, "job", 11, str(mine[1]), "node 0 finishes its part as the others will")
+    leader.uploaded(durable, "job", 11, str(mine[1]), complete=False, seconds=0.2)  # a later one, not proposed
+    assert read_next(durable.store, "job")[0] == 4
     shutil.rmtree(mine[0])  # the job's retention (keep) deleted it
     assert not leader.propose(durable, "job", 11, str(mine[1]), "-")  # the others may still send theirs
     assert read_next(durable.store, "job")[0] == 4
     time.sleep((upload_fleet.SLOWER - 1) * 0.2 + 0.1)
     assert leader.propose(durable, "job", 11, str(mine[1]), "node 0 finishes its part as the others will")
+    assert read_next(durable.store, "job")[0] == 11
+    shutil.rmtree(mine[1])  # its part of a step uploaded after the job deleted the step: not proposed
+    leader.uploaded(durable, "job", 12, str(mine[1].parent / "step-0000000012"), complete=False, seconds=0.1)
     assert read_next(durable.store, "job")[0] == 11
 
 

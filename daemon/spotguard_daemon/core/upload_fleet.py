@@ -11,7 +11,7 @@ global. So the nodes agree by design, through one small object::
   0's daemon names the step ``N`` it starts uploading in ``next.json`` and finishes that upload
   although superseded, as the others will; early, because the others hold ``N`` only for their
   job's ``keep`` saves, far shorter than one upload when uploads are slower than the saves. It also
-  names a step whose part it uploaded that is not global yet. Its other uploads are superseded as
+  names a step whose part it uploaded that is not global yet, if it still holds it locally. Its other uploads are superseded as
   usual: only proposed steps are finished although superseded, on every node. An open proposal
   (not global yet, younger than ``storage.durable_lag_seconds``) stays, so the others are never sent
   chasing a moving target, while node 0 still holds it in its local root (the others, keeping alike,
@@ -60,6 +60,8 @@ SLOWER = 4
 their parts of it: until they would have at this many times node 0's own upload time of it."""
 SLOWER_SLACK = 2.0
 """Seconds added to that wait (reading the proposal, a retry)."""
+DONE_KEPT = 8
+"""Uploads of a job whose end node 0 remembers (a proposal is one of its last few)."""
 
 
 def next_key(job: str) -> str:
@@ -95,8 +97,8 @@ class Fleet:
         self._node: dict[str, int] = {}
         self._following: dict[str, int] = {}
         """job -> the proposed step being uploaded now (finished although superseded)."""
-        self._done: dict[str, tuple[int, float, float]] = {}
-        """Node 0: job -> (step, when its part was in the store, seconds it took) of its last upload."""
+        self._done: dict[str, dict[int, tuple[float, float]]] = {}
+        """job -> step -> (when this node's part was in the store, seconds it took), its last uploads."""
         self._followed: dict[str, int] = {}
         """job -> the last proposed step this node uploaded (not sent again)."""
 
@@ -170,12 +172,17 @@ class Fleet:
 
     def uploaded(self, durable: Any, job: str, step: int, path: str, complete: bool, seconds: float) -> None:
         """This node's part of ``step`` is in the store (in ``seconds``): a follower notes it; node 0
-        proposes the step when it is not global and nothing open is proposed."""
+        proposes the step when it is not global, nothing open is proposed, and node 0 still holds
+        it locally (the others, keeping alike, then too; a proposal none can take would only stand
+        in the way of the next one)."""
         with self._lock:
             if self._following.get(job) == step:
                 self._followed[job] = step
-            self._done[job] = (step, time.time(), seconds)
-        if self.leads(job) and not complete:
+            done = self._done.setdefault(job, {})
+            done[step] = (time.time(), seconds)
+            for old in sorted(done)[:-DONE_KEPT]:
+                del done[old]
+        if self.leads(job) and not complete and _held(path, step):
             self.propose(durable, job, step, path, "node 0's part is in the store")
 
     def propose(self, durable: Any, job: str, step: int, path: str, why: str) -> bool:
@@ -202,10 +209,10 @@ class Fleet:
         """Whether the others may still be sending their parts of ``step``, proposed: taken before
         the job's retention deleted it, at most :data:`SLOWER` times slower than node 0 was."""
         with self._lock:
-            done = self._done.get(job)
-        if done is None or done[0] != step:
+            done = self._done.get(job, {}).get(step)
+        if done is None:
             return True  # not sent by this daemon (restarted since?): the bound decides
-        return time.time() - done[1] < (SLOWER - 1) * done[2] + SLOWER_SLACK
+        return time.time() - done[0] < (SLOWER - 1) * done[1] + SLOWER_SLACK
 
     def finish(self, job: str, step: int) -> None:
         """Node 0: the upload of ``step`` (proposed) is finished although superseded, as the others'."""

@@ -66,6 +66,12 @@ class Flight:
                     break
                 self.cond.wait(min(ahead, 1.0))
 
+    def resume(self) -> None:
+        """Go on after an abandonment was decided and then taken back (a follower's upload of the
+        step node 0 proposed meanwhile)."""
+        with self.cond:
+            self.abandon = None
+
     def _check(self) -> None:
         """Raise why the upload is abandoned, if it is; ``cond`` held."""
         if self.abandon is None:

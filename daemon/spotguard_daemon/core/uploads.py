@@ -388,7 +388,7 @@ class UploadQueue:
             if not self.fleet.adopt(self.durable.store, upload.job_id, upload.step,
                                     self.watch.global_step(upload.job_id)):
                 raise
-        flight.abandon = None
+        flight.resume()
         return self.durable.upload(ckpt, upload.job_id, progress=flight.progress,
                                    interrupt=flight.interrupt, cleanup=False)
 

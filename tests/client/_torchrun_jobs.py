@@ -270,6 +270,9 @@ def main() -> None:
     try:
         JOBS[kind](out)
         code = 0
+        if torch.distributed.is_initialized():  # as PyTorch asks: without it gloo's worker threads
+            torch.distributed.destroy_process_group()  # may abort the exit (SIGABRT, "terminate
+            # called without an active exception", pytorch/pytorch#190489; seen in CI after DIGEST)
     except SystemExit as exc:
         code = 0 if exc.code is None else exc.code
         raise

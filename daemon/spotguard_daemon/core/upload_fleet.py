@@ -11,8 +11,9 @@ global. So the nodes agree by design, through one small object::
   0's daemon names the step ``N`` it starts uploading in ``next.json`` and finishes that upload
   although superseded, as the others will; early, because the others hold ``N`` only for their
   job's ``keep`` saves, far shorter than one upload when uploads are slower than the saves. It also
-  names a step whose part it uploaded that is not global yet, if it still holds it locally. Its other uploads are superseded as
-  usual: only proposed steps are finished although superseded, on every node. An open proposal
+  names a step whose part it uploaded that is not global yet, if it still holds it locally. Its
+  other uploads are superseded as usual: only proposed steps are finished although superseded, on
+  every node. An open proposal
   (not global yet, younger than ``storage.durable_lag_seconds``) stays, so the others are never sent
   chasing a moving target, while node 0 still holds it in its local root (the others, keeping alike,
   can still take it) or while the others may still be sending parts of it (:data:`SLOWER` times
@@ -24,11 +25,13 @@ global. So the nodes agree by design, through one small object::
   the step in flight, the upload goes on from the files it holds open, which the job's retention
   may have deleted meanwhile. (A follower's upload waits for node 0's part of its step before it
   sends the replicated state, :meth:`Durable._await_node_0 <spotguard.storage.durable.Durable>`;
-  a newer commit ends that wait within 50 ms, so the follower reads a fresh proposal in time.) Its own newest commit is uploaded as usual otherwise, and a follower
-  never finishes a superseded upload of a step node 0 did not propose (that is how nodes diverged).
+  a newer commit ends that wait within 50 ms, so the follower reads a fresh proposal in time.) Its
+  own newest commit is uploaded as usual otherwise, and a follower never finishes a superseded
+  upload of a step node 0 did not propose (that is how nodes diverged).
 
 Node 0's daemon is also the only one to run the bucket's retention of the job (the others leave
-it to node 0: one prune per step, not N). Cost: one GET per upload (and per superseded upload) on the followers; on node 0, per part whose step is not global, a GET, the
+it to node 0: one prune per step, not N). Cost: one GET per upload (and per superseded upload)
+on the followers; on node 0, per part whose step is not global, a GET, the
 global pointer's GET and HEAD, and at most one PUT: O(1) per node per step, whatever N. A job
 without a ``node`` section (one node) never reads or writes ``next.json``. Any store error only
 skips the coordination for that upload (logged at INFO); a ``next.json`` that is not what node 0
@@ -193,7 +196,7 @@ class Fleet:
             if found is not None and found[0] == step:
                 return True
             if found is not None and found[0] < step and time.time() - found[1] < self.lag_bound \
-                    and (_held(path, found[0]) or self._finishing(job, found[0])):
+                    and (_held(path, found[0]) or self._may_still_come(job, found[0])):
                 newest = durable.latest(job)
                 if newest is None or newest < found[0]:
                     return False  # the others are still completing that one
@@ -205,7 +208,7 @@ class Fleet:
             log.info("could not propose %s step %d to the other nodes: %s", job, step, exc)
             return False
 
-    def _finishing(self, job: str, step: int) -> bool:
+    def _may_still_come(self, job: str, step: int) -> bool:
         """Whether the others may still be sending their parts of ``step``, proposed: taken before
         the job's retention deleted it, at most :data:`SLOWER` times slower than node 0 was."""
         with self._lock:

@@ -381,16 +381,15 @@ class UploadQueue:
     def _send(self, upload: Upload, ckpt: Path, flight: Flight) -> DurableInfo:
         """:meth:`Durable.upload`; a follower's upload superseded goes on when node 0 proposed its
         step meanwhile (the objects sent are reused), before the job's retention can delete it."""
-        try:
-            return self.durable.upload(ckpt, upload.job_id, progress=flight.progress,
-                                       interrupt=flight.interrupt, cleanup=False)
-        except Superseded:
-            if not self.fleet.adopt(self.durable.store, upload.job_id, upload.step,
-                                    self.watch.global_step(upload.job_id)):
-                raise
-        flight.resume()
-        return self.durable.upload(ckpt, upload.job_id, progress=flight.progress,
-                                   interrupt=flight.interrupt, cleanup=False)
+        while True:  # adopt() says yes once per step: the step is then followed, never superseded
+            try:
+                return self.durable.upload(ckpt, upload.job_id, progress=flight.progress,
+                                           interrupt=flight.interrupt, cleanup=False)
+            except Superseded:
+                if not self.fleet.adopt(self.durable.store, upload.job_id, upload.step,
+                                        self.watch.global_step(upload.job_id)):
+                    raise
+            flight.resume()
 
     def _deleted_for_newer(self, upload: Upload) -> bool:
         """Whether ``upload``'s checkpoint is gone while a newer commit of its job is queued: the

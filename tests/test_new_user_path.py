@@ -142,8 +142,10 @@ def test_readme_getting_started_run_and_drill_on_your_own_job(tmp_path, sock_dir
 
     # docs/drill.md on the same job, in a checkpoint directory of its own
     start = time.monotonic()
-    out = sh(*spotguard, "drill", "-n", "1", "--", python, "train.py", "--steps", "80",
-             "--step-sleep", "0.05", "--ckpt-dir", "drill-checkpoints", timeout=280)
+    # --launch-timeout: a launch that hangs is reported by the drill (its step, its last lines)
+    # well within the test's time (each takes 5-20 s here)
+    out = sh(*spotguard, "drill", "-n", "1", "--launch-timeout", "100", "--", python, "train.py",
+             "--steps", "80", "--step-sleep", "0.05", "--ckpt-dir", "drill-checkpoints", timeout=280)
     assert "spotguard drill: PASSED" in out, out
     logs = list(tmp_path.glob("spotguard-drill-*/*.log"))
     assert len(logs) >= 3, logs  # the reference's and two launches'

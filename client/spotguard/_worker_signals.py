@@ -152,9 +152,15 @@ def keep_through_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # held since the fork: now dropped
+    global _watching
     parent = multiprocessing.parent_process()
-    if parent is not None:
+    if parent is not None and _watching != os.getpid():  # torch's hook and the loader's init both call this
+        _watching = os.getpid()
         threading.Thread(target=_exit_with, args=(parent,), name="spotguard-worker-orphan", daemon=True).start()
+
+
+_watching = 0
+"""The pid of the process whose orphan watch runs (a forked child inherits the value, not the thread)."""
 
 
 def _exit_with(parent: Any) -> None:

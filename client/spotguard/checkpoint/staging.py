@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from spotguard._forkgate import in_torch_work, torch_work
 from spotguard.checkpoint._workers import Throttle, lower_priority
 from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import dtype_name, encode
@@ -370,7 +371,7 @@ class _Preparation:
         if self._large is not None:
             index, size = layout_specs(self._specs, self._large)
             if any(entry["file"] == SMALL for entry in index):
-                arena = throttle.run(self._new_arena, size)
+                arena = throttle.run(in_torch_work, self._new_arena, size)
                 _touch(arena, throttle, self._stopping, zero=True)
         small: list[tuple[int, Spec]] = []  # consecutive small buffers: made in one throttled piece
         for i, spec in enumerate(self._specs):
@@ -386,7 +387,7 @@ class _Preparation:
                     self._flush(small, throttle, arena, index)
             else:
                 self._flush(small, throttle, arena, index)
-                buf = throttle.run(self._new_buffer, spec)
+                buf = throttle.run(in_torch_work, self._new_buffer, spec)
                 self._ready.append(buf)
                 _touch(buf, throttle, self._stopping)
         self._flush(small, throttle, arena, index)
@@ -402,9 +403,9 @@ class _Preparation:
         small shares its pages, faulted by the first snapshot)."""
         if small and not self._stopping.is_set():
             if arena is not None and index is not None:
-                made = throttle.run(lambda: [_view(arena, index[i], *spec) for i, spec in small])
+                made = throttle.run(in_torch_work, lambda: [_view(arena, index[i], *spec) for i, spec in small])
             else:
-                made = throttle.run(lambda: [self._new_buffer(spec) for _, spec in small])
+                made = throttle.run(in_torch_work, lambda: [self._new_buffer(spec) for _, spec in small])
             self._ready.extend(made)
         small.clear()
 
@@ -428,8 +429,13 @@ def _touch(buf: torch.Tensor, throttle: Throttle, stopping: threading.Event, zer
     16384 pages stays under torch's grain size, so the fill runs serially in this (reniced, capped)
     thread instead of fanning out to the intra-op thread pool. ``zero``: every byte (an arena, once;
     a 64 MiB range may then fan out)."""
-    flat = buf.reshape(-1).view(torch.uint8)
+    with torch_work():  # see spotguard._forkgate: every torch call of this thread is one
+        flat = buf.reshape(-1).view(torch.uint8)
     for start in range(0, flat.numel(), _TOUCH_BYTES):
         if stopping.is_set():
             return
-        throttle.run(flat[start : start + _TOUCH_BYTES : 1 if zero else PAGE].zero_)
+        throttle.run(in_torch_work, _zero_range, flat, start, 1 if zero else PAGE)
+
+
+def _zero_range(flat: torch.Tensor, start: int, every: int) -> None:
+    flat[start : start + _TOUCH_BYTES : every].zero_()

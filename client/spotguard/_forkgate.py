@@ -16,8 +16,9 @@ any start method that forks.
 So each piece of torch work a spotguard thread does runs inside :func:`torch_work`. A fork of the
 process waits until no piece runs (``os.register_at_fork(before=)``: a loader's workers, a
 ``multiprocessing`` pool, a plain ``os.fork``), and new pieces wait until the fork is done. The
-pieces are short (one throttle slice: a buffer made, 64 MiB touched, one tensor's bytes taken), so
-a fork waits milliseconds. It goes on anyway after :data:`WAIT_S`, and says so once: a piece that
+pieces are short (a buffer made, 64 MiB touched, one tensor's bytes taken, an exchange between
+ranks launched: not its wait for the other ranks), so a fork waits milliseconds. One is long: an
+emergency save beside the work (:mod:`spotguard._between`), a stop's last act, is one piece whole. It goes on anyway after :data:`WAIT_S`, and says so once: a piece that
 long would be a bug of ours, and a fork must never wait on it for ever. A fork from inside a piece
 (not done by spotguard) does not wait for itself.
 """

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spotguard._forkgate import torch_work
 from spotguard._gloo_release import released
 from spotguard.checkpoint import _fs, commit
 from spotguard.checkpoint._workers import Throttle
@@ -80,12 +81,13 @@ class Coordinator:
 
     def all_reduce(self, values: list[int], op: str = "sum") -> list[int]:
         """Reduce a few ints across ranks, waiting at most the timeout."""
-        t = torch.tensor(values, dtype=torch.int64)
         started = time.monotonic()
         self.exchanging = True
         try:
-            work = dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
-            done = work.wait(self.timeout)
+            with torch_work():  # the persist thread calls this: no fork cuts through the launch
+                t = torch.tensor(values, dtype=torch.int64)
+                work = dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
+            done = work.wait(self.timeout)  # not a piece: a fork need not wait for the other ranks
         except RuntimeError as exc:  # gloo raises on timeout or a vanished peer
             raise CheckpointError(self._failed(time.monotonic() - started, exc)) from exc
         finally:
@@ -94,7 +96,8 @@ class Coordinator:
             raise CheckpointError(self._failed(time.monotonic() - started, None))
         del work
         released(t)  # gloo's worker let go of it (see spotguard._gloo_release)
-        return t.tolist()
+        with torch_work():
+            return t.tolist()
 
     def _failed(self, waited: float, exc: BaseException | None) -> str:
         """Why the ranks' exchange failed, with the time it really waited: a peer that crashed

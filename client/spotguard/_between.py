@@ -50,7 +50,6 @@ import time
 from typing import Any, NoReturn
 
 from spotguard import _exit, rng
-from spotguard._forkgate import torch_work
 from spotguard._optim import hookable
 from spotguard._run_stop import save_fits, secs
 from spotguard._watchdog import Watchdog, run_exit_hooks
@@ -295,8 +294,7 @@ class Between:
             say("stopping between steps: emergency save of step %d beside the work (about %.2f s, %s)", done,
                 decision.save_seconds or 0.0, "no deadline" if left is None else f"{left:.1f} s left")
             try:
-                with torch_work():  # the loop may be starting loader workers meanwhile (see _forkgate)
-                    run._save(done, "emergency", state=as_captured(run.state, rng_state, position))
+                run._save(done, "emergency", state=as_captured(run.state, rng_state, position))
                 saved = True
             except CheckpointError as exc:
                 log.error("the emergency save failed (%s); the previous checkpoint stands", exc)

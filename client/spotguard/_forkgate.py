@@ -18,7 +18,8 @@ process waits until no piece runs (``os.register_at_fork(before=)``: a loader's 
 ``multiprocessing`` pool, a plain ``os.fork``), and new pieces wait until the fork is done. The
 pieces are short (a buffer made, 64 MiB touched, one tensor's bytes taken, an exchange between
 ranks launched: not its wait for the other ranks), so a fork waits milliseconds. One is long: an
-emergency save beside the work (:mod:`spotguard._between`), a stop's last act, is one piece whole. It goes on anyway after :data:`WAIT_S`, and says so once: a piece that
+emergency save, a stop's last act, is one piece from its snapshot to its commit (its writer threads
+copy too; a notice between steps saves in another thread while the loop may be starting workers). It goes on anyway after :data:`WAIT_S`, and says so once: a piece that
 long would be a bug of ours, and a fork must never wait on it for ever. A fork from inside a piece
 (not done by spotguard) does not wait for itself.
 """

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from spotguard import rng
+from spotguard._forkgate import torch_work
 from spotguard._optim import hookable
 from spotguard.checkpoint import commit, layout
 from spotguard.checkpoint._budget import Budget
@@ -201,11 +202,12 @@ class Checkpointer:
         if self._emergency_saved:  # a second one in this process (a process normally exits after
             self._apply_retention()  # one): the first one's leftovers go first, `keep` + 1 at most
         started = time.perf_counter()
-        snap = self._snapshot(state, live=True)
-        meta = self._meta(step, epoch, snap)
-        stalled = time.perf_counter() - started
-        self._run(lambda: self._persist(snap, meta, stalled, None, self.emergency.writer()), nice=None)
-        self.wait()
+        with torch_work():  # whole (its writer threads copy too): a stop's last act, and the loop may
+            snap = self._snapshot(state, live=True)  # be starting loader workers meanwhile (a
+            meta = self._meta(step, epoch, snap)  # notice between steps: spotguard._between)
+            stalled = time.perf_counter() - started
+            self._run(lambda: self._persist(snap, meta, stalled, None, self.emergency.writer()), nice=None)
+            self.wait()
         self.emergency.observe(snap.nbytes, time.perf_counter() - started)
         self._emergency_saved = True  # its retention waits for the next background save
 

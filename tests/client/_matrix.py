@@ -15,7 +15,7 @@ __all__ = ["SEED", "ALL", "sample"]
 
 
 def _seed() -> int:
-    given, run_id = os.environ.get("SPOTGUARD_MATRIX_SEED"), os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    given, run_id = _GIVEN.get("SPOTGUARD_MATRIX_SEED"), os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if given:
         return int(given)
     if run_id:
@@ -23,8 +23,12 @@ def _seed() -> int:
     return random.SystemRandom().randrange(1 << 30)
 
 
+_GIVEN = {name: os.environ.pop(name) for name in ("SPOTGUARD_MATRIX_SEED", "SPOTGUARD_MATRIX_ALL")
+          if name in os.environ}
+"""Taken out of the environment when this module is imported (at collection, before any test runs):
+the daemons the tests start refuse a ``SPOTGUARD_*`` variable that names no setting."""
 SEED = _seed()
-ALL = os.environ.get("SPOTGUARD_MATRIX_ALL") == "1"
+ALL = _GIVEN.get("SPOTGUARD_MATRIX_ALL") == "1"
 
 
 def sample(name: str, cells: list, count: int) -> set:

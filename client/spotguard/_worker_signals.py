@@ -149,10 +149,10 @@ _EXIT_GRACE = 1.0
 def keep_through_stop_signals() -> None:
     """In a loader worker: ignore SIGTERM and SIGINT (the main process decides when workers stop)
     and exit once the main process is gone, however it died."""
+    global _watching
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # held since the fork: now dropped
-    global _watching
     parent = multiprocessing.parent_process()
     if parent is not None and _watching != os.getpid():  # torch's hook and the loader's init both call this
         _watching = os.getpid()

@@ -41,7 +41,8 @@ def _fork_and_read(flag: dict[str, bool]) -> tuple[bytes, float]:
         os.waitpid(pid, 0)
 
 
-def _piece_in_thread(flag: dict[str, bool], seconds: float) -> tuple[threading.Thread, threading.Event]:
+def _piece_in_thread(flag: dict[str, bool], seconds: float) -> threading.Thread:
+    """A thread inside a piece for ``seconds`` (returned once it is inside)."""
     entered = threading.Event()
 
     def piece() -> None:
@@ -54,13 +55,13 @@ def _piece_in_thread(flag: dict[str, bool], seconds: float) -> tuple[threading.T
     thread = threading.Thread(target=piece)
     thread.start()
     assert entered.wait(5)
-    return thread, entered
+    return thread
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the at-fork warning of a fork with threads
 def test_a_fork_waits_for_the_piece_of_torch_work_another_thread_is_in():
     flag = {"inside": False}
-    thread, _ = _piece_in_thread(flag, 0.4)
+    thread = _piece_in_thread(flag, 0.4)
     seen, took = _fork_and_read(flag)
     thread.join()
     assert seen == b"0", "the child was forked while the other thread was inside its piece"
@@ -72,7 +73,7 @@ def test_a_piece_begun_while_a_fork_waits_starts_after_it():
     """The fork waits for the first piece (0.3 s); a piece begun meanwhile waits for the fork, so it
     starts only once the first has ended (without the hold-back it would start at 0.1 s)."""
     flag, times = {"inside": False}, {}
-    thread, _ = _piece_in_thread(flag, 0.3)
+    thread = _piece_in_thread(flag, 0.3)
 
     def later() -> None:
         time.sleep(0.1)  # the fork is waiting by now
@@ -82,7 +83,8 @@ def test_a_piece_begun_while_a_fork_waits_starts_after_it():
     second = threading.Thread(target=later)
     second.start()
     seen, _ = _fork_and_read(flag)
-    thread.join(), second.join()
+    thread.join()
+    second.join()
     assert seen == b"0"
     assert times["second began"] >= flag["ended"], (times, flag)
 
@@ -114,7 +116,7 @@ def test_a_piece_that_never_ends_delays_a_fork_by_the_bound_only_and_is_said_onc
     monkeypatch.setattr(_forkgate, "WAIT_S", 0.3)
     monkeypatch.setattr(_forkgate, "_warned", False)
     flag = {"inside": False}
-    thread, _ = _piece_in_thread(flag, 2.0)
+    thread = _piece_in_thread(flag, 2.0)
     with caplog.at_level(logging.WARNING, logger="spotguard"):
         seen, took = _fork_and_read(flag)
         seen_again, took_again = _fork_and_read(flag)

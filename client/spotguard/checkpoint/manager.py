@@ -202,9 +202,11 @@ class Checkpointer:
         if self._emergency_saved:  # a second one in this process (a process normally exits after
             self._apply_retention()  # one): the first one's leftovers go first, `keep` + 1 at most
         started = time.perf_counter()
-        with torch_work():  # whole (its writer threads copy too): a stop's last act, and the loop may
-            snap = self._snapshot(state, live=True)  # be starting loader workers meanwhile (a
-            meta = self._meta(step, epoch, snap)  # notice between steps: spotguard._between)
+        # One fork-gated piece, whole (its writer threads copy too): a stop's last act, and the loop
+        # may be starting loader workers meanwhile (a notice between steps, spotguard._between).
+        with torch_work():
+            snap = self._snapshot(state, live=True)
+            meta = self._meta(step, epoch, snap)
             stalled = time.perf_counter() - started
             self._run(lambda: self._persist(snap, meta, stalled, None, self.emergency.writer()), nice=None)
             self.wait()

@@ -3,8 +3,10 @@ resumes from a committed checkpoint at or after the previous one, and the final 
 bit-identical to an uninterrupted run.
 
 Saves come every second step of 10 ms, so the background write, the fsyncs, the commit rename and
-the retention deletes are in progress most of the time and random kill instants land inside them
-(the test checks that some kills left a half-written ``.tmp-step-*`` behind). Each life is a fresh
+the retention deletes are in progress much of the time and random kill instants land inside them.
+Every fourth life is killed the instant a half-written ``.tmp-step-*`` shows in its directory
+instead (at a random instant when none does in time), so that kills inside a save are certain, not
+a matter of luck (16 random kills left 1 to 5 behind); the test checks that some did. Each life is a fresh
 process forked by a JobServer (tests/client/_jobserver.py) that imported torch once, so no life
 pays an interpreter and torch start-up; the uninterrupted reference runs beside the lives from a second server.
 tests/client/test_resume_chaos.py kills a loader with workers the same way.
@@ -27,9 +29,10 @@ from _jobserver import JobServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS, KILLS, KILL_WITHIN = 700, 20, 0.3
+STEPS, KILLS, KILL_WITHIN, AIMED = 700, 20, 0.3, 4
 """A life trains at most KILL_WITHIN s after its start, 30 steps of >= 10 ms: 20 lives (600 steps)
-can never finish the job, and the last life, saving every second step, has at most 700 to run."""
+can never finish the job, and the last life, saving every second step, has at most 700 to run.
+Every AIMED-th life is killed inside a save (see the module docstring)."""
 ARGS = ("--save-every", "2", "--step-sleep", "0.01")
 FINAL = r"final step=(\d+) digest=([0-9a-f]{64})"
 
@@ -41,6 +44,15 @@ def wait_line(out: Path, pattern: str, timeout: float = 60.0) -> re.Match:
         assert time.monotonic() < deadline, f"no line matching {pattern!r} within {timeout:.0f} s"
         time.sleep(0.01)
     return found
+
+
+def inside_a_save(ckpt: Path, within: float) -> None:
+    """Return the instant a save's ``.tmp-step-*`` directory shows in ``ckpt`` (or after ``within`` s)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if ckpt.is_dir() and any(e.name.startswith(".tmp-step-") for e in os.scandir(ckpt)):
+            return
+        time.sleep(0.0002)
 
 
 def chain(server: JobServer, root: Path, seed: int) -> dict:
@@ -56,7 +68,11 @@ def chain(server: JobServer, root: Path, seed: int) -> dict:
         assert started[1] is not None, f"the job finished before its {life}th kill"
         start = int(started[1])
         assert start >= floor, f"resumed at {start}, but step {floor} was committed:\n{out.read_text()}"
-        threading.Event().wait(rng.uniform(0.0, KILL_WITHIN))
+        at = rng.uniform(0.0, KILL_WITHIN)
+        if life % AIMED == 0:
+            inside_a_save(ckpt, KILL_WITHIN)
+        else:
+            threading.Event().wait(at)
         os.kill(pid, signal.SIGKILL)
         assert server.wait() == -signal.SIGKILL, out.read_text()
         output = out.read_text()

@@ -270,9 +270,9 @@ def main() -> None:
     try:
         JOBS[kind](out)
         code = 0
-        if torch.distributed.is_initialized():  # as PyTorch asks: without it gloo's worker threads
-            torch.distributed.destroy_process_group()  # may abort the exit (SIGABRT, "terminate
-            # called without an active exception", pytorch/pytorch#190489; seen in CI after DIGEST)
+        if torch.distributed.is_initialized():  # as PyTorch asks; not enough against the abort at
+            torch.distributed.destroy_process_group()  # exit after the Trainer's last all_gather
+            # (the DDP model still holds the group): spotguard's exit settle is (spotguard._gloo_release)
     except SystemExit as exc:
         code = 0 if exc.code is None else exc.code
         raise

@@ -3,15 +3,18 @@ file store and real committed node-local checkpoints; the queue test is in test_
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
 
+from spotguard.checkpoint.commit import apply_retention
 from spotguard.storage.durable import Durable, manifest_key
 from spotguard.storage.file import FileStore
 
 from conftest import write_checkpoint
 from test_upload_long_run import node_ckpt
+from test_upload_queue import _queue
 from spotguard_daemon.core import upload_fleet
 from spotguard_daemon.core.upload_fleet import Fleet, next_key, read_next
 
@@ -110,3 +113,59 @@ def test_a_follower_finishes_a_superseded_upload_once_node_0_proposed_its_step(t
     assert not follower.adopt(durable.store, "job", 4, global_step=4)  # global already
     assert follower.adopt(durable.store, "job", 4, global_step=-1) and follower.finishes("job", 4)
     assert "finishing the upload of job step 4 although a newer checkpoint is committed: node 0 proposed it" in caplog.text
+
+
+def test_a_step_proposed_ahead_is_held_from_its_commit_and_uploaded_after_the_job_deleted_it(tmp_path, caplog):
+    """Node 0 proposed the commit at or after step 10 before this node committed it (its uploads
+    start late: :meth:`Fleet.threshold`). This node holds step 10 open as the commit is reported
+    and uploads its part although the job's retention (``keep=1``) deleted the step before that
+    upload began, while the upload of step 8 was still in flight. Before, a follower could take a
+    proposed step only while its job still kept it, and on a loaded machine missed most."""
+    caplog.set_level(logging.INFO, logger="spotguard_daemon")
+    store = FileStore(tmp_path / "bucket")
+    store.put_bytes(next_key("job"), json.dumps({"step": 10, "proposed": time.time()}).encode())
+    queue, done, _ = _queue(store, tmp_path / "n1", bandwidth_mbps=0.5)  # 200 kB a step: 0.4 s
+    queue.durable.replicated_wait = 0.2  # node 0's part never comes here
+    root = tmp_path / "ckpt1"
+    queue.start()
+    try:
+        queue.submit("job", node_ckpt(root, 7, 1, {"w.bin": b"7"}), 7)  # the daemon learns its node index
+        assert queue.wait_idle(10)
+        queue.submit("job", node_ckpt(root, 8, 1, {"w.bin": bytes([8]) * 200_000}), 8)
+        deadline = time.monotonic() + 10
+        while "the commit at or after step 10 is the proposed one" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text  # read as the upload of 8 started
+            time.sleep(0.01)
+        for step in (9, 10, 11, 12):
+            ckpt = node_ckpt(root, step, 1, {"w.bin": bytes([step]) * 200_000})
+            queue.submit("job", ckpt, step)
+            apply_retention(root, 1, ckpt)  # the job's own, right after each commit
+        assert not (root / "step-0000000010").exists()
+        assert queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert [s for _, s in done] == [7, 10, 12], caplog.text  # 8, 9 and 11 superseded; 10 finished
+    assert queue.pins.get("job") is None  # let go once uploaded
+    assert "the job deleted it" not in caplog.text
+
+
+def test_node_0_proposes_its_step_when_on_time_and_a_commit_ahead_when_late(tmp_path):
+    """:meth:`Fleet.threshold`: the step node 0 starts uploading, while it starts within a quarter
+    of a save interval of that step's commit; later, the first commit at or after a step some
+    saves ahead (each node resolves it to the same commit: :meth:`Fleet.resolve`), whose commit
+    each node awaits to hold it (:meth:`Fleet.expect`, :meth:`Fleet.submitted`)."""
+    fleet = Fleet(lag_bound=60.0)
+    for step in (10, 20, 30):  # a save every 0.1 s, every 10 steps
+        assert not fleet.submitted("job", step)
+        time.sleep(0.1)
+    assert fleet.threshold("job", 30) > 30  # 0.1 s late: a commit ahead
+    assert not fleet.submitted("job", 40)
+    assert fleet.threshold("job", 40) == 40  # at once: its own step
+    time.sleep(0.1)
+    ahead = fleet.threshold("job", 40)
+    assert ahead > 41 and (ahead - 41) % 10 == 0 and fleet.resolve("job", ahead) is None
+    assert [fleet.resolve("job", t) for t in (5, 20, 25, 40)] == [5, 20, 30, 40]  # older than seen: itself
+    fleet.expect("job", 45)
+    assert fleet.submitted("job", 50)  # the first commit at or after 45: held from its commit
+    assert not fleet.submitted("job", 50) and not fleet.submitted("job", 60)  # once
+    assert fleet.resolve("job", 45) == 50

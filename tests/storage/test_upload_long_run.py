@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -187,39 +191,71 @@ def test_three_nodes_behind_their_saves_make_a_step_global_again_and_again(moto,
     sampled). Node 0 proposes the step it starts uploading and finishes it; the others take it at
     their next upload or finish the one in flight (abandoning a wait for node 0's part within
     50 ms of a newer commit), so every node finishes the same steps, one after another. Before: no
-    step became global in 60 saves, whatever ``keep``."""
+    step became global in 60 saves, whatever ``keep``.
+
+    Each node (its job's saves and its daemon's queue) runs in a process of its own
+    (``_fleet_node.py``), as on real nodes: with the three queues in the test's process, their
+    requests waited for each other's interpreter lock, an upload took 10-20 s on a loaded machine,
+    and node 0's proposal came after the others' retention had deleted the step."""
     seed = random.randrange(1 << 16)
     keep = random.Random(seed).choice([1, 2, 3])
     print(f"seed {seed}: keep={keep}")
     direct = new_bucket("s3")
     with contextlib.ExitStack() as stack:
         proxies = [stack.enter_context(SlowObjectPuts(moto.url, slow_s=s)) for s in (0.06, 0.09, 0.12)]
-        queues = [_queue(open_store(direct.url, StoreOptions(endpoint_url=p.url, max_attempts=6)), tmp_path / f"n{k}")
-                  for k, p in enumerate(proxies)]
-        for queue, _, _ in queues:
-            queue.durable.concurrency = 1
-            queue.retention = Retention(lambda job: None, 5.0)
-            queue.start()
-        try:
-            seen: list[int] = []  # the global steps, as they came while the job saved
-            for step in range(1, 61):
-                for k, (queue, _, _) in enumerate(queues):
-                    files = {f"f{i}.bin": os.urandom(20_000) for i in range(6)}
-                    ckpt = node_ckpt(tmp_path / f"ckpt{k}", step, k, files, nodes=3)
-                    queue.submit("job", ckpt, step)
-                    apply_retention(tmp_path / f"ckpt{k}", keep, ckpt)
-                time.sleep(0.2)
-                latest = Durable(direct).latest("job")
-                if latest is not None and latest not in seen:
-                    seen.append(latest)
-                if len(seen) == 3:
-                    break
-            assert all(queue.wait_idle(60) for queue, _, _ in queues)
-        finally:
-            for queue, _, _ in queues:
-                queue.close()
-    finished = [{s for _, s in done} for _, done, _ in queues]
+        nodes = [FleetNode(direct.url, p.url, tmp_path / f"n{k}", k, 3, keep) for k, p in enumerate(proxies)]
+        for node in nodes:
+            stack.callback(node.stop)
+        seen: list[int] = []  # the global steps, as they came while the job saved
+        step, deadline = 0, time.monotonic() + SAVING_S
+        while len(seen) < 3 and time.monotonic() < deadline:
+            step += 1
+            for node in nodes:  # every node commits the step, as a job's ranks do
+                node.send({"save": step})
+            for node in nodes:
+                assert node.receive() == {"saved": step}
+            time.sleep(0.2)
+            latest = Durable(direct).latest("job")
+            if latest is not None and latest not in seen:
+                seen.append(latest)
+        ends = [node.close() for node in nodes]
+    assert all(end["idle"] for end in ends), ends
+    finished = [set(end["done"]) for end in ends]
     print(f"global steps while saving: {seen} (saved up to {step}); finished per node: {finished}")
     assert len(seen) == 3, f"global steps while saving: {seen} in {step} saves; finished per node: {finished}"
     assert all(g in f for g in seen for f in finished)
     assert Durable(direct).latest("job") == step  # the last one is never superseded
+
+
+SAVING_S = 90.0
+"""The job saves until three steps became global, or this long (about 15 s on an idle machine)."""
+
+
+class FleetNode:
+    """A node in a process of its own (tests/storage/_fleet_node.py), driven by JSON lines."""
+
+    def __init__(self, url: str, proxy: str, root, index: int, nodes: int, keep: int) -> None:
+        root.mkdir(parents=True)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_fleet_node.py")), url, proxy,
+                                      str(root), str(index), str(nodes), str(keep)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def send(self, command: dict) -> None:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"node exited {self.proc.wait(10)}"
+        return json.loads(line)
+
+    def close(self) -> dict:
+        self.send({"close": True})
+        end = self.receive()
+        self.proc.wait(30)
+        return end
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -7,20 +7,34 @@ global. So the nodes agree by design, through one small object::
 
     jobs/<job>/parts/next.json      {"step": N, "proposed": <unix time>}
 
+``N`` names each node's first commit at or after step ``N`` (:meth:`Fleet.resolve`): the same
+commit on every node, since the ranks of a job commit the same steps; a committed ``N`` names
+itself.
+
 * **Node 0 proposes.** While its uploads are behind the saves (:meth:`.GlobalWatch.finish`), node
-  0's daemon names the step ``N`` it starts uploading in ``next.json`` and finishes that upload
-  although superseded, as the others will; early, because the others hold ``N`` only for their
-  job's ``keep`` saves, far shorter than one upload when uploads are slower than the saves. It also
+  0's daemon names the step it starts uploading in ``next.json`` and finishes that upload
+  although superseded, as the others will; early, because the others hold it only for their
+  job's ``keep`` saves, far shorter than one upload when uploads are slower than the saves. When
+  the proposal would go out later than a quarter of a save interval after that step's commit
+  (:data:`ON_TIME`: a loaded node, or saves seconds apart), the others may have deleted the step
+  before they read it. Node 0 then proposes a step *ahead* of the commits instead
+  (:meth:`Fleet.threshold`: three times its delay, in saves, 2 to :data:`MAX_AHEAD`), and every
+  node, node 0 included, holds that commit open from the moment it is reported
+  (:mod:`.upload_pins`), uploads it next and finishes it. On a 2-core machine running two other
+  busy processes, three nodes made every proposed step global this way; before, they missed
+  nearly every one. Node 0 also
   names a step whose part it uploaded that is not global yet, if it still holds it locally. Its
   other uploads are superseded as usual: only proposed steps are finished although superseded, on
   every node. An open proposal
   (not global yet, younger than ``storage.durable_lag_seconds``) stays, so the others are never sent
-  chasing a moving target, while node 0 still holds it in its local root (the others, keeping alike,
-  can still take it) or while the others may still be sending parts of it (:data:`SLOWER` times
-  node 0's own upload of it); after that none can, and the next start proposes anew.
+  chasing a moving target, while it is ahead of node 0's commits, while node 0 still holds it in
+  its local root (the others, keeping alike, can still take it) or while the others may still be
+  sending parts of it (:data:`SLOWER` times node 0's own upload of it); after that none can, and
+  the next start proposes anew.
 * **The other nodes follow.** Before each upload a follower reads ``next.json`` (one GET). When it
-  names a step it still holds locally, newer than the last global one and not uploaded by it
-  already, it uploads that step first (its newer commit waits in the queue) and finishes it even
+  names a step ahead of its commits, the follower holds that commit from its report (see above).
+  When it names a step it holds (pinned, or still committed), newer than the last global one and
+  not uploaded by it already, it uploads that step first (its newer commit waits in the queue) and finishes it even
   if superseded. A follower whose upload is superseded reads ``next.json`` once more: when it names
   the step in flight, the upload goes on from the files it holds open, which the job's retention
   may have deleted meanwhile. (A follower's upload waits for node 0's part of its step before it
@@ -43,8 +57,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +81,13 @@ SLOWER_SLACK = 2.0
 """Seconds added to that wait (reading the proposal, a retry)."""
 DONE_KEPT = 8
 """Uploads of a job whose end node 0 remembers (a proposal is one of its last few)."""
+COMMITS_KEPT = 32
+"""Commits of a job each daemon remembers (step, when): what a proposal names here, the save interval."""
+ON_TIME = 0.25
+"""Node 0 proposes the step it starts uploading when it starts within this fraction of a save
+interval of that step's commit; later, a commit ahead (:meth:`Fleet.threshold`)."""
+MAX_AHEAD = 16
+"""Commits ahead at most of a proposal (bounds the lag it adds)."""
 
 
 def next_key(job: str) -> str:
@@ -104,6 +127,61 @@ class Fleet:
         """job -> step -> (when this node's part was in the store, seconds it took), its last uploads."""
         self._followed: dict[str, int] = {}
         """job -> the last proposed step this node uploaded (not sent again)."""
+        self._commits: dict[str, deque[tuple[int, float]]] = {}
+        """job -> its last commits here: (step, when reported)."""
+        self._expected: dict[str, int] = {}
+        """job -> a proposal ahead of this node's commits: its first commit at or after it is pinned."""
+        self._proposal: dict[str, int] = {}
+        """job -> what node 0 proposed last."""
+
+    def submitted(self, job: str, step: int) -> bool:
+        """A commit of ``step`` reached this daemon: whether it is the proposed one this node awaited
+        (pin it: :mod:`.upload_pins`)."""
+        with self._lock:
+            commits = self._commits.setdefault(job, deque(maxlen=COMMITS_KEPT))
+            if commits and step <= commits[-1][0]:
+                return False  # another rank's report of it, or a late one
+            commits.append((step, time.time()))
+            if self._expected.get(job, step + 1) <= step:
+                del self._expected[job]
+                return True
+        return False
+
+    def resolve(self, job: str, threshold: int) -> int | None:
+        """The step a proposal names on this node: its first commit at or after ``threshold`` (a
+        committed step names itself); None while this node has not committed one yet."""
+        with self._lock:
+            commits = [step for step, _ in self._commits.get(job, ())]
+        if not commits or commits[0] > threshold:  # not seen here (a restarted daemon): that step
+            return threshold
+        return next((step for step in commits if step >= threshold), None)
+
+    def expect(self, job: str, threshold: int) -> None:
+        """A proposal ahead of this node's commits: pin its commit when it comes (:meth:`submitted`)."""
+        if self.resolve(job, threshold) is None:
+            with self._lock:
+                if self._expected.get(job) != threshold:
+                    self._expected[job] = threshold
+                    log.info("%s: the commit at or after step %d is the proposed one; holding it from its "
+                             "commit", job, threshold)
+
+    def threshold(self, job: str, step: int) -> int:
+        """Node 0, about to propose ``step`` (the upload it starts): what to propose. ``step`` itself
+        when the proposal goes out within :data:`ON_TIME` of a save interval of its commit (the
+        others still hold it); else a commit ahead, far enough that the others read the proposal
+        before they commit it: three times this node's delay (a follower reads it at its next
+        upload's start, as late or later), in saves, at least two."""
+        with self._lock:
+            commits = list(self._commits.get(job, ()))
+        when = next((at for s, at in commits if s == step), None)
+        gaps = [b[1] - a[1] for a, b in zip(commits, commits[1:])][-8:]
+        interval = statistics.median(gaps) if gaps else 0.0
+        late = time.time() - when if when is not None else 0.0
+        if when is None or interval <= 0 or late < ON_TIME * interval:
+            return step
+        saves = min(MAX_AHEAD, max(2, 1 + math.ceil(3 * late / interval)))
+        newest, spacing = commits[-1][0], max(1, commits[-1][0] - commits[-2][0])
+        return newest + 1 + (saves - 1) * spacing
 
     def learn(self, job: str, ckpt: Path) -> None:
         """Note this node's index from the staged checkpoint's manifest (no ``node``: one node)."""
@@ -137,9 +215,14 @@ class Fleet:
         except StoreError as exc:
             log.info("could not read %s (%s); uploading step %d", next_key(job), exc, step)
             return None
-        if found is None or found[0] <= global_step or found[0] == followed or found[0] > step:
+        if found is None:
             return None
-        proposed = found[0]
+        proposed = self.resolve(job, found[0])
+        if proposed is None:  # ahead of this node's commits: held from its commit, uploaded then
+            self.expect(job, found[0])
+            return None
+        if proposed <= global_step or proposed == followed or proposed > step:
+            return None
         if proposed != step and not _held(path, proposed):
             return None  # this node's retention deleted it: node 0 proposes another (see propose)
         with self._lock:
@@ -165,7 +248,12 @@ class Fleet:
         except StoreError as exc:
             log.info("could not read %s (%s); step %d is superseded", next_key(job), exc, step)
             return False
-        if found is None or found[0] != step:
+        if found is None:
+            return False
+        proposed = self.resolve(job, found[0])
+        if proposed is None:
+            self.expect(job, found[0])
+        if proposed != step:
             return False
         with self._lock:
             self._following[job] = step
@@ -188,25 +276,53 @@ class Fleet:
         if self.leads(job) and not complete and _held(path, step):
             self.propose(durable, job, step, path, "node 0's part is in the store")
 
-    def propose(self, durable: Any, job: str, step: int, path: str, why: str) -> bool:
-        """Node 0: name ``step`` (committed at ``path``) in ``next.json``, unless an open proposal of
-        an older step stays (see the module docstring); whether ``step`` is the proposed one now."""
+    def propose(self, durable: Any, job: str, step: int, path: str, why: str, ahead: bool = False) -> bool:
+        """Node 0: name ``step`` (committed at ``path``) in ``next.json``, unless an open proposal
+        stays (see the module docstring); whether a proposal of it is out now. ``ahead``: the upload
+        of ``step`` starts; propose :meth:`threshold` of it, reckoned right before the write (what
+        was proposed: :meth:`proposal`)."""
         try:
             found = read_next(durable.store, job)
             if found is not None and found[0] == step:
-                return True
-            if found is not None and found[0] < step and time.time() - found[1] < self.lag_bound \
-                    and (_held(path, found[0]) or self._may_still_come(job, found[0])):
-                newest = durable.latest(job)
-                if newest is None or newest < found[0]:
-                    return False  # the others are still completing that one
+                return self._proposed(job, step)
+            if found is not None and self._open(durable, job, found, path):
+                return False  # the others are still completing that one
+            if ahead:
+                step = self.threshold(job, step)
             body = json.dumps({"step": step, "proposed": time.time()}).encode()
             durable.store.put_bytes(next_key(job), body)
-            log.info("%s step %d: %s; the other nodes upload it next", job, step, why)
-            return True
+            if self.resolve(job, step) is None:
+                log.info("%s: proposed the commit at or after step %d (%s); every node holds it from its "
+                         "commit and uploads it next", job, step, why)
+            else:
+                log.info("%s step %d: %s; the other nodes upload it next", job, step, why)
+            return self._proposed(job, step)
         except StoreError as exc:
             log.info("could not propose %s step %d to the other nodes: %s", job, step, exc)
             return False
+
+    def _proposed(self, job: str, step: int) -> bool:
+        with self._lock:
+            self._proposal[job] = step
+        return True
+
+    def proposal(self, job: str) -> int | None:
+        """What node 0 proposed last for ``job`` (:meth:`propose`)."""
+        with self._lock:
+            return self._proposal.get(job)
+
+    def _open(self, durable: Any, job: str, found: tuple[int, float], path: str) -> bool:
+        """Whether the proposal ``found`` stays: younger than the bound, not global yet, and not
+        committed here yet (ahead), or still held here, or the others may still be sending it."""
+        if time.time() - found[1] >= self.lag_bound:
+            return False
+        step = self.resolve(job, found[0])
+        if step is None:
+            self.expect(job, found[0])  # node 0 holds it too (a restarted daemon did not propose it)
+        elif not (_held(path, step) or self._may_still_come(job, step)):
+            return False
+        newest = durable.latest(job)
+        return newest is None or newest < (found[0] if step is None else step)
 
     def _may_still_come(self, job: str, step: int) -> bool:
         """Whether the others may still be sending their parts of ``step``, proposed: taken before

@@ -45,6 +45,7 @@ that escapes anyway restarts the worker (``spotguard_upload_worker_restarts_tota
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -68,6 +69,7 @@ from spotguard_daemon.core.upload_fleet import Fleet
 from spotguard_daemon.core.upload_flight import Flight, Preempted, Superseded
 from spotguard_daemon.core.upload_global import GlobalWatch
 from spotguard_daemon.core.upload_journal import Journal, Upload, UploadMetrics
+from spotguard_daemon.core.upload_pins import Pins
 from spotguard_daemon.core.upload_retention import Retention, backoff
 from spotguard_daemon.core.redact import redact_url
 
@@ -108,6 +110,8 @@ class UploadQueue:
         self.metrics.global_lag.set_function(self.watch.lag)
         self.fleet = Fleet(lag_bound)
         """Node-local roots: node 0 proposes the step the other nodes upload next (:mod:`.upload_fleet`)."""
+        self.pins = Pins(root, self.staging)
+        """The proposed step, held open from its commit until uploaded (:mod:`.upload_pins`)."""
         self._cond = threading.Condition()
         self._queue: dict[str, Upload] = {}
         self._current: Upload | None = None
@@ -145,6 +149,8 @@ class UploadQueue:
 
         A commit without a job id belongs to the job ``default``, as for the client's restore."""
         job_id = job_id or DEFAULT_JOB
+        if self.fleet.submitted(job_id, step):  # the step node 0 proposed ahead of the commits
+            self.pins.pin(job_id, Path(path), step)
         with self._cond:
             if not self._enqueue(Upload(job_id, str(path), step, size_bytes)):
                 return
@@ -198,6 +204,7 @@ class UploadQueue:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.pins.close()
 
     # ------------------------------------------------------------------ worker life
 
@@ -329,8 +336,9 @@ class UploadQueue:
                         self.bytes_per_second)
         try:
             _check_job(upload.job_id)
-            with confine.staged(self.root or Path(upload.path).parent, Path(upload.path), upload.step,
-                                self.staging) as ckpt:
+            view = self.pins.view(upload.job_id, upload.step)  # held open since its commit
+            with contextlib.nullcontext(view) if view is not None else confine.staged(
+                    self.root or Path(upload.path).parent, Path(upload.path), upload.step, self.staging) as ckpt:
                 self.fleet.learn(upload.job_id, ckpt)
                 self._lead(upload)
                 info = self._send(upload, ckpt, flight)
@@ -364,19 +372,30 @@ class UploadQueue:
             self.watch.uploaded(upload.job_id, info.step, info.complete, upload.submitted, overtaken)
             self._finish(upload, info)  # the pointer is written: durable now, published before any delete
             self.fleet.uploaded(self.durable, upload.job_id, info.step, upload.path, info.complete, info.seconds)
+            self.pins.release(upload.job_id, info.step)
             self.durable.cleanup(info)  # a slow or stalled delete delays nothing a client waits for
             if not self.fleet.follows(upload.job_id):  # node-local roots: node 0 prunes for the fleet
                 self.retention.run(upload.job_id)
 
     def _lead(self, upload: Upload) -> None:
-        """Node 0 of a job behind its saves (:meth:`.GlobalWatch.finish`): propose the step it starts
-        uploading, and finish it although superseded, when no open proposal stays; the others take
-        it before their job's retention deletes it (:mod:`.upload_fleet`)."""
+        """Node 0 of a job behind its saves (:meth:`.GlobalWatch.finish`), when no open proposal
+        stays: propose the step it starts uploading and finish it although superseded; or, when
+        this start comes late after that step's commit, a commit ahead, held here from its commit
+        as on the other nodes (:mod:`.upload_fleet`, :mod:`.upload_pins`)."""
         job = upload.job_id
-        if self.fleet.leads(job) and self.watch.finish(job) is not None and self.fleet.propose(
-                self.durable, job, upload.step, upload.path, "node 0 finishes its part as the others will"):
-            self.watch.finish_anyway(job, upload.step, starting=True)
-            self.fleet.finish(job, upload.step)
+        if not self.fleet.leads(job) or self.fleet.finishes(job, upload.step) or self.watch.finish(job) is None:
+            return
+        if not self.fleet.propose(self.durable, job, upload.step, upload.path,
+                                  "node 0 finishes its part as the others will", ahead=True):
+            return
+        step = self.fleet.proposal(job)
+        if step == upload.step:
+            self.watch.finish_anyway(job, step, starting=True)
+            self.fleet.finish(job, step)
+        elif step is not None and (committed := self.fleet.resolve(job, step)) is None:
+            self.fleet.expect(job, step)  # held from its commit, here as on the other nodes
+        elif step is not None:  # committed during the proposal's write: held from now on
+            self.pins.pin(job, Path(upload.path).parent / step_name(committed), committed)
 
     def _send(self, upload: Upload, ckpt: Path, flight: Flight) -> DurableInfo:
         """:meth:`Durable.upload`; a follower's upload superseded goes on when node 0 proposed its
@@ -399,14 +418,21 @@ class UploadQueue:
         return newer is not None and newer.step > upload.step and not os.path.lexists(upload.path)
 
     def _proposed(self, upload: Upload) -> Upload:
-        """The upload to send: ``upload``, or on a node other than node 0 the older step node 0
-        proposed (:mod:`.upload_fleet`), ``upload`` then queued again behind it."""
-        step = self.fleet.target(self.durable.store, upload.job_id, upload.step, upload.path,
-                                 self.watch.global_step(upload.job_id))
-        if step is None:
-            return upload
-        older = Upload(upload.job_id, str(Path(upload.path).parent / step_name(step)), step,
-                       submitted=upload.submitted)
+        """The upload to send: ``upload``, or the older step node 0 proposed, pinned here since its
+        commit (:mod:`.upload_pins`; on node 0 too) or, on another node, still committed
+        (:mod:`.upload_fleet`); ``upload`` then queued again behind it."""
+        job, pinned = upload.job_id, self.pins.get(upload.job_id)
+        if pinned is not None and pinned[0] <= self.watch.global_step(job):
+            self.pins.release(job, pinned[0])  # global meanwhile
+        elif pinned is not None and pinned[0] <= upload.step:
+            self.fleet.finish(job, pinned[0])  # finished although superseded, on every node
+            return upload if pinned[0] == upload.step else self._before(upload, pinned[0], pinned[1])
+        step = self.fleet.target(self.durable.store, job, upload.step, upload.path, self.watch.global_step(job))
+        return upload if step is None else self._before(upload, step, str(Path(upload.path).parent / step_name(step)))
+
+    def _before(self, upload: Upload, step: int, path: str) -> Upload:
+        """Send ``step`` (at ``path``) of ``upload``'s job first; ``upload`` waits in the queue."""
+        older = Upload(upload.job_id, path, step, submitted=upload.submitted)
         with self._cond:
             self._current = older
             self._enqueue(upload)
@@ -440,6 +466,7 @@ class UploadQueue:
     def _refuse(self, upload: Upload, exc: Exception) -> None:
         """A checkpoint that cannot be uploaded as committed: say so once, drop it, go on."""
         self.metrics.refused.inc()
+        self.pins.release(upload.job_id, upload.step)
         log.error("not uploading %s step %d (%s): %s", upload.job_id, upload.step, upload.path, exc)
         with self._cond:
             self._refused[upload.job_id] = {"step": upload.step, "path": _printable(upload.path),

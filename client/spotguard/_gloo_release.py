@@ -68,11 +68,14 @@ def _others_runnable(me: str) -> bool:
     except OSError:
         return False
     for tid in tids:
+        if tid == me:
+            continue
         try:
             with open(f"/proc/self/task/{tid}/stat", "rb") as stat:
                 fields = stat.read()
         except OSError:  # the thread ended meanwhile
             continue
-        if tid != me and fields[fields.rfind(b")") + 2:fields.rfind(b")") + 3] == b"R":
+        state = fields.rfind(b")") + 2  # after "pid (comm) "; comm may hold spaces and parentheses
+        if fields[state:state + 1] == b"R":
             return True
     return False

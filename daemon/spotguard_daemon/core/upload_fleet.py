@@ -131,8 +131,6 @@ class Fleet:
         """job -> its last commits here: (step, when reported)."""
         self._expected: dict[str, int] = {}
         """job -> a proposal ahead of this node's commits: its first commit at or after it is pinned."""
-        self._proposal: dict[str, int] = {}
-        """job -> what node 0 proposed last."""
 
     def submitted(self, job: str, step: int) -> bool:
         """A commit of ``step`` reached this daemon: whether it is the proposed one this node awaited
@@ -276,17 +274,16 @@ class Fleet:
         if self.leads(job) and not complete and _held(path, step):
             self.propose(durable, job, step, path, "node 0's part is in the store")
 
-    def propose(self, durable: Any, job: str, step: int, path: str, why: str, ahead: bool = False) -> bool:
+    def propose(self, durable: Any, job: str, step: int, path: str, why: str, ahead: bool = False) -> int | None:
         """Node 0: name ``step`` (committed at ``path``) in ``next.json``, unless an open proposal
-        stays (see the module docstring); whether a proposal of it is out now. ``ahead``: the upload
-        of ``step`` starts; propose :meth:`threshold` of it, reckoned right before the write (what
-        was proposed: :meth:`proposal`)."""
+        stays (see the module docstring); the step proposed now, None when none is. ``ahead``: the
+        upload of ``step`` starts; propose :meth:`threshold` of it, reckoned right before the write."""
         try:
             found = read_next(durable.store, job)
             if found is not None and found[0] == step:
-                return self._proposed(job, step)
+                return step
             if found is not None and self._open(durable, job, found, path):
-                return False  # the others are still completing that one
+                return None  # the others are still completing that one
             if ahead:
                 step = self.threshold(job, step)
             body = json.dumps({"step": step, "proposed": time.time()}).encode()
@@ -296,20 +293,10 @@ class Fleet:
                          "commit and uploads it next", job, step, why)
             else:
                 log.info("%s step %d: %s; the other nodes upload it next", job, step, why)
-            return self._proposed(job, step)
+            return step
         except StoreError as exc:
             log.info("could not propose %s step %d to the other nodes: %s", job, step, exc)
-            return False
-
-    def _proposed(self, job: str, step: int) -> bool:
-        with self._lock:
-            self._proposal[job] = step
-        return True
-
-    def proposal(self, job: str) -> int | None:
-        """What node 0 proposed last for ``job`` (:meth:`propose`)."""
-        with self._lock:
-            return self._proposal.get(job)
+            return None
 
     def _open(self, durable: Any, job: str, found: tuple[int, float], path: str) -> bool:
         """Whether the proposal ``found`` stays: younger than the bound, not global yet, and not

@@ -385,10 +385,8 @@ class UploadQueue:
         job = upload.job_id
         if not self.fleet.leads(job) or self.fleet.finishes(job, upload.step) or self.watch.finish(job) is None:
             return
-        if not self.fleet.propose(self.durable, job, upload.step, upload.path,
-                                  "node 0 finishes its part as the others will", ahead=True):
-            return
-        step = self.fleet.proposal(job)
+        step = self.fleet.propose(self.durable, job, upload.step, upload.path,
+                                  "node 0 finishes its part as the others will", ahead=True)
         if step == upload.step:
             self.watch.finish_anyway(job, step, starting=True)
             self.fleet.finish(job, step)

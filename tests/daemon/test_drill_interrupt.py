@@ -198,7 +198,12 @@ def test_a_drill_killed_with_sigkill_leaves_no_launch_and_no_temp_dir_behind(tmp
         running.wait_for_daemon()
         running.others |= {reaper_of(running.proc.pid)} - {None}
         job = running.wait_for_launch()
-        escaped = wait_until(lambda: descendants(job), 30.0)
+        # seen once it left the launch's group: between its fork and its setsid it is still in it
+        def out_of_the_group() -> set[int]:
+            found = descendants(job)
+            return found if all(stat_fields(pid)[2] != str(job) for pid in found) else set()
+
+        escaped = wait_until(out_of_the_group, 30.0)
         running.others |= escaped
         assert escaped and all(stat_fields(pid)[2] != str(job) for pid in escaped)  # own group
         running.proc.kill()  # no handler runs, close() neither

@@ -39,6 +39,11 @@ def progress_object(bucket: Path, job: str = JOB) -> dict | None:
     return json.loads(path.read_bytes()) if path.exists() else None
 
 
+def copied(record: dict | None) -> tuple[int, int] | None:
+    """The step and the newest commit a progress object holds (None: no object, or no commit)."""
+    return (record["step"], record["reached"][-1][0]) if record and record["reached"] else None
+
+
 def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -76,8 +81,10 @@ def test_a_job_relaunched_on_a_fresh_node_counts_the_steps_lost_with_the_old_one
     try:
         wait_for(lambda: ready.exists() or job.poll() is not None, "step 7 acknowledged", 60)
         assert ready.read_text() == "7"
-        wait_for(lambda: (progress_object(bucket) or {}).get("step") == 7, "the progress object at step 7")
         wait_for(lambda: Durable(FileStore(bucket)).latest(JOB) == 4, "step 4 durable")
+        # The commit of step 4 and the report of step 7 reach the daemon in either order (the commit
+        # comes from the save's own thread), and each lands in the object at its next write.
+        wait_for(lambda: copied(progress_object(bucket)) == (7, 4), "the progress object at step 7, commit 4")
     finally:
         job.kill()  # the node is reclaimed: the job and its daemon die without a word
         job.wait(10)

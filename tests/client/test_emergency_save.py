@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from spotguard.checkpoint import Checkpointer, emergency
+from spotguard.checkpoint import Checkpointer, _fs, emergency
 from spotguard.checkpoint.emergency import ASSUMED_THROUGHPUT, stream_tensor
 
 
@@ -51,16 +51,19 @@ def test_same_files_and_digest_as_a_periodic_save_and_no_staging_copy(tmp_path, 
     assert fresh["extras"]["n"] == 3
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
-def test_stream_pipeline_writes_every_byte_through_two_chunks(tmp_path, nbytes):
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 5 * 6000])
+def test_stream_pipeline_writes_every_byte_through_two_chunks(tmp_path, monkeypatch, nbytes):
+    monkeypatch.setattr(_fs, "CHUNK_BYTES", 6000)  # XXH3 chunks across the stream's 4096-byte chunks
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        digest = stream_tensor(fd, src, [torch.empty(4096, dtype=torch.uint8) for _ in range(2)])
+        digests = stream_tensor(fd, src, [torch.empty(4096, dtype=torch.uint8) for _ in range(2)])
     finally:
         os.close(fd)
     data = (tmp_path / "f").read_bytes()
-    assert data == src.numpy().tobytes() and digest == hashlib.sha256(data).hexdigest()
+    assert data == src.numpy().tobytes() and digests["sha256"] == hashlib.sha256(data).hexdigest()
+    assert digests == _fs.digests_of(data)  # the entry a periodic save writes: a restore checks its XXH3s
+    assert len(digests["xxh3"]) == -(-nbytes // 6000)
 
 
 def test_stream_pipeline_takes_any_dtype_and_layout(tmp_path):

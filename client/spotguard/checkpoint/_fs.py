@@ -173,15 +173,34 @@ def digests_of(data: memoryview | bytes, pace: Callable[..., Any] | None = None)
     """A file's digests for its manifest entry: ``sha256`` (hex, of the whole) and ``xxh3`` (one
     64-bit XXH3 per ``xxh3_chunk`` bytes, for the restore's verification; see the module docstring).
     Chunk by chunk, each through ``pace(fn, *args)`` when given; both run while the chunk is warm."""
-    digest, view, chunks = hashlib.sha256(), _flat(memoryview(data)), []
-
-    def one(piece: memoryview) -> None:
-        digest.update(piece)
-        chunks.append(CHUNK_CHECKS["xxh3"](piece))
+    digests, view = Digests(), _flat(memoryview(data))
     for offset in range(0, len(view), CHUNK_BYTES):
         piece = view[offset : offset + CHUNK_BYTES]
-        pace(one, piece) if pace else one(piece)
-    return {"sha256": digest.hexdigest(), "xxh3": chunks, "xxh3_chunk": CHUNK_BYTES}
+        pace(digests.update, piece) if pace else digests.update(piece)
+    return digests.entry()
+
+
+class Digests:
+    """:func:`digests_of` fed piece by piece, of any sizes (a stream written in chunks of its own):
+    the same entry as for the whole at once."""
+
+    def __init__(self) -> None:
+        self._sha, self._xxh, self._filled, self._chunks = hashlib.sha256(), xxhash.xxh3_64(), 0, []
+
+    def update(self, piece: memoryview) -> None:
+        self._sha.update(piece)
+        while len(piece):
+            take = min(CHUNK_BYTES - self._filled, len(piece))
+            self._xxh.update(piece[:take])
+            self._filled, piece = self._filled + take, piece[take:]
+            if self._filled == CHUNK_BYTES:
+                self._chunks.append(self._xxh.intdigest())
+                self._xxh.reset()
+                self._filled = 0
+
+    def entry(self) -> dict[str, Any]:
+        chunks = self._chunks + ([self._xxh.intdigest()] if self._filled else [])
+        return {"sha256": self._sha.hexdigest(), "xxh3": chunks, "xxh3_chunk": CHUNK_BYTES}
 
 
 CHUNK_CHECKS: dict[str, Callable[[memoryview], int]] = {"xxh3": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32}

@@ -115,9 +115,9 @@ class _Writer:
             pass
 
 
-def _entry(size: int, digest: str | dict[str, Any]) -> dict[str, Any]:
-    """A manifest entry: ``{size, sha256}``, plus the chunks' XXH3 where the hasher gave them."""
-    return {"size": size, **digest} if isinstance(digest, dict) else {"size": size, "sha256": digest}
+def _entry(size: int, digests: dict[str, Any]) -> dict[str, Any]:
+    """A manifest entry: ``{size, sha256, xxh3, xxh3_chunk}`` (:func:`._fs.digests_of`)."""
+    return {"size": size, **digests}
 
 
 def _fsync_close(fd: int) -> None:

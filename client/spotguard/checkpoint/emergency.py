@@ -5,11 +5,11 @@ no snapshot copy is needed (a periodic save copies first because training goes o
 would only cost time, and on the first save of a process also the allocation of every buffer).
 :func:`live_snapshot` encodes the tree and keeps references to the live tensors; a
 :class:`LiveWriter` then writes the same files as a periodic save (same names, same manifest, same
-sha256 digests, so loading, verification and the state digest are unchanged):
+digests, so loading, verification and the state digest are unchanged):
 
 * a CPU tensor is written from its own memory (a memoryview of its bytes) in segments spread over
   :data:`WRITE_THREADS` threads with ``pwrite``, each file's write-back started as soon as it is
-  written and one fsync per file, while its sha256 runs in a hashing thread beside the writes.
+  written and one fsync per file, while its digests (sha256, XXH3) run in a hashing thread beside the writes.
   Several streams keep work queued for the disk while others copy into the page cache
   (``dd conv=fsync`` copies everything first and only then flushes);
 * a CUDA tensor is streamed device-to-host through a pair of pinned chunks on a side stream: the
@@ -23,7 +23,6 @@ path's bandwidth, from which ``Run`` decides whether an emergency save fits befo
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 import threading
@@ -191,7 +190,7 @@ class LiveWriter(_Writer):
         digest = self.syncer.submit(file.run, self._stream, file.fd, t)
         self.pending.append((relpath, t.numel() * t.element_size(), digest, file.done))
 
-    def _stream(self, fd: int, t: torch.Tensor) -> str:
+    def _stream(self, fd: int, t: torch.Tensor) -> dict[str, Any]:
         chunks = self.emergency.take_chunks()
         try:
             return stream_tensor(fd, t, chunks)
@@ -199,11 +198,12 @@ class LiveWriter(_Writer):
             self.emergency.give_chunks(chunks)
 
 
-def stream_tensor(fd: int, src: torch.Tensor, chunks: list[torch.Tensor]) -> str:
+def stream_tensor(fd: int, src: torch.Tensor, chunks: list[torch.Tensor]) -> dict[str, Any]:
     """Write the bytes of ``src`` to ``fd`` through the two CPU ``chunks`` (pinned for CUDA), the
-    copy of the next chunk overlapping the hashing and writing of this one; returns the sha256."""
+    copy of the next chunk overlapping the hashing and writing of this one; returns the file's
+    digests, the same manifest entry as a periodic save's (:func:`._fs.digests_of`)."""
     flat = src.detach().reshape(-1).view(torch.uint8)
-    copier, size, sha = _Copier(src), chunks[0].numel(), hashlib.sha256()
+    copier, size, digests = _Copier(src), chunks[0].numel(), _fs.Digests()
     ready = copier.start(chunks[0], flat[:size])
     for k, offset in enumerate(range(0, flat.numel(), size)):
         piece = chunks[k % 2][: min(size, flat.numel() - offset)]
@@ -211,9 +211,9 @@ def stream_tensor(fd: int, src: torch.Tensor, chunks: list[torch.Tensor]) -> str
         if offset + size < flat.numel():
             ready = copier.start(chunks[(k + 1) % 2], flat[offset + size : offset + 2 * size])
         view = memoryview(piece.numpy())
-        sha.update(view)
+        digests.update(view)
         _fs.write_all(fd, view)
-    return sha.hexdigest()
+    return digests.entry()
 
 
 class _Copier:

@@ -19,6 +19,12 @@ is sampled every 2 ms from ``/proc/self/statm`` and counts spotguard's staging b
 the background after the restore, until they are ready. ``--small`` uses 20,000 tensors of 1 KiB
 plus AdamW instead.
 
+``--device cuda`` puts the state and the training loop on the GPU (each step timed to its
+``synchronize``), as on a GPU node whose loop leaves the cores idle; ``dd``'s row then also times a
+copy of the whole state from pinned host buffers into the live CUDA tensors (``h2d_pinned_s``): a
+restore's floor is the disk's read plus that copy. A variant that fails is reported and left out of
+the later rounds; the results file is written after every round.
+
     python benchmarks/bench_checkpoint_compare.py --gib 1 --rounds 5
 """
 
@@ -42,12 +48,26 @@ VARIANTS = ["torch_save", "dcp", "dcp_async", "spotguard", "spotguard_uncapped",
 CONTROL_STEPS = 30
 """Steps ``no_save`` measures after the baseline's: the method's own drift, with nothing persisting."""
 PAGE = os.sysconf("SC_PAGE_SIZE")
+MAX_STEPS_DURING = 2000
+"""Steps measured at most while a save persists; the save's end is then waited for without steps."""
 BATCH, BASE_STEPS, WARM_STEPS = 256, 20, 30
 """The training loop's batch, its steps before a save (the baseline), and the steps before those,
 reported to the budget but not measured (the smoke test makes them small). On this VM the first
 second of steps after the staging buffers were touched ran 55-65 ms instead of 37-40 ms in about
 half the rounds (never in ``no_save``, which touches none), which made the baseline, not the
 persist, set the inflation."""
+
+
+DEVICE = "cpu"
+"""Where the state and the loop live (``--device``)."""
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing on CPU), so a timing covers it."""
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def build(gib: float, small: bool):
@@ -58,25 +78,28 @@ def build(gib: float, small: bool):
         model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(256)) for _ in range(20_000)])
     else:  # params are a third of model + AdamW's two moments
         n = max(1, round(gib * (1 << 30) / 3 / (4 << 20)))
-        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(n)])
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False, device=DEVICE) for _ in range(n)])
+    model = model.to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
+    sync()
     return model, opt
 
 
 def loop():
     import torch
 
-    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
-    opt, x = torch.optim.SGD(net.parameters(), lr=1e-3), torch.randn(BATCH, 1024)
+    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(DEVICE)
+    opt, x = torch.optim.SGD(net.parameters(), lr=1e-3), torch.randn(BATCH, 1024, device=DEVICE)
 
     def step() -> float:
         began = time.perf_counter()
         opt.zero_grad()
         net(x).square().mean().backward()
         opt.step()
+        sync()
         return time.perf_counter() - began
     return step
 
@@ -150,11 +173,32 @@ def steps_measured(out: dict, base: list[float], during: list[float]) -> None:
     out["inflation"], out["steps_during"] = out["step_during_s"] / out["step_s"] - 1, len(during)
 
 
-def state_bytes(model, opt) -> int:
+def state_tensors(model, opt) -> list:
     import torch
 
     sd = {"m": model.state_dict(), "o": opt.state_dict()["state"]}
-    return sum(t.numel() * t.element_size() for t in _tensors(sd) if isinstance(t, torch.Tensor))
+    return [t for t in _tensors(sd) if isinstance(t, torch.Tensor)]
+
+
+def state_bytes(model, opt) -> int:
+    return sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
+
+
+def h2d_pinned(model, opt) -> float:
+    """Seconds to copy the whole state from pinned host buffers into its live CUDA tensors."""
+    import torch
+
+    tensors = [t for t in state_tensors(model, opt) if t.is_cuda]
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for _ in range(2):  # the first pass warms the copy engines; the second is timed
+        sync()
+        began = time.perf_counter()
+        with torch.no_grad():
+            for dst, src in zip(tensors, pinned):
+                dst.copy_(src, non_blocking=True)
+        sync()
+        seconds = time.perf_counter() - began
+    return seconds
 
 
 def _tensors(obj):
@@ -201,6 +245,8 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
         out["restore_s"] = time.perf_counter() - began
         evict(path)
         out["parallel_read_s"] = parallel_read(path)
+        if DEVICE == "cuda":
+            out["h2d_pinned_s"] = h2d_pinned(model, opt)
         return out
     save, restore = VARIANT_FNS[variant]
     during: list[float] = []
@@ -208,9 +254,11 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
     done = save(path, model, opt, base, out)
     began = out.pop("save_began", began)  # spotguard's set-up before its save is not the save's stall
     out["stall_s"] = time.perf_counter() - began
-    while not done() and len(during) < 2000:
+    while not done() and len(during) < MAX_STEPS_DURING:
         during.append(step())
         observe(during[-1])
+    while not done():  # steps of a few ms (a GPU loop) run out before a large persist ends
+        time.sleep(0.001)
     out["durable_s"] = out.pop("durable_at", time.perf_counter()) - began
     if during:
         steps_measured(out, base, during)
@@ -225,6 +273,7 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
     with PeakRss() as rss:
         began = time.perf_counter()
         restore(path, model, opt, out)
+        sync()
         out["restore_s"] = time.perf_counter() - began
         out.pop("wait_prepared", lambda: None)()
     out["restore_peak_rss_extra"] = rss.extra / nbytes
@@ -329,6 +378,8 @@ def child(args) -> None:
     import torch.distributed as dist
 
     work = Path(tempfile.mkdtemp(prefix="ckcmp-", dir=args.dir))
+    global DEVICE
+    DEVICE = args.device
     dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
     try:
         result = run_variant(args.variant, args.gib, args.small, work, args.loop_threads)
@@ -359,6 +410,12 @@ def table(rows: dict[str, dict]) -> str:
                      f"{r['restore_s'] / ref['restore_s']:.2f}x | {r['restore_s'] / dd['restore_s']:.2f}x | "
                      f"{vs_par} | {rss} | {prep} |"
                      if dd and ref else f"| {name} | {r} |")
+    if dd.get("h2d_pinned_s") is not None:
+        floor = dd["h2d_pinned_s"] + (par or dd["restore_s"])
+        lines.append(f"\npinned H2D of the whole state: {dd['h2d_pinned_s']:.3f} s; a restore's floor (parallel "
+                     f"read + pinned H2D) {floor:.2f} s" + "".join(
+                         f"; {n} {r['restore_s'] / floor:.2f}x" for n, r in rows.items() if "restore_s" in r
+                         and n != "dd"))
     return "\n".join(lines)
 
 
@@ -372,34 +429,44 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--loop-threads", type=int, default=None,
                         help="the training loop's torch threads (default: every core); fewer leaves cores idle")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the state and loop live")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # a child: one variant, one round
     args = parser.parse_args()
     if args.variant:
         return child(args)
     samples: dict[str, list[dict]] = {}
-    variants = args.variants.split(",")
-    load = []
+    variants, failed = args.variants.split(","), {}
+    load: list[float] = []
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        "checkpoint_compare_small.json" if args.small else "checkpoint_compare.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     for r in range(args.rounds):
         for v in variants[r % len(variants):] + variants[: r % len(variants)]:  # rotated order
-            cmd = [sys.executable, __file__, "--variant", v, "--gib", str(args.gib), "--rounds", "1"]
+            if v in failed:
+                continue
+            cmd = [sys.executable, __file__, "--variant", v, "--gib", str(args.gib), "--rounds", "1",
+                   "--device", args.device]
             cmd += (["--small"] if args.small else []) + (["--dir", args.dir] if args.dir else [])
             cmd += ["--loop-threads", str(args.loop_threads)] if args.loop_threads else []
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
             if proc.returncode:
-                sys.exit(f"{v} failed:\n{proc.stdout}{proc.stderr}")
+                failed[v] = (proc.stdout + proc.stderr)[-4000:]
+                print(f"{v} failed (left out of the later rounds):\n{failed[v]}", file=sys.stderr, flush=True)
+                continue
             samples.setdefault(v, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
             load.append(os.getloadavg()[0])
-    medians = {v: {k: statistics.median(s[k] for s in runs) for k in runs[0] if isinstance(runs[0][k], float)}
-               for v, runs in samples.items()}
-    results = {"gib": args.gib, "small": args.small, "rounds": args.rounds, "cpus": os.cpu_count(),
-               "loop_threads": args.loop_threads,
-               "load_average": [min(load), max(load)], "medians": medians, "samples": samples}
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        "checkpoint_compare_small.json" if args.small else "checkpoint_compare.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores")
+        medians = {v: {k: statistics.median(s[k] for s in runs if k in s) for k in runs[0]
+                       if isinstance(runs[0][k], float)} for v, runs in samples.items()}
+        results = {"gib": args.gib, "small": args.small, "rounds": r + 1, "cpus": os.cpu_count(),
+                   "loop_threads": args.loop_threads, "device": args.device, "failed": failed,
+                   "load_average": [min(load, default=0), max(load, default=0)], "medians": medians,
+                   "samples": samples}
+        out.write_text(json.dumps(results, indent=1))
+        print(f"round {r + 1}: written to {out}", file=sys.stderr, flush=True)
+    print(f"load average {min(load, default=0):.1f}-{max(load, default=0):.1f} on {os.cpu_count()} cores")
     print(table(medians))
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

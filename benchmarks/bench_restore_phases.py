@@ -1,0 +1,81 @@
+"""Where a cold restore's time goes: read and verify, then the copy into the live state.
+
+One process, one state (``bench_checkpoint_compare``'s model plus AdamW, on ``--device``), saved
+once by an uncapped Checkpointer. Then, each from a cold cache: ``read_entries`` (read and verify
+every file into page-aligned host buffers), ``restore`` from them (``load_state_dict``: with CUDA
+state the host-to-device copy from pageable memory), the same ``restore`` warm, and
+``Checkpointer.load_latest`` whole with the default budget and uncapped (each followed by the wait
+for the staging buffers it prepares in the background). With CUDA state, the yardsticks of the copy:
+allocating pinned buffers for the whole state, a pinned host-to-device copy and a pageable one.
+
+    python benchmarks/bench_restore_phases.py --device cuda --gib 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import bench_checkpoint_compare as compare
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from spotguard.checkpoint import Checkpointer, load
+
+    compare.DEVICE = args.device
+    work, res = Path(tempfile.mkdtemp(prefix="phases-", dir=args.dir)), {"gib": args.gib, "device": args.device}
+
+    def timed(name: str, fn):
+        compare.sync()
+        began = time.perf_counter()
+        value = fn()
+        compare.sync()
+        res[name] = time.perf_counter() - began
+        print(f"{name}: {res[name]:.3f} s", flush=True)
+        return value
+    try:
+        model, opt = timed("build_s", lambda: compare.build(args.gib, False))
+        state = {"model": model, "optimizer": opt}
+        with Checkpointer(work / "ck", keep=1, background_nice=None, background_cpu_share=None) as ck:
+            timed("save_uncapped_s", lambda: ck.save(1, state, blocking=True))
+        path = next((work / "ck").glob("step-*"))
+        compare.evict(path)
+        manifest = load.read_manifest(path)
+        entries = timed("read_entries_cold_s", lambda: load.read_entries(path, manifest, "rank-0", verify=True))
+        timed("restore_from_buffers_s", lambda: load.restore(state, entries))
+        timed("restore_from_buffers_warm_s", lambda: load.restore(state, entries))
+        del entries
+        tensors = [t for t in compare.state_tensors(model, opt) if t.is_cuda]
+        if tensors:
+            pinned = timed("pinned_alloc_s", lambda: [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                                      for t in tensors])
+            timed("h2d_pinned_s", lambda: [d.copy_(s, non_blocking=True) for d, s in zip(tensors, pinned)])
+            pageable = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+            timed("h2d_pageable_s", lambda: [d.copy_(s) for d, s in zip(tensors, pageable)])
+            del pinned, pageable
+        for label, kwargs in (("default", {}), ("uncapped", {"background_nice": None, "background_cpu_share": None})):
+            compare.evict(path)
+            ck = Checkpointer(work / "ck", keep=1, **kwargs)
+            timed(f"load_latest_{label}_s", lambda: ck.load_latest(state))
+            timed(f"load_latest_{label}_then_prepared_s", ck._stager.wait_prepared)
+            ck.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"restore_phases_{args.device}.json"
+    out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

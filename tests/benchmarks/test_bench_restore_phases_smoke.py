@@ -1,0 +1,22 @@
+"""Smoke test of bench_restore_phases.py on CPU: a tiny state, every phase timed, the results file
+written. The figures are checked for plausibility only (this machine may be loaded)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_every_phase_of_a_cpu_restore_is_timed(tmp_path):
+    out = tmp_path / "phases.json"
+    subprocess.run([sys.executable, "bench_restore_phases.py", "--gib", "0.01", "--dir", str(tmp_path),
+                    "--out", str(out)], cwd=BENCH, check=True, capture_output=True, timeout=120)
+    res = json.loads(out.read_text())
+    phases = ["read_entries_cold_s", "restore_from_buffers_s", "load_latest_default_s", "load_latest_uncapped_s"]
+    assert res["device"] == "cpu" and all(res[p] > 0 for p in phases)
+    assert "h2d_pinned_s" not in res  # the pinned yardsticks need CUDA state
+    assert not list(tmp_path.glob("phases-*"))  # its scratch directory is gone

@@ -38,7 +38,8 @@ orphans too.
 
 At the end a one-line summary on stderr (:mod:`spotguard_daemon.commands.run_summary`); ``--json`` prints it
 as one JSON object on the last line of stdout. ``$SPOTGUARD_RECORD`` is used when set, else a
-private record file is given to the job and removed at the end.
+private record file is given to the job and removed at the end (a supervisor killed before that
+leaves it to the next one's start: :mod:`spotguard_daemon.commands.run_private`).
 
 Exceptions: none escape; usage errors exit 2 (one line).
 """
@@ -47,11 +48,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +62,7 @@ from spotguard.guard import HANDLED_ENV
 from spotguard.protocol import Notice
 
 from spotguard_daemon.commands.common import Duration, daemon_status, settings_or_exit
+from spotguard_daemon.commands.run_private import RECORD, Private
 from spotguard_daemon.commands.run_summary import PREEMPTED, Launch, human, summary
 from spotguard_daemon.commands.supervise import (STOP_S, CommandNotFound, LaunchError, Registrar,
                                         become_subreaper, command_after_options,
@@ -426,13 +426,13 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
         raise click.UsageError(f"${RECORD_ENV}: {exc}") from exc
     settings = settings_or_exit(config)
     _refuse_untrusted(settings)
-    private = Path(tempfile.mkdtemp(prefix="spotguard-run-"))
+    private = Private()  # removes those of supervisors killed before they could
     started = time.time()
     daemon = None
     try:
         reached, daemon = _daemon(settings, config, not no_daemon)
-        sup = Supervisor(list(command), _child_env(settings, private / "record.jsonl"),
-                         Path(os.environ.get(RECORD_ENV) or private / "record.jsonl"),
+        sup = Supervisor(list(command), _child_env(settings, private.path / RECORD),
+                         Path(os.environ.get(RECORD_ENV) or private.path / RECORD),
                          settings.request_endpoint if reached else None,
                          _delivery_signal(settings) if reached else None,
                          **options)
@@ -443,7 +443,7 @@ def run(config: str | None, no_daemon: bool, as_json: bool, command: tuple[str, 
     finally:
         if daemon is not None:
             stop(daemon, 60.0)
-        shutil.rmtree(private, ignore_errors=True)
+        private.close()
     figures = summary(sup.launches, status, time.time() - started, sup.reason)
     _say(human(figures))
     if as_json:

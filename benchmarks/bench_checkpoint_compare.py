@@ -20,7 +20,7 @@ the background after the restore, until they are ready. ``--small`` uses 20,000 
 plus AdamW instead.
 
 ``--device cuda`` puts the state and the training loop on the GPU (each step timed to its
-``synchronize``), as on a GPU node whose loop leaves the cores idle; ``dd``'s row then also times a
+``synchronize``; a wider loop, :data:`GPU_LOOP`), as on a GPU node whose loop leaves the cores idle; ``dd``'s row then also times a
 copy of the whole state from pinned host buffers into the live CUDA tensors (``h2d_pinned_s``): a
 restore's floor is the disk's read plus that copy. A variant that fails is reported and left out of
 the later rounds; the results file is written after every round.
@@ -48,6 +48,10 @@ VARIANTS = ["torch_save", "dcp", "dcp_async", "spotguard", "spotguard_uncapped",
 CONTROL_STEPS = 30
 """Steps ``no_save`` measures after the baseline's: the method's own drift, with nothing persisting."""
 PAGE = os.sysconf("SC_PAGE_SIZE")
+GPU_LOOP = (4096, 4096)
+"""The loop's width and batch with ``--device cuda``: steps of tens of ms on an H200 (fp32), as a GPU
+job's are, with the CPU mostly idle. The CPU loop's size gave 1 ms steps of kernel launches there,
+whose time varied by 40 % between processes: no measure of what a persist costs a real step."""
 MAX_STEPS_DURING = 2000
 """Steps measured at most while a save persists; the save's end is then waited for without steps."""
 BATCH, BASE_STEPS, WARM_STEPS = 256, 20, 30
@@ -91,8 +95,9 @@ def build(gib: float, small: bool):
 def loop():
     import torch
 
-    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(DEVICE)
-    opt, x = torch.optim.SGD(net.parameters(), lr=1e-3), torch.randn(BATCH, 1024, device=DEVICE)
+    width, batch = GPU_LOOP if DEVICE == "cuda" else (1024, BATCH)
+    net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)]).to(DEVICE)
+    opt, x = torch.optim.SGD(net.parameters(), lr=1e-3), torch.randn(batch, width, device=DEVICE)
 
     def step() -> float:
         began = time.perf_counter()

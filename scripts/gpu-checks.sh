@@ -2,8 +2,10 @@
 # The checks that need a GPU, in one run, most important first: tests/gpu (and the CUDA test of
 # tests/client/test_rng.py); the side-by-side comparison with CUDA state (issue 31: durable and
 # restore against torch.save, DCP and dd, the restore's floor with a pinned host-to-device copy);
-# then the CUDA rows of the emergency and periodic-save benchmarks. Run from the repository root on
-# a machine with a CUDA device and torch; results and logs go to $OUT (default /tmp/gpu-checks).
+# where a cold restore's time goes (bench_restore_phases.py); then the CUDA rows of the emergency and
+# periodic-save benchmarks. Run from the repository root on a machine with a CUDA device and torch;
+# results and logs go to $OUT (default /tmp/gpu-checks): a dozen files, so through a tool that brings
+# back a few, point OUT elsewhere and tar it.
 #
 #   BUDGET=540 COMPARE_SIZES=1,8 COMPARE_ROUNDS=3 EMERGENCY_SIZES=1,8 CHECKPOINT_SIZES=1,8 REPEATS=2 \
 #       bash scripts/gpu-checks.sh
@@ -56,6 +58,9 @@ for gib in "${compare_sizes[@]}"; do
         --out "$out/compare_cuda_${gib}.json" > "$out/compare_${gib}.txt" 2>&1
     tail -14 "$out/compare_${gib}.txt"
 done
+step "restore phases" "${PHASES_TIMEOUT:-120}" python3 bench_restore_phases.py --device cuda --gib "${PHASES_GIB:-8}" \
+    --out "$out/restore_phases_cuda.json" > "$out/restore_phases.txt" 2>&1
+cat "$out/restore_phases.txt"
 step emergency "${BENCH_TIMEOUT:-270}" python3 bench_emergency.py --device cuda --sizes "${EMERGENCY_SIZES:-1,8}" \
     --repeats "${REPEATS:-2}" --out "$out/emergency_cuda.json" > "$out/emergency.txt" 2>&1
 tail -8 "$out/emergency.txt"

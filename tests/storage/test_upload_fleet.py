@@ -117,7 +117,8 @@ def test_a_follower_finishes_a_superseded_upload_once_node_0_proposed_its_step(t
 
 def test_a_step_proposed_ahead_is_held_from_its_commit_and_uploaded_after_the_job_deleted_it(tmp_path, caplog):
     """Node 0 proposed the commit at or after step 10 before this node committed it (its uploads
-    start late: :meth:`Fleet.threshold`). This node holds step 10 open as the commit is reported
+    start late: :meth:`Fleet.threshold`); this node reads it before its first upload (step 7) goes
+    out. It holds step 10 open as the commit is reported
     and uploads its part although the job's retention (``keep=1``) deleted the step before that
     upload began, while the upload of step 8 was still in flight. Before, a follower could take a
     proposed step only while its job still kept it, and on a loaded machine missed most."""
@@ -131,11 +132,13 @@ def test_a_step_proposed_ahead_is_held_from_its_commit_and_uploaded_after_the_jo
     try:
         queue.submit("job", node_ckpt(root, 7, 1, {"w.bin": b"7"}), 7)  # the daemon learns its node index
         assert queue.wait_idle(10)
-        queue.submit("job", node_ckpt(root, 8, 1, {"w.bin": bytes([8]) * 200_000}), 8)
+        assert "the commit at or after step 10 is the proposed one" in caplog.text  # read before 7 went
+        queue.submit("job", node_ckpt(root, 8, 1, {"w.bin": bytes([8]) * 2_000_000}), 8)  # 4 s to send
         deadline = time.monotonic() + 10
-        while "the commit at or after step 10 is the proposed one" not in caplog.text:
-            assert time.monotonic() < deadline, caplog.text  # read as the upload of 8 started
+        while (queue.status()["uploading"] or {}).get("step") != 8:
+            assert time.monotonic() < deadline, caplog.text
             time.sleep(0.01)
+        time.sleep(0.5)  # its files open (its bytes are paced: 4 s), before the job's retention runs
         for step in (9, 10, 11, 12):
             ckpt = node_ckpt(root, step, 1, {"w.bin": bytes([step]) * 200_000})
             queue.submit("job", ckpt, step)
@@ -169,3 +172,25 @@ def test_node_0_proposes_its_step_when_on_time_and_a_commit_ahead_when_late(tmp_
     assert fleet.submitted("job", 50)  # the first commit at or after 45: held from its commit
     assert not fleet.submitted("job", 50) and not fleet.submitted("job", 60)  # once
     assert fleet.resolve("job", 45) == 50
+
+
+def test_a_followers_first_upload_takes_the_step_node_0_proposed(tmp_path, caplog):
+    """A daemon (re)started on node 1 learns that node 0 leads the job from the first checkpoint it
+    stages; before anything is sent it chooses again, as a follower: node 0's proposed step 5, still
+    held here, goes first, then the newest commit. Before, that first upload sent step 7 alone, and
+    step 5 waited in vain for node 1's part."""
+    caplog.set_level(logging.INFO, logger="spotguard_daemon")
+    store = FileStore(tmp_path / "bucket")
+    store.put_bytes(next_key("job"), json.dumps({"step": 5, "proposed": time.time()}).encode())
+    queue, done, _ = _queue(store, tmp_path / "n1")
+    queue.durable.replicated_wait = 0.2  # node 0's part never comes here
+    root = tmp_path / "ckpt1"
+    node_ckpt(root, 5, 1, {"w.bin": b"5"})
+    queue.start()
+    try:
+        queue.submit("job", node_ckpt(root, 7, 1, {"w.bin": b"7"}), 7)
+        assert queue.wait_idle(10)
+    finally:
+        queue.close()
+    assert [s for _, s in done] == [5, 7], caplog.text
+    assert "uploading job step 5 before step 7: node 0's part of it is in the store" in caplog.text

@@ -31,7 +31,9 @@ itself.
   its local root (the others, keeping alike, can still take it) or while the others may still be
   sending parts of it (:data:`SLOWER` times node 0's own upload of it); after that none can, and
   the next start proposes anew.
-* **The other nodes follow.** Before each upload a follower reads ``next.json`` (one GET). When it
+* **The other nodes follow.** Before each upload a follower reads ``next.json`` (one GET); a
+  daemon learns which node it is from the first checkpoint of the job it stages, and, a follower,
+  chooses that first upload again before sending anything (a restarted daemon included). When it
   names a step ahead of its commits, the follower holds that commit from its report (see above).
   When it names a step it holds (pinned, or still committed), newer than the last global one and
   not uploaded by it already, it uploads that step first (its newer commit waits in the queue) and finishes it even

@@ -82,6 +82,12 @@ INTEGRITY_ATTEMPTS = 3
 """A checkpoint whose files disagree with its manifest this many times in a row is refused."""
 
 
+class _Learned(Exception):
+    """This daemon's first upload of a job showed that another node leads it (:meth:`.Fleet.learn`):
+    nothing is sent yet, and the upload is chosen again as a follower's (:meth:`UploadQueue._proposed`
+    reads node 0's proposal only for a job known to follow)."""
+
+
 class UploadQueue:
     """Serialises uploads of committed checkpoints to one :class:`Durable` store.
 
@@ -331,6 +337,7 @@ class UploadQueue:
 
     def _attempt(self, upload: Upload) -> None:
         upload.attempts += 1
+        knew = self.fleet.coordinated(upload.job_id)  # its node index learned from an earlier upload
         upload = self._proposed(upload)
         flight = Flight(self._cond, lambda: self._why_abandon(upload), self._set_progress,
                         self.bytes_per_second)
@@ -340,12 +347,19 @@ class UploadQueue:
             with contextlib.nullcontext(view) if view is not None else confine.staged(
                     self.root or Path(upload.path).parent, Path(upload.path), upload.step, self.staging) as ckpt:
                 self.fleet.learn(upload.job_id, ckpt)
+                if not knew and self.fleet.follows(upload.job_id):
+                    raise _Learned  # a follower's first upload: choose again, with node 0's proposal
                 self._lead(upload)
                 info = self._send(upload, ckpt, flight)
         except Superseded:
             log.info("upload of %s step %d superseded by a newer checkpoint", upload.job_id, upload.step)
             self.watch.superseded(upload.job_id)
             self._finish(upload, None)
+        except _Learned:
+            upload.attempts -= 1
+            with self._cond:
+                self._current = None
+                self._enqueue(upload)
         except Preempted:
             log.info("upload of %s step %d paused for a newer checkpoint (notice pending)",
                      upload.job_id, upload.step)

@@ -76,6 +76,8 @@ def test_only_a_dead_supervisors_own_private_directory_is_swept(tmp_path):
             made(f"{PREFIX}{pid}-more"), made(f"{PREFIX}{pid}-linked"), made(f"{PREFIX}{os.getpid()}-alive")]
     (kept[2] / "precious.ckpt").write_text("x")  # something else inside: left as it is
     (kept[3] / "record.jsonl").symlink_to(tmp_path / "elsewhere")
+    kept += [made(f"{PREFIX}99999999999999999999-huge"), made(f"{PREFIX}0-zero"),  # no pid: not ours
+             made(f"{PREFIX}{pid}"), made(f"{PREFIX}{pid}-")]
     target = made("somewhere-else")
     (tmp_path / f"{PREFIX}{pid}-link").symlink_to(target)
     if os.getuid() == 0:  # another user's directory (root can make one here)

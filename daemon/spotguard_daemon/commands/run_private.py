@@ -63,11 +63,16 @@ def sweep(base: Path | None = None) -> int:
     return sum(_remove(base, name) for name in names if not _running(_pid(name) or 0))
 
 
+PID_MAX = 1 << 22
+"""Linux's largest pid (``/proc/sys/kernel/pid_max`` can be no higher): a name with a larger
+number is no supervisor's (and ``os.kill`` would raise OverflowError on it)."""
+
+
 def _pid(name: str) -> int | None:
     if not name.startswith(PREFIX):
         return None
     pid, dash, suffix = name[len(PREFIX):].partition("-")
-    return int(pid) if pid.isdigit() and dash and suffix else None
+    return int(pid) if pid.isdigit() and len(pid) <= 7 and 0 < int(pid) <= PID_MAX and dash and suffix else None
 
 
 def _running(pid: int) -> bool:

@@ -90,19 +90,25 @@ def fake_daemon(tmp_path):
     daemon.stop()
 
 
-def launch_registered(tmp_path, daemon: FakeDaemon, *args: str) -> Proc:
-    proc = Proc.example(tmp_path / "ckpt", STEPS, *args, env=isolated_env(tmp_path / "rt"))
+def launch_registered(tmp_path, daemon: FakeDaemon, *args: str, **env: str) -> Proc:
+    proc = Proc.example(tmp_path / "ckpt", STEPS, *args, env=isolated_env(tmp_path / "rt", **env))
     proc.wait_line(r"start step=")
     assert wait_for(lambda: daemon.requests_of("register"))
     return proc
 
 
 def test_daemon_notice_over_zmq_stops_the_job_and_reports(tmp_path, fake_daemon):
-    proc = launch_registered(tmp_path, fake_daemon, "--save-every", "1000", "--step-sleep", "0.01")
+    proc = launch_registered(tmp_path, fake_daemon, "--save-every", "1000", "--step-sleep", "0.01",
+                             SPOTGUARD_PROGRESS_SECONDS="0.1")
+    # Past its first steps: a notice during the start (restore, first step) exits 75 at once, with
+    # nothing trained to save (test_eval_notice.py); under load that window is seconds long.
+    assert wait_for(lambda: any(r.step >= 2 for r in fake_daemon.requests_of("progress")), timeout=60), proc.output
     notice = make_notice(20)
     fake_daemon.publish_notice(notice)
     assert proc.finish(30) == 75, proc.output
-    step = int(proc.grab(r"stopped step=(\d+) status=75")[0][1])
+    stopped = proc.grab(r"stopped step=(\d+) status=75")
+    assert stopped, proc.output
+    step = int(stopped[0][1])
     assert committed_step(tmp_path / "ckpt") == step
     (register,) = fake_daemon.requests_of("register")
     assert register.pid == proc.popen.pid

@@ -57,10 +57,10 @@ def sweep(base: Path | None = None) -> int:
     """Remove the directories of dead supervisors in ``base`` (the temp directory); how many."""
     base = Path(base or tempfile.gettempdir())
     try:
-        names = [n for n in os.listdir(base) if _pid(n) is not None]
+        names = os.listdir(base)
     except OSError:
         return 0
-    return sum(_remove(base, name) for name in names if not _running(_pid(name) or 0))
+    return sum(_remove(base, name) for name in names if (pid := _pid(name)) is not None and not _running(pid))
 
 
 PID_MAX = 1 << 22

@@ -156,14 +156,17 @@ class Fleet:
             return threshold
         return next((step for step in commits if step >= threshold), None)
 
-    def expect(self, job: str, threshold: int) -> None:
-        """A proposal ahead of this node's commits: pin its commit when it comes (:meth:`submitted`)."""
-        if self.resolve(job, threshold) is None:
+    def expect(self, job: str, threshold: int) -> int | None:
+        """A proposal read: the step it names here (:meth:`resolve`). While that is ahead of this
+        node's commits (None), its commit is pinned when it comes (:meth:`submitted`)."""
+        step = self.resolve(job, threshold)
+        if step is None:
             with self._lock:
                 if self._expected.get(job) != threshold:
                     self._expected[job] = threshold
                     log.info("%s: the commit at or after step %d is the proposed one; holding it from its "
                              "commit", job, threshold)
+        return step
 
     def threshold(self, job: str, step: int) -> int:
         """Node 0, about to propose ``step`` (the upload it starts): what to propose. ``step`` itself
@@ -217,9 +220,8 @@ class Fleet:
             return None
         if found is None:
             return None
-        proposed = self.resolve(job, found[0])
+        proposed = self.expect(job, found[0])
         if proposed is None:  # ahead of this node's commits: held from its commit, uploaded then
-            self.expect(job, found[0])
             return None
         if proposed <= global_step or proposed == followed or proposed > step:
             return None
@@ -250,10 +252,7 @@ class Fleet:
             return False
         if found is None:
             return False
-        proposed = self.resolve(job, found[0])
-        if proposed is None:
-            self.expect(job, found[0])
-        if proposed != step:
+        if self.expect(job, found[0]) != step:
             return False
         with self._lock:
             self._following[job] = step
@@ -305,10 +304,8 @@ class Fleet:
         committed here yet (ahead), or still held here, or the others may still be sending it."""
         if time.time() - found[1] >= self.lag_bound:
             return False
-        step = self.resolve(job, found[0])
-        if step is None:
-            self.expect(job, found[0])  # node 0 holds it too (a restarted daemon did not propose it)
-        elif not (_held(path, step) or self._may_still_come(job, step)):
+        step = self.expect(job, found[0])  # ahead: node 0 holds it too (a restarted daemon did not propose it)
+        if step is not None and not (_held(path, step) or self._may_still_come(job, step)):
             return False
         newest = durable.latest(job)
         return newest is None or newest < (found[0] if step is None else step)

@@ -357,15 +357,11 @@ class UploadQueue:
             self._finish(upload, None)
         except _Learned:
             upload.attempts -= 1
-            with self._cond:
-                self._current = None
-                self._enqueue(upload)
+            self._put_back(upload)
         except Preempted:
             log.info("upload of %s step %d paused for a newer checkpoint (notice pending)",
                      upload.job_id, upload.step)
-            with self._cond:
-                self._current = None
-                self._enqueue(upload)
+            self._put_back(upload)
         except (confine.UnsafeCheckpoint, ManifestError) as exc:
             if self._deleted_for_newer(upload):
                 log.info("upload of %s step %d superseded: the job deleted it (its retention) for a newer "
@@ -391,6 +387,12 @@ class UploadQueue:
             if not self.fleet.follows(upload.job_id):  # node-local roots: node 0 prunes for the fleet
                 self.retention.run(upload.job_id)
 
+    def _put_back(self, upload: Upload) -> None:
+        """Queue ``upload`` again, no longer in flight (dropped if a newer commit of its job is queued)."""
+        with self._cond:
+            self._current = None
+            self._enqueue(upload)
+
     def _lead(self, upload: Upload) -> None:
         """Node 0 of a job behind its saves (:meth:`.GlobalWatch.finish`), when no open proposal
         stays: propose the step it starts uploading and finish it although superseded; or, when
@@ -404,9 +406,9 @@ class UploadQueue:
         if step == upload.step:
             self.watch.finish_anyway(job, step, starting=True)
             self.fleet.finish(job, step)
-        elif step is not None and (committed := self.fleet.resolve(job, step)) is None:
-            self.fleet.expect(job, step)  # held from its commit, here as on the other nodes
-        elif step is not None:  # committed during the proposal's write: held from now on
+        elif step is not None and (committed := self.fleet.expect(job, step)) is not None:
+            # committed during the proposal's write: held from now on (else from its commit, as
+            # on the other nodes)
             self.pins.pin(job, Path(upload.path).parent / step_name(committed), committed)
 
     def _send(self, upload: Upload, ckpt: Path, flight: Flight) -> DurableInfo:

@@ -30,7 +30,8 @@ def main() -> None:
             opt.zero_grad()
             model(torch.ones(2, 4)).sum().backward()
             opt.step()
-    print(f"rank {dist.get_rank()} trained", flush=True)
+    sys.stdout.write(f"rank {dist.get_rank()} trained\n")  # one write of the whole line: ranks share
+    sys.stdout.flush()  # the pipe, and print() writes the newline apart (CI saw two lines run together)
     for i in range(50):  # as the HF Trainer's store_flos: gather, concatenate, drop
         scalar = torch.tensor([float(i)])
         gathered = [scalar.clone() for _ in range(dist.get_world_size())]

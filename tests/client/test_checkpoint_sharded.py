@@ -294,3 +294,54 @@ def test_manifest_admits_dcp_files_only_inside_a_part_s_dcp_dir(tmp_path, rel, o
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(*sys.argv[2:5])
+
+
+def test_dcp_save_s_torch_work_holds_a_fork_for_one_step_not_the_save(tmp_path, monkeypatch):
+    """write_dcp runs DCP in the persist thread, where a loader forking its workers must not cut
+    through torch work. Each item's resolution holds a fork until it ends; between items a fork
+    goes ahead. Observed through DCP's own planner (the product's subclass calls it), real forks."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from spotguard import _forkgate
+    from spotguard.checkpoint.sharded import write_dcp
+
+    resolved, forks = [], []
+    original = DefaultSavePlanner.resolve_data
+
+    def fork_now() -> None:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        forks.append(time.monotonic())
+        os.waitpid(pid, 0)
+
+    def observed(self, write_item):  # a fork asked for mid-resolution waits for it to end
+        inside = _forkgate._inside
+        forker = threading.Thread(target=fork_now)
+        forker.start()
+        time.sleep(0.3)
+        done = time.monotonic()
+        data = original(self, write_item)
+        resolved.append((inside, done))
+        return data
+    monkeypatch.setattr(DefaultSavePlanner, "resolve_data", observed)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        dtensors = {f"app/w{i}": distribute_tensor(torch.arange(24.0 * (i + 1)).reshape(-1, 4), mesh, [Shard(0)])
+                    for i in range(2)}
+        (tmp_path / "part").mkdir()
+        files = write_dcp(tmp_path / "part", SimpleNamespace(dtensors=dtensors))
+    finally:
+        dist.destroy_process_group()
+    assert len(resolved) == 2 and len(forks) == 2 and "dcp/.metadata" in files
+    for (inside, done), forked in zip(resolved, sorted(forks)):
+        assert inside >= 1 and forked > done, (inside, forked - done)

@@ -42,11 +42,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.tensor import DTensor
 
+from spotguard._forkgate import torch_work
 from spotguard.checkpoint import _fs
 from spotguard.checkpoint._workers import Throttle
 from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
@@ -166,10 +167,47 @@ def mark(snap: Snapshot, dtensors: dict[str, DTensor]) -> ShardedSnapshot:
     return ShardedSnapshot(snap.entries, snap.tensors, nbytes, snap.ends, packed=snap.packed, dtensors=dtensors)
 
 
+class _GatedSavePlanner(DefaultSavePlanner):
+    """DCP's own save planner, each of its steps one piece of torch work (:mod:`spotguard._forkgate`).
+
+    ``dcp.save`` runs in the persist thread. Its planning and each item's resolution (the local
+    shard taken, detached and given storage of its own) are torch operators; a loader forking its
+    workers meanwhile must not cut through one. Gating the whole save would hold a fork for the
+    save's length; gating the steps holds it for one step. The writes between them run ungated: by
+    then each item is a plain CPU tensor that DCP only serializes (``_SerialCpuLoader`` finds
+    nothing left to detach, move or copy)."""
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        with torch_work():
+            super().set_up_planner(*args, **kwargs)
+
+    def create_local_plan(self) -> Any:
+        with torch_work():
+            return super().create_local_plan()
+
+    def create_global_plan(self, *args: Any, **kwargs: Any) -> Any:
+        with torch_work():
+            return super().create_global_plan(*args, **kwargs)
+
+    def finish_plan(self, *args: Any, **kwargs: Any) -> Any:
+        with torch_work():
+            return super().finish_plan(*args, **kwargs)
+
+    def resolve_data(self, write_item: Any) -> Any:
+        with torch_work():
+            data = super().resolve_data(write_item)
+            if isinstance(data, torch.Tensor):
+                data = data.detach().cpu()
+                if data.untyped_storage().size() != data.nbytes:
+                    data = data.clone()
+            return data
+
+
 def write_dcp(part: Path, snap: Snapshot, throttle: Throttle | None = None) -> dict[str, dict]:
     """Write the snapshot's DTensors into ``part/dcp`` (fsynced, mode 0600); returns
     ``{relpath: {size, sha256}}`` relative to ``part``, ``{}`` when the snapshot has none. Runs in
-    the background save thread (reniced); DCP's writes are not CPU-capped, our hashing is."""
+    the background save thread (reniced); DCP's writes are not CPU-capped, our hashing is. DCP's
+    torch work runs in pieces no fork cuts through (:class:`_GatedSavePlanner`)."""
     dtensors = getattr(snap, "dtensors", None)
     if not dtensors:
         return {}
@@ -178,7 +216,8 @@ def write_dcp(part: Path, snap: Snapshot, throttle: Throttle | None = None) -> d
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.save(dtensors, storage_writer=dcp.FileSystemWriter(out, sync_files=True), no_dist=True)
+            dcp.save(dtensors, storage_writer=dcp.FileSystemWriter(out, sync_files=True), planner=_GatedSavePlanner(),
+                     no_dist=True)
         except CheckpointException as exc:  # a BaseException: unwrap, so ENOSPC is still recognised
             raise _unwrap(exc) from exc
     names = sorted(os.listdir(out))

@@ -5,7 +5,10 @@ alike), medians over ``--rounds``: ``torch.save`` (+ fsync), DCP ``save``, DCP `
 spotguard with its defaults (nice 19, adaptive CPU budget fed by the loop's step times, as ``Run``
 does), spotguard uncapped, and ``dd`` (write ``conv=fsync``, cold read) as the disk's yardstick; beside ``dd``'s one buffered
 stream, the same file read cold by 4 threads ``O_DIRECT`` (``parallel_read``): the disk's speed for
-reads like a restore's.
+reads like a restore's. After a spotguard restore, its own checkpoint's files are read cold the same
+way into reused buffers, with no check and no fresh memory (``files_read_s``): the disk's time for those
+files, which a restore cannot beat. Where ``/sys`` shows the disk, each read also records its mean
+request size (``*_request_kib``): on a virtio disk whose cost is per request, the size sets the speed.
 
 The state is a real model plus AdamW (state created by one step); a small separate training loop
 (4 x Linear(1024)) runs before and while an asynchronous save persists, so inflation is
@@ -172,6 +175,63 @@ def parallel_read(path: Path, threads: int = 4, span: int = 16 << 20) -> float:
         buf.close()
 
 
+def own_files_read(root: Path, threads: int = 4) -> float:
+    """Seconds to read every file under ``root`` cold, ``threads`` files at a time, as a restore
+    reads them (``O_DIRECT`` where the file system takes it, a page-aligned buffer per thread,
+    reused): the disk's own time for this checkpoint's files, without checks or fresh memory."""
+    files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+    span = max((p.stat().st_size for p in files), default=0) + PAGE
+    local = threading.local()
+
+    def read(path: Path) -> None:
+        if not hasattr(local, "view"):
+            local.view = memoryview(mmap.mmap(-1, span))  # touched once per thread, before the clock
+        size, view = path.stat().st_size, local.view
+        direct = size % PAGE == 0 and hasattr(os, "O_DIRECT")
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            pos = 0
+            while pos < size:
+                n = os.preadv(fd, [view[pos:size]], pos)
+                if not n:
+                    raise EOFError(path)
+                pos += n
+        finally:
+            os.close(fd)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda _: read(files[0]), range(threads)))  # each thread's buffer, warm
+        evict(root)
+        began = time.perf_counter()
+        list(pool.map(read, files))
+        return time.perf_counter() - began
+
+
+class DiskRequests:
+    """Reads and bytes the block device under ``path`` completed meanwhile (``/sys/dev/block``);
+    ``kib`` is the mean request size, None where ``/sys`` does not show the device (tmpfs, overlay)."""
+
+    def __init__(self, path: Path) -> None:
+        st = os.stat(path)
+        self.stat = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat")
+        self.kib: float | None = None
+
+    def _reads(self) -> tuple[int, int] | None:
+        try:
+            fields = self.stat.read_text().split()
+            return int(fields[0]), int(fields[2])  # reads completed, sectors read
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def __enter__(self) -> DiskRequests:
+        self.before = self._reads()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = self._reads()
+        if self.before and after and after[0] > self.before[0]:
+            self.kib = (after[1] - self.before[1]) * 512 / (after[0] - self.before[0]) / 1024
+
+
 def steps_measured(out: dict, base: list[float], during: list[float]) -> None:
     """The step medians before and during the save, and the inflation they make."""
     out["step_s"], out["step_during_s"] = statistics.median(base), statistics.median(during)
@@ -245,9 +305,12 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
                        check=True, capture_output=True)
         out["durable_s"] = out["stall_s"] = time.perf_counter() - began
         evict(path)
-        began = time.perf_counter()
-        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
-        out["restore_s"] = time.perf_counter() - began
+        with DiskRequests(path) as requests:
+            began = time.perf_counter()
+            subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+            out["restore_s"] = time.perf_counter() - began
+        if requests.kib:
+            out["restore_request_kib"] = requests.kib
         evict(path)
         out["parallel_read_s"] = parallel_read(path)
         if DEVICE == "cuda":
@@ -275,13 +338,20 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
         for p in model.parameters():
             p.zero_()
     evict(path)
-    with PeakRss() as rss:
+    with PeakRss() as rss, DiskRequests(work) as requests:
         began = time.perf_counter()
         restore(path, model, opt, out)
         sync()
         out["restore_s"] = time.perf_counter() - began
         out.pop("wait_prepared", lambda: None)()
     out["restore_peak_rss_extra"] = rss.extra / nbytes
+    if requests.kib:
+        out["restore_request_kib"] = requests.kib
+    if variant.startswith("spotguard"):
+        with DiskRequests(work) as requests:
+            out["files_read_s"] = own_files_read(path)
+        if requests.kib:
+            out["files_read_request_kib"] = requests.kib
     assert all(bool((p != 0).any()) for p in list(model.parameters())[:3]), "restore left zeros"
     return out
 
@@ -400,21 +470,27 @@ def table(rows: dict[str, dict]) -> str:
     par = dd.get("parallel_read_s")
     lines = ["| variant | stall | durable | durable / dd write | step inflation while persisting | restore (cold) "
              "| restore / torch.load | restore / dd read | restore / parallel read "
-             "| restore peak RSS above the state | buffers prepared in |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| restore / its files read | restore peak RSS above the state | buffers prepared in |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if "stall_s" not in r:  # the control: only its steps
-            lines.append(f"| {name} (control) | - | - | - | {r['inflation']:+.1%} | - | - | - | - | - | - |")
+            lines.append(f"| {name} (control) | - | - | - | {r['inflation']:+.1%} | - | - | - | - | - | - | - |")
             continue
         infl = f"{r['inflation']:+.1%}" if "inflation" in r else "-"
         rss = f"{r['restore_peak_rss_extra']:.2f}x" if "restore_peak_rss_extra" in r else "-"
         prep = f"{r['prepare_s']:.2f} s" if "prepare_s" in r else "-"
         vs_par = f"{r['restore_s'] / par:.2f}x" if par else "-"
+        vs_files = f"{r['restore_s'] / r['files_read_s']:.2f}x" if "files_read_s" in r else "-"
         lines.append(f"| {name} | {r['stall_s']:.3f} s | {r['durable_s']:.2f} s | "
                      f"{r['durable_s'] / dd['durable_s']:.2f}x | {infl} | {r['restore_s']:.2f} s | "
                      f"{r['restore_s'] / ref['restore_s']:.2f}x | {r['restore_s'] / dd['restore_s']:.2f}x | "
-                     f"{vs_par} | {rss} | {prep} |"
+                     f"{vs_par} | {vs_files} | {rss} | {prep} |"
                      if dd and ref else f"| {name} | {r} |")
+    sizes = [f"{n} {r['restore_request_kib']:.0f}" + (f" (its files read: {r['files_read_request_kib']:.0f})"
+                                                      if "files_read_request_kib" in r else "")
+             for n, r in rows.items() if "restore_request_kib" in r]
+    if sizes:
+        lines.append("\nmean read request (KiB) of the restore: " + "; ".join(sizes))
     if dd.get("h2d_pinned_s") is not None:
         floor = dd["h2d_pinned_s"] + (par or dd["restore_s"])
         lines.append(f"\npinned H2D of the whole state: {dd['h2d_pinned_s']:.3f} s; a restore's floor (parallel "

@@ -26,4 +26,7 @@ def test_spotguard_and_torch_save_rounds_measure_save_restore_and_memory(tmp_pat
     table = bench.table({k: {key: v for key, v in r.items() if not key.startswith("_")}
                          for k, r in {**rows, "no_save": control}.items()})
     assert rows["dd"]["parallel_read_s"] > 0 and "restore / parallel read" in table
+    assert rows["spotguard"]["files_read_s"] > 0 and "restore / its files read" in table
+    spotguard_row = next(line for line in table.splitlines() if line.startswith("| spotguard |"))
+    assert spotguard_row.split(" | ")[9].endswith("x")  # restore / its files read, measured
     assert "| spotguard |" in table and "restore / torch.load" in table and "| no_save (control) |" in table

@@ -216,7 +216,9 @@ class FileReader:
     become the staging copy. Reading them ``O_DIRECT`` too lets the disk fill the buffer with no copy
     out of the page cache, and spans read in parallel keep several requests in flight across the
     part's files: 1 GiB in 0.7 s here where one thread's buffered reads took 1.0-1.1 s (``dd``
-    reading buffered with the kernel's read-ahead: 0.55 s)."""
+    reading buffered with the kernel's read-ahead: 0.55 s). On a VM whose disk serves one request at
+    a time, the request size sets the speed instead, and that follows how contiguous the memory read
+    into is (benchmarks/README.md, "A third VM")."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.direct_fd, self.direct = path, -1, False

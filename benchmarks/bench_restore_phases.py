@@ -4,8 +4,10 @@ One process, one state (``bench_checkpoint_compare``'s model plus AdamW, on ``--
 once by an uncapped Checkpointer. Then, each from a cold cache: ``read_entries`` (read and verify
 every file into page-aligned host buffers), ``restore`` from them (``load_state_dict``: with CUDA
 state the host-to-device copy from pageable memory), the same ``restore`` warm, and
-``Checkpointer.load_latest`` whole with the default budget and uncapped (each followed by the wait
-for the staging buffers it prepares in the background). With CUDA state, the yardsticks of the copy:
+``Checkpointer.load_latest`` whole with the default budget and uncapped, then both again (each
+followed by the wait for the staging buffers it prepares in the background; with its page faults:
+the first restore of a process reads into fresh memory, a later one may reuse what an earlier one
+freed, so order alone can set the gap between two arms). With CUDA state, the yardsticks of the copy:
 allocating pinned buffers for the whole state, a pinned host-to-device copy and a pageable one.
 
     python benchmarks/bench_restore_phases.py --device cuda --gib 8
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import tempfile
 import time
@@ -36,6 +39,7 @@ def main() -> None:
 
     compare.DEVICE = args.device
     work, res = Path(tempfile.mkdtemp(prefix="phases-", dir=args.dir)), {"gib": args.gib, "device": args.device}
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"restore_phases_{args.device}.json"
 
     def timed(name: str, fn):
         compare.sync()
@@ -44,6 +48,7 @@ def main() -> None:
         compare.sync()
         res[name] = time.perf_counter() - began
         print(f"{name}: {res[name]:.3f} s", flush=True)
+        out.write_text(json.dumps(res, indent=1))  # after every phase: a run cut short keeps them
         return value
     try:
         model, opt = timed("build_s", lambda: compare.build(args.gib, False))
@@ -65,15 +70,18 @@ def main() -> None:
             pageable = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
             timed("h2d_pageable_s", lambda: [d.copy_(s) for d, s in zip(tensors, pageable)])
             del pinned, pageable
-        for label, kwargs in (("default", {}), ("uncapped", {"background_nice": None, "background_cpu_share": None})):
+        uncapped = {"background_nice": None, "background_cpu_share": None}
+        for label, kwargs in (("default", {}), ("uncapped", uncapped), ("default_again", {}),
+                              ("uncapped_again", uncapped)):
             compare.evict(path)
             ck = Checkpointer(work / "ck", keep=1, **kwargs)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             timed(f"load_latest_{label}_s", lambda: ck.load_latest(state))
+            res[f"load_latest_{label}_page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             timed(f"load_latest_{label}_then_prepared_s", ck._stager.wait_prepared)
             ck.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"restore_phases_{args.device}.json"
     out.write_text(json.dumps(res, indent=1))
 
 

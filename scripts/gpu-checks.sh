@@ -58,7 +58,7 @@ for gib in "${compare_sizes[@]}"; do
         --out "$out/compare_cuda_${gib}.json" > "$out/compare_${gib}.txt" 2>&1
     tail -14 "$out/compare_${gib}.txt"
 done
-step "restore phases" "${PHASES_TIMEOUT:-120}" python3 bench_restore_phases.py --device cuda --gib "${PHASES_GIB:-8}" \
+step "restore phases" "${PHASES_TIMEOUT:-180}" python3 bench_restore_phases.py --device cuda --gib "${PHASES_GIB:-8}" \
     --out "$out/restore_phases_cuda.json" > "$out/restore_phases.txt" 2>&1
 cat "$out/restore_phases.txt"
 step emergency "${BENCH_TIMEOUT:-270}" python3 bench_emergency.py --device cuda --sizes "${EMERGENCY_SIZES:-1,8}" \

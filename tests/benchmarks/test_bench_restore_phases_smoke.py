@@ -16,7 +16,9 @@ def test_every_phase_of_a_cpu_restore_is_timed(tmp_path):
     subprocess.run([sys.executable, "bench_restore_phases.py", "--gib", "0.01", "--dir", str(tmp_path),
                     "--out", str(out)], cwd=BENCH, check=True, capture_output=True, timeout=120)
     res = json.loads(out.read_text())
-    phases = ["read_entries_cold_s", "restore_from_buffers_s", "load_latest_default_s", "load_latest_uncapped_s"]
+    arms = ["default", "uncapped", "default_again", "uncapped_again"]
+    phases = ["read_entries_cold_s", "restore_from_buffers_s", *(f"load_latest_{arm}_s" for arm in arms)]
     assert res["device"] == "cpu" and all(res[p] > 0 for p in phases)
+    assert all(res[f"load_latest_{arm}_page_faults"] >= 0 for arm in arms)
     assert "h2d_pinned_s" not in res  # the pinned yardsticks need CUDA state
     assert not list(tmp_path.glob("phases-*"))  # its scratch directory is gone

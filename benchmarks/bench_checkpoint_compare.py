@@ -187,8 +187,10 @@ def own_files_read(root: Path, threads: int = 4) -> float:
         if not hasattr(local, "view"):
             local.view = memoryview(mmap.mmap(-1, span))  # touched once per thread, before the clock
         size, view = path.stat().st_size, local.view
-        direct = size % PAGE == 0 and hasattr(os, "O_DIRECT")
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:  # O_DIRECT for whole pages, as FileReader; tmpfs before Linux 6.6 refuses it
+            fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if size % PAGE == 0 else 0))
+        except OSError:
+            fd = os.open(path, os.O_RDONLY)
         try:
             pos = 0
             while pos < size:

@@ -145,6 +145,15 @@ class PeakRss:
         self.extra = self.peak - self.base
 
 
+def fill(fd: int, view: memoryview, start: int, end: int, path: Path) -> None:
+    """Read the file's bytes ``start:end`` into ``view[start:end]``; a short file is an error."""
+    while start < end:
+        n = os.preadv(fd, [view[start:end]], start)
+        if not n:
+            raise EOFError(path)
+        start += n
+
+
 def parallel_read(path: Path, threads: int = 4, span: int = 16 << 20) -> float:
     """Seconds to read ``path`` cold into one page-aligned buffer, ``threads`` spans of ``span``
     bytes in flight, ``O_DIRECT`` where the file system takes it: the disk's own speed for reads
@@ -158,12 +167,7 @@ def parallel_read(path: Path, threads: int = 4, span: int = 16 << 20) -> float:
         fd = os.open(path, os.O_RDONLY)
 
     def read(start: int) -> None:
-        pos, end = start, min(start + span, size)
-        while pos < end:
-            n = os.preadv(fd, [view[pos:end]], pos)
-            if not n:
-                raise EOFError(path)
-            pos += n
+        fill(fd, view, start, min(start + span, size), path)
     began = time.perf_counter()
     try:
         with ThreadPoolExecutor(threads) as pool:
@@ -192,12 +196,7 @@ def own_files_read(root: Path, threads: int = 4) -> float:
         except OSError:
             fd = os.open(path, os.O_RDONLY)
         try:
-            pos = 0
-            while pos < size:
-                n = os.preadv(fd, [view[pos:size]], pos)
-                if not n:
-                    raise EOFError(path)
-                pos += n
+            fill(fd, view, 0, size, path)
         finally:
             os.close(fd)
     with ThreadPoolExecutor(threads) as pool:

@@ -1,18 +1,21 @@
 """A training loop over a shuffled DataLoader with workers and random augmentation, preemption-safe.
 
     python examples/train_loader.py --steps 300 --ckpt-dir checkpoints --workers 2
+    torchrun --nproc-per-node 2 examples/train_loader.py --steps 300 --ckpt-dir checkpoints --workers 2
 
 Run the identical command again after an interruption (a kill included): it resumes from the newest
 committed checkpoint and, on CPU, ends bit-identical to a run never interrupted. What makes the data
 resumable is ``spotguard.DataLoader`` (torch's DataLoader, same arguments) given to ``Run(loader=)``:
 it checkpoints the position, owns every seed the loader draws, and seeds each sample's augmentation
-from its place in the run, so the number of workers and the resume point change nothing.
+from its place in the run, so the number of workers and the resume point change nothing. Under
+torchrun each rank draws its own share of every epoch: the loader shards by rank itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import time
 
@@ -50,9 +53,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun
+    if distributed:
+        torch.distributed.init_process_group("gloo")
     dataset = Noisy()
     loader = spotguard.DataLoader(dataset, batch_size=32, shuffle=True, num_workers=args.workers, seed=0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
+    core = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
+    model = nn.parallel.DistributedDataParallel(core) if distributed else core
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
@@ -76,7 +83,10 @@ def main() -> None:
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     shown = "-" if loss is None else f"{loss.item():.4f}"
-    print(f"final step={run.step} epoch={loader.sampler.epoch} loss={shown}", flush=True)
+    if not distributed or torch.distributed.get_rank() == 0:
+        print(f"final step={run.step} epoch={loader.sampler.epoch} loss={shown}", flush=True)
+    if distributed:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from spotguard.cadence import job_nodes
 
 __all__ = ["RngState", "SAVE_EVERY_ENV", "build_state", "cadence_source", "count_steps",
            "default_group", "distributed", "is_spotguard_loader", "loader_entry", "local_rank",
-           "make_cadence", "rank", "state_bytes"]
+           "make_cadence", "rank", "state_bytes", "unjoined_ranks"]
 
 SAVE_EVERY_ENV = "SPOTGUARD_SAVE_EVERY"
 """Steps between periodic saves of a ``Run`` given neither ``save_every`` nor ``cadence`` (the
@@ -126,6 +126,22 @@ def default_group(process_group: Any) -> Any:
     if process_group is None and dist is not None and dist.get_world_size() > 1:
         return dist.group.WORLD
     return process_group
+
+
+def unjoined_ranks() -> str | None:
+    """Why this process looks like one of several ranks that never joined a process group: its
+    launcher (torchrun, ``accelerate launch``) set ``WORLD_SIZE`` above 1, but torch.distributed is
+    not initialised here, so each rank would train alone. None otherwise."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return None
+    if world <= 1 or distributed() is not None:
+        return None
+    return (f"this process is rank {os.environ.get('RANK', '?')} of {world} (WORLD_SIZE={world}, set by "
+            "its launcher), but torch.distributed is not initialised, so each of the ranks trains "
+            "alone. Call torch.distributed.init_process_group() before spotguard.Run (as "
+            "examples/train_plain.py does), or launch one process without torchrun")
 
 
 def local_rank() -> int:

@@ -102,7 +102,7 @@ from spotguard._heartbeat import Heartbeats
 from spotguard._record import Recorder
 from spotguard._run_parts import RngState as _RngState  # noqa: F401 (tests import it here)
 from spotguard._run_parts import (build_state, count_steps, default_group, is_spotguard_loader, loader_entry,
-                                  cadence_source, make_cadence, rank, state_bytes)
+                                  cadence_source, make_cadence, rank, state_bytes, unjoined_ranks)
 from spotguard._run_common import fetched_tier
 from spotguard._run_start import fresh_requested, load_latest, plan, restore_from_store, start_fresh
 from spotguard._run_stop import Stopping, save_fits  # noqa: F401 (save_fits is public here)
@@ -232,9 +232,18 @@ class Run(Stopping):
         except OSError as exc:  # the root cannot be made (a read-only file system)
             raise _root.StartRefused(_root.unwritable(Path(root).absolute(), exc)) from None
         self._root_lock = None
+        alone = unjoined_ranks() if process_group is None else None
         if self.checkpointer._leads:  # one process per root: writable, and no other launch on it
             _root.probe(self.checkpointer.root)
-            self._root_lock = _root.hold(self.checkpointer.root, job_id)
+            try:
+                self._root_lock = _root.hold(self.checkpointer.root, job_id)
+            except _root.StartRefused as refused:  # another rank of the same launch holds it
+                if alone is None:
+                    raise
+                raise _root.StartRefused(f"{alone}. Here they share the checkpoint root "
+                                         f"{self.checkpointer.root}, and it is taken") from refused
+        if alone is not None:
+            log.warning("%s", alone)
         self.fresh = fresh_requested(fresh)
         self.guard = guard or Guard(job_id=job_id, rank=rank(), daemon=daemon,
                                     signal_deadlines=signal_deadlines, nodes=job_nodes())

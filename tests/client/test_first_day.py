@@ -235,6 +235,36 @@ def test_torchrun_ranks_share_the_root_and_ctrl_c_to_the_group_saves_one_step_on
     assert "KeyboardInterrupt" not in proc.output
 
 
+UNJOINED = """
+import sys, time, torch, spotguard
+model = torch.nn.Linear(4, 1)
+with spotguard.Run(sys.argv[1], model=model, save_every=1000) as run:
+    for step in run.steps(40):
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_never_joined_a_process_group_are_told_so_not_two_launches(tmp_path):
+    """A single-process script launched by torchrun on two ranks (a mistake people make: the loop
+    never calls init_process_group): both ranks say why, and the one refused the shared root
+    says that, not "two launches on one root"."""
+    script = tmp_path / "alone.py"
+    script.write_text(UNJOINED)
+    env = isolated_env(tmp_path / "rt", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "2", str(script), str(tmp_path / "ckpt")], env=env, capture_output=True,
+                          text=True, timeout=100, start_new_session=True)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    why = r"is rank [01] of 2 \(WORLD_SIZE=2, set by its launcher\), but torch.distributed is not initialised"
+    assert len(re.findall(why, out)) == 2, out  # the lock's holder warns, the other is refused
+    refused = re.findall(rf"spotguard: this process {why}.*Here they share the checkpoint root (\S+), and it "
+                         "is taken", out)
+    assert refused == [str(tmp_path / "ckpt")], out
+    assert "two launches on one root" not in out
+
+
 def test_a_fresh_start_is_refused_while_the_store_holds_the_jobs_checkpoints(tmp_path):
     import torch
 

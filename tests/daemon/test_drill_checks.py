@@ -344,6 +344,31 @@ def test_a_notice_to_a_job_that_does_not_listen_to_the_daemon_is_named_not_the_l
     assert "reached promptly" not in problem
 
 
+TORCHRUN_FAILED = """\
+W1130 05:15:27.759000 6104 torch/distributed/run.py:874] *****************************************
+spotguard: the checkpoint root /x/ckpt is in use by pid 6109 on host vm (job t-b2ba94e7b0, since \
+2026-11-30 05:15:30 UTC): two launches on one root would interleave their checkpoints
+spotguard: job t-b2ba94e7b0: fresh start at step 0 (no checkpoint to resume from); saves every 10 steps
+W1130 05:15:31.663000 6104 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 6109 \
+closing signal SIGTERM
+stopping at step 18: emergency save (about 0.01 s, 30.0 s left)
+E1130 05:15:31.880000 6104 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)
+Traceback (most recent call last):
+  File "/venv/bin/torchrun", line 8, in <module>
+    sys.exit(main())
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  exitcode  : 1 (pid: 6110)
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+"""The end of a real torchrun launch whose rank 1 was refused its checkpoint root."""
+
+
 def test_the_drill_plans_only_the_preemptions_that_fit_and_stops_on_a_failed_reference(tmp_path):
     from spotguard_daemon.commands.drill import Drill, DrillError
 
@@ -362,6 +387,17 @@ def test_the_drill_plans_only_the_preemptions_that_fit_and_stops_on_a_failed_ref
         with pytest.raises(DrillError, match=r"the reference run \(the command, uninterrupted\) "
                            r"exited with status 2 before it started a spotguard run \(no start "
                            r"event\): \"python: can't open file '/x/train.py'.*nothing was drilled"):
+            run._reference_ran(failing)
+        # torchrun's report of the failed worker ends the log; the cause is the worker's own line
+        failing.status = 1
+        failing.log.write_text(TORCHRUN_FAILED)
+        with pytest.raises(DrillError, match=r"exited with status 1 before it started a spotguard run "
+                           r"\(no start event\): 'spotguard: the checkpoint root /x/ckpt is in use by "
+                           r"pid 6109 on host vm.*'; see .*nothing was drilled"):
+            run._reference_ran(failing)
+        failing.log.write_text(TORCHRUN_FAILED.replace("spotguard: the checkpoint", "the checkpoint")
+                               .replace("stopping at step 18", "ValueError: bad batch\nstopping at step 18"))
+        with pytest.raises(DrillError, match=r"\(no start event\): 'ValueError: bad batch'; see"):
             run._reference_ran(failing)
         measured = recorded(tmp_path, 0, steps=(10, 100), commits=((100, "periodic"),), finish="x")
         for event, t in zip(measured.of("progress"), (100.0, 109.0)):

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import stat
@@ -174,7 +175,7 @@ class Drill(Planning):
                    "exited 0 without finishing a spotguard run")
             if not launch.started:
                 how += " before it started a spotguard run (no start event)"
-            said = next(iter(_last_lines(launch.log, 1)), "")
+            said = _cause_line(launch.log)
             raise DrillError(f"the reference run (the command, uninterrupted) {how}"
                              + (f": {said!r}" if said else "") + f"; see {launch.log}. Fix the "
                              "command first: nothing was drilled")
@@ -460,6 +461,26 @@ def _last_lines(log: Path | None, count: int) -> list[str]:
         return []
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return [printable(line[:300]) for line in lines[-count:]]
+
+
+_LAUNCHER_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
+"""A line of torchrun's own log (glog's prefix: level, date, time)."""
+_CAUSE = re.compile(r"^(spotguard: (?!job \S+: )|[A-Za-z_][\w.]*(Error|Exception|Exit)\b)")
+"""A line that names a failure: a refusal spotguard printed (its start line excepted), or the last
+line of a Python traceback."""
+
+
+def _cause_line(log: Path | None) -> str:
+    """The line of a failed launch's log that names why it failed: the last refusal or exception
+    its own processes printed, else its last line with words in it. torchrun's report of a failed
+    worker (its traceback, its boxed summary) and its log lines name none, so they are skipped."""
+    lines = _last_lines(log, 200)
+    failed = next((i for i in range(len(lines) - 1, -1, -1) if "ChildFailedError" in lines[i]), None)
+    if failed is not None:  # drop the launcher's traceback, which ends in ChildFailedError
+        lines = lines[:max((i for i in range(failed) if lines[i].startswith("Traceback (most recent")),
+                           default=failed)]
+    lines = [line for line in lines if not _LAUNCHER_LOG.match(line) and any(c.isalnum() for c in line)]
+    return next((line for line in reversed(lines) if _CAUSE.match(line)), lines[-1] if lines else "")
 
 
 def _loss_spread(last: Launch, reference: Launch, second: Launch) -> dict:

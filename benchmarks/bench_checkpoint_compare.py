@@ -9,6 +9,8 @@ reads like a restore's. After a spotguard restore, its own checkpoint's files ar
 way into reused buffers, with no check and no fresh memory (``files_read_s``): the disk's time for those
 files, which a restore cannot beat. Where ``/sys`` shows the disk, each read also records its mean
 request size (``*_request_kib``): on a virtio disk whose cost is per request, the size sets the speed.
+``spotguard_4k_pages`` (run only when named in ``--variants``) is the default with
+``SPOTGUARD_HUGE_PAGES=0``; spotguard's rows record the last huge page probe (``probe_*_ms``).
 
 The state is a real model plus AdamW (state created by one step); a small separate training loop
 (4 x Linear(1024)) runs before and while an asynchronous save persists, so inflation is
@@ -48,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 VARIANTS = ["torch_save", "dcp", "dcp_async", "spotguard", "spotguard_uncapped", "no_save", "dd"]
+VARIANT_ENV = {"spotguard_4k_pages": {"SPOTGUARD_HUGE_PAGES": "0"}}
+"""Variants that are another's code under other settings (not run unless named in --variants)."""
 CONTROL_STEPS = 30
 """Steps ``no_save`` measures after the baseline's: the method's own drift, with nothing persisting."""
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -349,6 +353,11 @@ def run_variant(variant: str, gib: float, small: bool, work: Path, loop_threads:
     if requests.kib:
         out["restore_request_kib"] = requests.kib
     if variant.startswith("spotguard"):
+        from spotguard.checkpoint import _hugepages
+
+        probe = _hugepages.state()["last_probe"]  # the last probe's CPU s: 2 MiB as 4 KiB pages, as one
+        if probe is not None:
+            out["probe_4k_pages_ms"], out["probe_huge_page_ms"] = probe[0] * 1e3, probe[1] * 1e3
         with DiskRequests(work) as requests:
             out["files_read_s"] = own_files_read(path)
         if requests.kib:
@@ -446,8 +455,10 @@ def spotguard_load(path, model, opt, out):
 
 VARIANT_FNS = {"torch_save": (torch_save, torch_load), "dcp": (dcp_save, dcp_load),
                "dcp_async": (dcp_async, dcp_load), "spotguard": (spotguard_save, spotguard_load),
-               "spotguard_uncapped": (spotguard_save, spotguard_load)}
-SETUP_FNS = {"spotguard": _spotguard_setup(False), "spotguard_uncapped": _spotguard_setup(True)}
+               "spotguard_uncapped": (spotguard_save, spotguard_load),
+               "spotguard_4k_pages": (spotguard_save, spotguard_load)}
+SETUP_FNS = {"spotguard": _spotguard_setup(False), "spotguard_uncapped": _spotguard_setup(True),
+             "spotguard_4k_pages": _spotguard_setup(False)}
 
 
 def child(args) -> None:
@@ -530,7 +541,8 @@ def main() -> None:
                    "--device", args.device]
             cmd += (["--small"] if args.small else []) + (["--dir", args.dir] if args.dir else [])
             cmd += ["--loop-threads", str(args.loop_threads)] if args.loop_threads else []
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                                  env={**os.environ, **VARIANT_ENV.get(v, {})})
             if proc.returncode:
                 failed[v] = (proc.stdout + proc.stderr)[-4000:]
                 print(f"{v} failed (left out of the later rounds):\n{failed[v]}", file=sys.stderr, flush=True)

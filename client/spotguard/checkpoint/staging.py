@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from spotguard._forkgate import in_torch_work, torch_work
+from spotguard.checkpoint._hugepages import huge_bytes
 from spotguard.checkpoint._workers import Throttle, lower_priority
 from spotguard.checkpoint.errors import UnsupportedStateError
 from spotguard.checkpoint.format import dtype_name, encode
@@ -325,9 +326,13 @@ _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 def aligned_bytes(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes``, starting on a page boundary from :data:`ALIGNED_MIN_BYTES` on."""
+    """A uint8 tensor of ``nbytes``, starting on a page boundary from :data:`ALIGNED_MIN_BYTES` on,
+    in huge pages from 2 MiB on where they pay (:mod:`._hugepages`)."""
     if nbytes < ALIGNED_MIN_BYTES:
         return torch.empty(nbytes, dtype=torch.uint8)
+    huge = huge_bytes(nbytes)
+    if huge is not None:
+        return huge
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % PAGE
     return raw[start : start + nbytes]

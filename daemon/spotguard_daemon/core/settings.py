@@ -47,7 +47,7 @@ Platform = Literal["auto", "aws", "gcp", "azure", "alibaba", "none"]
 CLIENT_VARIABLES = frozenset({
     "SPOTGUARD_RECORD", "SPOTGUARD_RECORD_ELASTIC", "SPOTGUARD_VENV", "SPOTGUARD_JOB_ID", "SPOTGUARD_FRESH",
     "SPOTGUARD_SAVE_EVERY", "SPOTGUARD_FAST_EXIT", "SPOTGUARD_FUSE_RENAME_IS_ATOMIC",
-    "SPOTGUARD_HANDLED_NOTICES", "SPOTGUARD_PROGRESS_SECONDS"})
+    "SPOTGUARD_HANDLED_NOTICES", "SPOTGUARD_PROGRESS_SECONDS", "SPOTGUARD_HUGE_PAGES"})
 """``SPOTGUARD_*`` variables that are not daemon settings (read by the client or the scripts); any
 other name that is no setting is a typo, refused at start."""
 

@@ -1,0 +1,138 @@
+"""Large checkpoint buffers in transparent huge pages, where they pay.
+
+A restore reads each file ``O_DIRECT`` into a fresh buffer, and those buffers become the staging
+copy of the next saves. Two costs of that memory follow the page size:
+
+* **The disk's requests.** An ``O_DIRECT`` request covers a run of physically contiguous memory, so
+  fresh 4 KiB pages cut a read into requests of 0.5-1 MiB where the device takes 4 MiB. A disk that
+  serves one request at a time (a VM's virtio disk) then reads at half its speed: 1 GiB of files
+  in 0.70-0.78 s into 4 KiB pages, 0.33 s into 2 MiB pages, as fast as ``dd`` (benchmarks/README.md,
+  "Huge pages").
+* **The faults.** 1 GiB of 4 KiB pages is 262,144 faults (0.41 s here); of 2 MiB pages, 512 (0.07 s).
+
+So a buffer of at least :data:`HUGE` gets a 2 MiB-aligned mapping of its own, and its whole 2 MiB
+pages are advised ``MADV_HUGEPAGE`` (the kernel's ``madvise`` mode, the common default, gives huge
+pages only where asked). Its tail stays in 4 KiB pages, so a buffer's resident size is its own, never
+rounded up to 2 MiB.
+
+Huge pages can also cost more than they save: a kernel may have to compact memory to find a free
+2 MiB block, and a VM whose host backs its memory only on first touch pays the host for each block
+its free page reporting handed back (here 2.3 ms of CPU a MiB, against 0.04 for a backed block and
+0.4 for 4 KiB pages). So a buffer's huge pages are faulted in as it is made, each timed in the
+thread's CPU time (which a loaded machine inflates alike for every kind of page), against what 2 MiB
+of 4 KiB pages cost: every :data:`DECIDE_S` a buffer of two huge pages or more probes, its first
+2 MiB faulted in as 4 KiB pages. The first huge page that costs more ends huge pages until the next
+probe, the rest of its buffer included (``MADV_NOHUGEPAGE``): a free 2 MiB block costs that much
+once at most per probe. Transparent huge pages off (``never``), a kernel without them, or
+``SPOTGUARD_HUGE_PAGES=0`` keep plain pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import threading
+import time
+
+import torch
+
+__all__ = ["DECIDE_S", "ENV", "HUGE", "available", "huge_bytes", "state"]
+
+HUGE = 2 << 20
+"""The huge page size (x86-64's and arm64's PMD with 4 KiB pages)."""
+DECIDE_S = 10.0
+"""How long a verdict holds (a probe's, or a slow huge page's) before a buffer probes again."""
+ENV = "SPOTGUARD_HUGE_PAGES"
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+_PAGE = mmap.PAGESIZE
+
+_lock = threading.Lock()
+_verdict: list = [None, 0.0, None]
+"""[huge pages pay (None before a probe), when the verdict expires (monotonic), the last probe's
+(4 KiB, huge) CPU seconds]."""
+
+
+def available() -> bool:
+    """Whether huge pages may be asked for: Linux with transparent huge pages in ``always`` or
+    ``madvise`` mode, and not turned off by ``SPOTGUARD_HUGE_PAGES=0``."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return _thp_mode() in ("always", "madvise")
+
+
+def state() -> dict[str, object]:
+    """What the policy knows: whether huge pages may be asked for, the verdict in force (None before
+    a probe or once it expired) and the last probe's CPU seconds (4 KiB pages, huge page)."""
+    with _lock:
+        pays, until, last = _verdict
+    return {"available": available(), "pays": pays if time.monotonic() < until else None, "last_probe": last}
+
+
+_mode: list[str | None] = []
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (``always``/``madvise``/``never``), read once."""
+    if not _mode:
+        try:
+            with open(_THP_ENABLED) as file:
+                text = file.read()
+            _mode.append(text[text.index("[") + 1 : text.index("]")])
+        except (OSError, ValueError):
+            _mode.append(None)
+    return _mode[0]
+
+
+def huge_bytes(nbytes: int) -> torch.Tensor | None:
+    """A uint8 tensor of ``nbytes`` on a 2 MiB boundary whose whole 2 MiB pages are huge and faulted
+    in, or None where huge pages are not asked for: not :func:`available`, the verdict in force says
+    they do not pay (or there is none, and the buffer is too small to probe), or the mapping fails."""
+    whole = nbytes // HUGE * HUGE
+    if not whole or not available():
+        return None
+    with _lock:
+        pays, until, last = _verdict
+        probe = time.monotonic() >= until and whole >= 2 * HUGE
+        if probe:
+            _verdict[1] = time.monotonic() + DECIDE_S  # one probe at a time; the others keep the old verdict
+    if not probe and not (pays and time.monotonic() < until):
+        return None
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        anchor = ctypes.c_char.from_buffer(region)
+        start = -ctypes.addressof(anchor) % HUGE
+        del anchor  # the export would keep the mapping from closing
+        first = HUGE if probe else 0
+        if probe:
+            region.madvise(mmap.MADV_NOHUGEPAGE, start, HUGE)
+        region.madvise(mmap.MADV_HUGEPAGE, start + first, whole - first)
+    except (OSError, ValueError, AttributeError):
+        return None
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping; unmapped with the tensor
+    buf = raw[start : start + nbytes]
+    small = _fault(buf[:HUGE], _PAGE) if probe else (last[0] if last else math.inf)
+    for offset in range(first, whole, HUGE):  # each huge page timed: a free 2 MiB block may cost more
+        huge = _fault(buf[offset : offset + HUGE], HUGE)
+        if probe and offset == first:
+            with _lock:
+                _verdict[:] = [huge < small, time.monotonic() + DECIDE_S, (small, huge)]
+        if huge >= small:  # the rest in 4 KiB pages, faulted where first written, as without this module
+            with _lock:
+                _verdict[:] = [False, time.monotonic() + DECIDE_S, (small, huge)]
+            if offset + HUGE < whole:
+                try:
+                    region.madvise(mmap.MADV_NOHUGEPAGE, start + offset + HUGE, whole - offset - HUGE)
+                except OSError:
+                    pass
+            break
+    return buf
+
+
+def _fault(part: torch.Tensor, every: int) -> float:
+    """CPU seconds to fault ``part`` in, one write every ``every`` bytes (one write faults a whole
+    huge page in). CPU time: a loaded machine or a reniced thread must not look slow."""
+    began = time.thread_time()
+    part[::every].zero_()
+    return time.thread_time() - began

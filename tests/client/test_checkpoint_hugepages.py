@@ -1,0 +1,173 @@
+"""Large checkpoint buffers in transparent huge pages where they pay (spotguard.checkpoint._hugepages).
+
+What the kernel made of each buffer is read back from /proc/self/smaps (its mappings' huge pages
+and madvise flags), on real memory. The probe's verdict depends on the machine (a VM whose host
+backs memory on first touch makes huge pages lose), so the tests that need one verdict set it; the
+one that needs a losing probe gives the module a clock on which the huge page took longer.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+
+from spotguard.checkpoint import Checkpointer, _hugepages
+from spotguard.checkpoint.staging import aligned_bytes
+
+HUGE = _hugepages.HUGE
+
+pytestmark = pytest.mark.skipif(not _hugepages.available(),
+                                reason="transparent huge pages are off (never) on this kernel")
+
+
+def mappings(buf: torch.Tensor) -> list[dict]:
+    """The mappings of /proc/self/smaps that overlap ``buf``: start, end, huge KiB, flags."""
+    return mappings_in(buf.data_ptr(), buf.data_ptr() + max(1, buf.numel() * buf.element_size()))
+
+
+def mappings_in(lo: int, hi: int) -> list[dict]:
+    found, current = [], None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                current = {"start": start, "end": end, "huge_kib": 0, "flags": []} if start < hi and end > lo else None
+                if current is not None:
+                    found.append(current)
+            elif current is not None and head == "AnonHugePages:":
+                current["huge_kib"] = int(line.split()[1])
+            elif current is not None and head == "VmFlags:":
+                current["flags"] = line.split()[1:]
+    return found
+
+
+@pytest.fixture
+def verdict(monkeypatch):
+    """Set the policy's verdict in force for this test (restored after it)."""
+    monkeypatch.setattr(_hugepages, "_verdict", [None, 0.0, None])
+
+    def set_to(pays: bool | None) -> None:
+        _hugepages._verdict[:] = [pays, time.monotonic() + (3600 if pays is not None else -1), None]
+    return set_to
+
+
+def test_a_buffer_where_huge_pages_pay_is_aligned_advised_and_faulted_in_huge_pages(verdict):
+    verdict(True)
+    nbytes = 3 * HUGE + 12345  # whole huge pages and a tail
+    buf = aligned_bytes(nbytes)
+    assert buf.numel() == nbytes and buf.dtype == torch.uint8 and buf.data_ptr() % HUGE == 0
+    assert sum(m["huge_kib"] for m in mappings(buf)) >= HUGE // 1024  # faulted in as it was made
+    buf.fill_(7)
+    assert int(buf[-1]) == 7 and int(buf.sum()) == 7 * nbytes
+    maps = mappings(buf)
+    advised = [m for m in maps if "hg" in m["flags"]]
+    assert advised and min(m["start"] for m in advised) == buf.data_ptr()
+    assert max(m["end"] for m in advised) == buf.data_ptr() + 3 * HUGE  # the tail is not advised
+    assert sum(m["huge_kib"] for m in maps) >= HUGE // 1024, maps  # the kernel gave huge pages
+    view = buf[:1]  # a view keeps the mapping
+    del buf, maps, advised
+    gc.collect()
+    assert int(view) == 7 and any("hg" in m["flags"] for m in mappings(view))
+    address = view.data_ptr()
+    del view
+    gc.collect()
+    assert not any("hg" in m["flags"] for m in mappings_in(address, address + 1))  # unmapped with it
+
+
+def test_no_huge_pages_where_they_do_not_pay_are_off_or_for_small_buffers(verdict, monkeypatch):
+    verdict(False)
+    assert _hugepages.huge_bytes(8 * HUGE) is None
+    buf = aligned_bytes(8 * HUGE)  # the plain path: page aligned, no advice
+    assert buf.data_ptr() % 4096 == 0 and not any("hg" in m["flags"] for m in mappings(buf))
+    verdict(None)  # no verdict yet, and a buffer too small to probe: plain pages
+    assert _hugepages.huge_bytes(HUGE + 4096) is None and _hugepages.huge_bytes(HUGE - 1) is None
+    verdict(True)
+    monkeypatch.setenv(_hugepages.ENV, "0")
+    assert not _hugepages.available() and _hugepages.huge_bytes(8 * HUGE) is None
+
+
+def test_a_probe_times_both_page_sizes_and_its_verdict_holds_until_it_expires(verdict):
+    verdict(None)
+    buf = _hugepages.huge_bytes(5 * HUGE)
+    assert buf is not None
+    state = _hugepages.state()
+    small, huge = state["last_probe"]
+    assert small > 0 and huge > 0 and state["pays"] is not None
+    first = [m for m in mappings(buf) if m["start"] <= buf.data_ptr() < m["end"]][0]
+    assert "nh" in first["flags"] and first["end"] == buf.data_ptr() + HUGE  # the 4 KiB half of the probe
+    second = _hugepages.huge_bytes(5 * HUGE)  # within DECIDE_S: no probe, the verdict decides
+    assert (second is not None) == state["pays"]
+    if second is not None:
+        assert not any("nh" in m["flags"] for m in mappings(second) if m["start"] <= second.data_ptr() < m["end"])
+
+
+class Clock:
+    """The module's clock, with thread CPU times given in turn (two readings a timed fault-in)."""
+
+    monotonic = staticmethod(time.monotonic)
+
+    def __init__(self, *readings: float) -> None:
+        self.readings = iter(readings)
+
+    def thread_time(self) -> float:
+        return next(self.readings)
+
+
+def test_a_losing_probe_keeps_the_rest_of_its_buffer_and_the_next_ones_in_small_pages(verdict, monkeypatch):
+    """As on a VM whose host backs each freed 2 MiB block again on its first touch: the huge page
+    cost more CPU than 512 small ones."""
+    verdict(None)
+    monkeypatch.setattr(_hugepages, "time", Clock(0.0, 0.001, 0.001, 0.010))  # 4 KiB 1 ms, huge 9 ms
+    buf = _hugepages.huge_bytes(6 * HUGE)
+    assert buf is not None and _hugepages.state()["pays"] is False
+    rest = [m for m in mappings(buf) if m["start"] >= buf.data_ptr() + 2 * HUGE]
+    assert rest and all("nh" in m["flags"] and "hg" not in m["flags"] for m in rest)
+    buf.fill_(1)
+    assert sum(m["huge_kib"] for m in mappings(buf)) <= HUGE // 1024  # the probe's one huge page at most
+    assert _hugepages.huge_bytes(6 * HUGE) is None  # the next buffers: plain pages
+
+
+def test_a_slow_huge_page_after_a_winning_probe_ends_huge_pages_from_there(verdict, monkeypatch):
+    """A free pool of mixed blocks (some backed, some handed back to the host): the probe's huge page
+    was cheap, a later one is not; the buffer keeps what it faulted in and the rest is small pages."""
+    verdict(None)
+    fast, slow = 0.0001, 0.005
+    readings = [0.0, 0.001]  # the probe's 4 KiB pages: 1 ms
+    for cost in (fast, fast, slow):  # huge pages 1 and 2 (the probe's) fast, page 3 slow
+        readings += [1.0, 1.0 + cost]
+    monkeypatch.setattr(_hugepages, "time", Clock(*readings))
+    buf = _hugepages.huge_bytes(8 * HUGE)
+    assert buf is not None and _hugepages.state()["pays"] is False
+    assert _hugepages.state()["last_probe"] == pytest.approx((0.001, slow))
+    maps = mappings(buf)
+    advised = [m for m in maps if "hg" in m["flags"]]
+    assert [(m["start"] - buf.data_ptr(), m["end"] - buf.data_ptr()) for m in advised] == [(HUGE, 4 * HUGE)]
+    assert all("nh" in m["flags"] for m in maps if m["start"] >= buf.data_ptr() + 4 * HUGE)
+    assert _hugepages.huge_bytes(8 * HUGE) is None
+
+
+def test_a_restore_reads_into_huge_pages_which_become_the_staging_copy_and_loads_exactly(tmp_path, verdict):
+    verdict(True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))  # 4 MiB weight
+    ck = Checkpointer(tmp_path, keep=1)
+    ck.save(1, {"model": model}, blocking=True)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    ck.close()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    again = Checkpointer(tmp_path, keep=1)
+    try:
+        again.load_latest({"model": model})
+        assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+        staged = [b for b in again._stager.buffers if b.numel() * b.element_size() >= 2 * HUGE]
+        assert staged, "the restore's large read buffer was not adopted as the staging copy"
+        assert all(b.data_ptr() % HUGE == 0 for b in staged)
+        assert sum(m["huge_kib"] for b in staged for m in mappings(b)) >= HUGE // 1024
+    finally:
+        again.close()

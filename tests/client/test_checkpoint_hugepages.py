@@ -1,4 +1,5 @@
-"""Large checkpoint buffers in transparent huge pages where they pay (spotguard.checkpoint._hugepages).
+"""Large checkpoint buffers (spotguard.checkpoint._hugepages): mappings of their own, in transparent
+huge pages where they pay, the staging ones kept from forked children.
 
 What the kernel made of each buffer is read back from /proc/self/smaps (its mappings' huge pages
 and madvise flags), on real memory. The probe's verdict depends on the machine (a VM whose host
@@ -19,8 +20,8 @@ from spotguard.checkpoint.staging import aligned_bytes
 
 HUGE = _hugepages.HUGE
 
-pytestmark = pytest.mark.skipif(not _hugepages.available(),
-                                reason="transparent huge pages are off (never) on this kernel")
+needs_thp = pytest.mark.skipif(not _hugepages.available(),
+                               reason="transparent huge pages are off (never) on this kernel")
 
 
 def mappings(buf: torch.Tensor) -> list[dict]:
@@ -55,6 +56,7 @@ def verdict(monkeypatch):
     return set_to
 
 
+@needs_thp
 def test_a_buffer_where_huge_pages_pay_is_aligned_advised_and_faulted_in_huge_pages(verdict):
     verdict(True)
     nbytes = 3 * HUGE + 12345  # whole huge pages and a tail
@@ -79,30 +81,32 @@ def test_a_buffer_where_huge_pages_pay_is_aligned_advised_and_faulted_in_huge_pa
 
 
 def test_no_huge_pages_where_they_do_not_pay_are_off_or_for_small_buffers(verdict, monkeypatch):
+    def plain(buf: torch.Tensor) -> bool:  # a mapping of its own, page aligned, nothing advised
+        maps = mappings(buf)
+        return (buf.data_ptr() % 4096 == 0 and len(maps) == 1 and maps[0]["start"] == buf.data_ptr()
+                and not {"hg", "nh"} & set(maps[0]["flags"]))
     verdict(False)
-    assert _hugepages.huge_bytes(8 * HUGE) is None
-    buf = aligned_bytes(8 * HUGE)  # the plain path: page aligned, no advice
-    assert buf.data_ptr() % 4096 == 0 and not any("hg" in m["flags"] for m in mappings(buf))
+    assert plain(aligned_bytes(8 * HUGE))
     verdict(None)  # no verdict yet, and a buffer too small to probe: plain pages
-    assert _hugepages.huge_bytes(HUGE + 4096) is None and _hugepages.huge_bytes(HUGE - 1) is None
+    assert plain(aligned_bytes(HUGE + 4096)) and plain(aligned_bytes(HUGE - 4096))
     verdict(True)
     monkeypatch.setenv(_hugepages.ENV, "0")
-    assert not _hugepages.available() and _hugepages.huge_bytes(8 * HUGE) is None
+    assert not _hugepages.available() and plain(aligned_bytes(8 * HUGE))
 
 
+@needs_thp
 def test_a_probe_times_both_page_sizes_and_its_verdict_holds_until_it_expires(verdict):
     verdict(None)
-    buf = _hugepages.huge_bytes(5 * HUGE)
+    buf = _hugepages.mapped_bytes(5 * HUGE)
     assert buf is not None
     state = _hugepages.state()
     small, huge = state["last_probe"]
     assert small > 0 and huge > 0 and state["pays"] is not None
     first = [m for m in mappings(buf) if m["start"] <= buf.data_ptr() < m["end"]][0]
     assert "nh" in first["flags"] and first["end"] == buf.data_ptr() + HUGE  # the 4 KiB half of the probe
-    second = _hugepages.huge_bytes(5 * HUGE)  # within DECIDE_S: no probe, the verdict decides
-    assert (second is not None) == state["pays"]
-    if second is not None:
-        assert not any("nh" in m["flags"] for m in mappings(second) if m["start"] <= second.data_ptr() < m["end"])
+    second = _hugepages.mapped_bytes(5 * HUGE)  # within DECIDE_S: no probe, the verdict decides
+    advised = [m for m in mappings(second) if m["start"] <= second.data_ptr() < m["end"]][0]["flags"]
+    assert ("hg" in advised) == state["pays"] and "nh" not in advised
 
 
 class Clock:
@@ -117,20 +121,22 @@ class Clock:
         return next(self.readings)
 
 
+@needs_thp
 def test_a_losing_probe_keeps_the_rest_of_its_buffer_and_the_next_ones_in_small_pages(verdict, monkeypatch):
     """As on a VM whose host backs each freed 2 MiB block again on its first touch: the huge page
     cost more CPU than 512 small ones."""
     verdict(None)
     monkeypatch.setattr(_hugepages, "time", Clock(0.0, 0.001, 0.001, 0.010))  # 4 KiB 1 ms, huge 9 ms
-    buf = _hugepages.huge_bytes(6 * HUGE)
+    buf = _hugepages.mapped_bytes(6 * HUGE)
     assert buf is not None and _hugepages.state()["pays"] is False
     rest = [m for m in mappings(buf) if m["start"] >= buf.data_ptr() + 2 * HUGE]
     assert rest and all("nh" in m["flags"] and "hg" not in m["flags"] for m in rest)
     buf.fill_(1)
     assert sum(m["huge_kib"] for m in mappings(buf)) <= HUGE // 1024  # the probe's one huge page at most
-    assert _hugepages.huge_bytes(6 * HUGE) is None  # the next buffers: plain pages
+    assert not any("hg" in m["flags"] for m in mappings(aligned_bytes(6 * HUGE)))  # the next: small pages
 
 
+@needs_thp
 def test_a_slow_huge_page_after_a_winning_probe_ends_huge_pages_from_there(verdict, monkeypatch):
     """A free pool of mixed blocks (some backed, some handed back to the host): the probe's huge page
     was cheap, a later one is not; the buffer keeps what it faulted in and the rest is small pages."""
@@ -140,16 +146,17 @@ def test_a_slow_huge_page_after_a_winning_probe_ends_huge_pages_from_there(verdi
     for cost in (fast, fast, slow):  # huge pages 1 and 2 (the probe's) fast, page 3 slow
         readings += [1.0, 1.0 + cost]
     monkeypatch.setattr(_hugepages, "time", Clock(*readings))
-    buf = _hugepages.huge_bytes(8 * HUGE)
+    buf = _hugepages.mapped_bytes(8 * HUGE)
     assert buf is not None and _hugepages.state()["pays"] is False
     assert _hugepages.state()["last_probe"] == pytest.approx((0.001, slow))
     maps = mappings(buf)
     advised = [m for m in maps if "hg" in m["flags"]]
     assert [(m["start"] - buf.data_ptr(), m["end"] - buf.data_ptr()) for m in advised] == [(HUGE, 4 * HUGE)]
     assert all("nh" in m["flags"] for m in maps if m["start"] >= buf.data_ptr() + 4 * HUGE)
-    assert _hugepages.huge_bytes(8 * HUGE) is None
+    assert not any("hg" in m["flags"] for m in mappings(aligned_bytes(8 * HUGE)))
 
 
+@needs_thp
 def test_a_restore_reads_into_huge_pages_which_become_the_staging_copy_and_loads_exactly(tmp_path, verdict):
     verdict(True)
     torch.manual_seed(0)
@@ -169,5 +176,39 @@ def test_a_restore_reads_into_huge_pages_which_become_the_staging_copy_and_loads
         assert staged, "the restore's large read buffer was not adopted as the staging copy"
         assert all(b.data_ptr() % HUGE == 0 for b in staged)
         assert sum(m["huge_kib"] for b in staged for m in mappings(b)) >= HUGE // 1024
+    finally:
+        again.close()
+
+
+def test_staging_buffers_are_kept_from_forked_children_so_a_snapshot_after_a_fork_copies_nothing(tmp_path):
+    """A loader forks its workers (each epoch, by default): memory they share copy-on-write makes
+    the parent's next write fault and copy every page. The staging buffers (the adopted read
+    buffers of a restore too) are not inherited, so the snapshot after a fork takes no such fault;
+    the child itself starts with none."""
+    import os
+    import resource
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))  # 2 x 4 MiB
+    ck = Checkpointer(tmp_path, keep=1)
+    ck.save(1, {"model": model}, blocking=True)
+    ck.close()
+    again = Checkpointer(tmp_path, keep=1)
+    try:
+        again.load_latest({"model": model})  # read buffers adopted as the staging copy
+        staged = [b for b in again._stager.buffers if b.numel() * b.element_size() >= 1 << 20]
+        assert len(staged) == 2 and all("dc" in m["flags"] for b in staged for m in mappings(b))
+        pid = os.fork()
+        if pid == 0:  # the child: no staging buffer, no mapping of theirs
+            gone = not again._stager.buffers and not any(mappings_in(b.data_ptr(), b.data_ptr() + 1) for b in staged)
+            os._exit(0 if gone else 1)
+        try:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            again._stager.snapshot({"model": model})  # writes every page of both buffers
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        finally:
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert faults < 2 * (4 << 20) // 4096 // 4, faults  # shared, it would fault all 2,048 pages
     finally:
         again.close()

@@ -35,10 +35,11 @@ import mmap
 import os
 import threading
 import time
+import weakref
 
 import torch
 
-__all__ = ["DECIDE_S", "ENV", "HUGE", "available", "huge_bytes", "state"]
+__all__ = ["DECIDE_S", "ENV", "HUGE", "available", "keep_from_forks", "mapped_bytes", "state"]
 
 HUGE = 2 << 20
 """The huge page size (x86-64's and arm64's PMD with 4 KiB pages)."""
@@ -49,6 +50,8 @@ _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 _PAGE = mmap.PAGESIZE
 
 _lock = threading.Lock()
+_own: dict[int, "weakref.ref[mmap.mmap]"] = {}
+"""Start address -> mapping, of the mappings :func:`mapped_bytes` made that are still mapped."""
 _verdict: list = [None, 0.0, None]
 """[huge pages pay (None before a probe), when the verdict expires (monotonic), the last probe's
 (4 KiB, huge) CPU seconds]."""
@@ -85,42 +88,53 @@ def _thp_mode() -> str | None:
     return _mode[0]
 
 
-def huge_bytes(nbytes: int) -> torch.Tensor | None:
-    """A uint8 tensor of ``nbytes`` on a 2 MiB boundary whose whole 2 MiB pages are huge and faulted
-    in, or None where huge pages are not asked for: not :func:`available`, the verdict in force says
-    they do not pay (or there is none, and the buffer is too small to probe), or the mapping fails."""
+def mapped_bytes(nbytes: int, *, private: bool = False) -> torch.Tensor | None:
+    """A uint8 tensor of ``nbytes`` in a mapping of its own (unmapped with the last tensor on it):
+    on a 2 MiB boundary with its whole 2 MiB pages huge and faulted in where huge pages are asked
+    for (:func:`available`, and the verdict in force says they pay, or a probe is due), else page
+    aligned and untouched. ``private``: kept from forked children (:func:`keep_from_forks`). None
+    where the mapping fails."""
     whole = nbytes // HUGE * HUGE
-    if not whole or not available():
-        return None
-    with _lock:
-        pays, until, last = _verdict
-        probe = time.monotonic() >= until and whole >= 2 * HUGE
-        if probe:
-            _verdict[1] = time.monotonic() + DECIDE_S  # one probe at a time; the others keep the old verdict
-    if not probe and not (pays and time.monotonic() < until):
-        return None
+    huge = probe = False
+    last = None
+    if whole and available():
+        with _lock:
+            pays, until, last = _verdict
+            probe = time.monotonic() >= until and whole >= 2 * HUGE
+            if probe:
+                _verdict[1] = time.monotonic() + DECIDE_S  # one probe at a time; others keep the verdict
+        huge = probe or bool(pays and time.monotonic() < until)
     try:
-        region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region = mmap.mmap(-1, nbytes + (HUGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         anchor = ctypes.c_char.from_buffer(region)
-        start = -ctypes.addressof(anchor) % HUGE
+        base = ctypes.addressof(anchor)
         del anchor  # the export would keep the mapping from closing
+        start = -base % HUGE if huge else 0
         first = HUGE if probe else 0
         if probe:
             region.madvise(mmap.MADV_NOHUGEPAGE, start, HUGE)
-        region.madvise(mmap.MADV_HUGEPAGE, start + first, whole - first)
+        if huge:
+            region.madvise(mmap.MADV_HUGEPAGE, start + first, whole - first)
+        if private:
+            region.madvise(mmap.MADV_DONTFORK)
     except (OSError, ValueError, AttributeError):
         return None
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping; unmapped with the tensor
+    with _lock:
+        _own[base] = ref = weakref.ref(region)
+    weakref.finalize(region, _forget, base, ref)
     buf = raw[start : start + nbytes]
+    if not huge:
+        return buf
     small = _fault(buf[:HUGE], _PAGE) if probe else (last[0] if last else math.inf)
     for offset in range(first, whole, HUGE):  # each huge page timed: a free 2 MiB block may cost more
-        huge = _fault(buf[offset : offset + HUGE], HUGE)
+        cost = _fault(buf[offset : offset + HUGE], HUGE)
         if probe and offset == first:
             with _lock:
-                _verdict[:] = [huge < small, time.monotonic() + DECIDE_S, (small, huge)]
-        if huge >= small:  # the rest in 4 KiB pages, faulted where first written, as without this module
+                _verdict[:] = [cost < small, time.monotonic() + DECIDE_S, (small, cost)]
+        if cost >= small:  # the rest in 4 KiB pages, faulted where first written, as without this module
             with _lock:
-                _verdict[:] = [False, time.monotonic() + DECIDE_S, (small, huge)]
+                _verdict[:] = [False, time.monotonic() + DECIDE_S, (small, cost)]
             if offset + HUGE < whole:
                 try:
                     region.madvise(mmap.MADV_NOHUGEPAGE, start + offset + HUGE, whole - offset - HUGE)
@@ -128,6 +142,27 @@ def huge_bytes(nbytes: int) -> torch.Tensor | None:
                     pass
             break
     return buf
+
+
+def _forget(base: int, ref: "weakref.ref[mmap.mmap]") -> None:
+    with _lock:
+        if _own.get(base) is ref:
+            del _own[base]
+
+
+def keep_from_forks(tensor: torch.Tensor) -> bool:
+    """Keep the mapping under ``tensor`` (one :func:`mapped_bytes` made) out of forked children
+    (``MADV_DONTFORK``); False where it is no such mapping. Only for memory no child may touch."""
+    with _lock:
+        ref = _own.get(tensor.untyped_storage().data_ptr())
+    region = ref() if ref is not None else None
+    if region is None:
+        return False
+    try:
+        region.madvise(mmap.MADV_DONTFORK)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True
 
 
 def _fault(part: torch.Tensor, every: int) -> float:

@@ -151,16 +151,21 @@ def leftovers(pgid: int | None, spare: Iterable[int] = ()) -> set[int]:
     """The live processes below this process (a subreaper's orphans included) and, unless ``pgid``
     is None, of process group ``pgid``, but ``spare`` and their descendants (a daemon the
     supervisor started): what a launch whose leader was ``pgid`` left running. Zombies are left
-    out. A subreaper passes None: every leftover is below it, and the reaped leader's pgid could
-    by then name an unrelated group."""
+    out, and so are processes already exiting. A subreaper passes None: every leftover is below
+    it, and the reaped leader's pgid could by then name an unrelated group."""
     spared = set(spare).union(*(descendants(pid) for pid in spare))
     found = descendants(os.getpid())
     for stat in Path("/proc").glob("[0-9]*/stat") if pgid is not None else ():
         fields = stat_fields(int(stat.parent.name))
         if fields and fields[2] == str(pgid):
             found.add(int(stat.parent.name))
-    return {pid for pid in found - spared - {os.getpid()}
-            if (fields := stat_fields(pid)) is not None and fields[0] not in "ZX"}
+    return {pid for pid in found - spared - {os.getpid()} if (fields := stat_fields(pid)) is not None
+            and fields[0] not in "ZX" and not int(fields[6]) & PF_EXITING}
+
+
+PF_EXITING = 0x4
+"""The kernel's flag (``/proc/<pid>/stat``'s 9th field) of a process inside its exit: not left
+running, and already without its command line (a multiprocessing helper ending with the job)."""
 
 
 def reap(known: list[subprocess.Popen]) -> None:

@@ -72,6 +72,24 @@ def test_a_pushed_part_is_fetched_back_and_loads_bit_identical(tmp_path, server)
     assert not list(fresh.glob(".tmp-*"))
 
 
+def test_a_step_pushed_again_keeps_the_held_copy_in_place_and_other_bytes_are_swapped_in(tmp_path, server):
+    """A sender's retry commits a step the partner holds already: the held copy was removed before
+    the new one was renamed in, and a reader (a resume) meanwhile found the step missing. The same
+    manifest now leaves the held directory untouched; different bytes replace it by renames."""
+    parts = committed(tmp_path / "node-b", [10])
+    held = tmp_path / "held" / JOB / SLOT / "step-0000000010"
+    with PeerClient(server.url, SECRET, JOB) as client:
+        client.push(SLOT, 10, parts[10])
+        inode = held.stat().st_ino
+        client.push(SLOT, 10, parts[10])  # the same step again
+        assert held.stat().st_ino == inode and client.steps(SLOT) == [10]
+        other = committed(tmp_path / "node-b2", [10], node={"index": 1})  # other bytes, same step
+        client.push(SLOT, 10, other[10])
+        assert held.stat().st_ino != inode and client.steps(SLOT) == [10]
+        assert (held / "manifest.json").read_bytes() == (other[10] / "manifest.json").read_bytes()
+    assert not [p.name for p in held.parent.iterdir() if p.name.startswith(".incoming-")]
+
+
 def test_strangers_and_unknown_jobs_are_refused_and_nothing_is_stored(tmp_path, server):
     parts = committed(tmp_path / "node-b", [10])
     with PeerClient(server.url, "not-the-cluster-secret-at-all", JOB) as client:

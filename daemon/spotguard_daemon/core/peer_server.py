@@ -73,6 +73,14 @@ MAC_FILE = ".mac"
 INCOMING = ".incoming-"
 
 
+def _manifest_of(step_dir: Path) -> bytes | None:
+    """The manifest a held step's directory holds, or None."""
+    try:
+        return (step_dir / MANIFEST).read_bytes()
+    except OSError:
+        return None
+
+
 class _Refused(Exception):
     def __init__(self, status: int, why: str) -> None:
         super().__init__(why)
@@ -172,9 +180,16 @@ class PeerServer:
         (incoming / MAC_FILE).write_text(mac)
         with self._lock:
             final = incoming.parent / step_name(step)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(incoming, final)
+            if _manifest_of(final) == body:  # the same step again (a sender's retry): the held copy stays
+                shutil.rmtree(incoming, ignore_errors=True)
+            elif final.exists():  # other bytes for a held step: swapped by renames, never absent meanwhile
+                replaced = incoming.parent / f"{INCOMING}replaced-{step_name(step)}"
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.rename(final, replaced)
+                os.rename(incoming, final)
+                shutil.rmtree(replaced, ignore_errors=True)
+            else:
+                os.rename(incoming, final)
             for old in self.held(job, slot)[: -self.keep]:
                 shutil.rmtree(incoming.parent / step_name(old), ignore_errors=True)
             for left in incoming.parent.glob(f"{INCOMING}step-*"):  # pushes a sender never finished

@@ -11,6 +11,7 @@ proofs are tests/client/test_ddp_layout.py (torchrun, Run, Lightning, HF) and te
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -64,8 +65,18 @@ def _worker(rank: int, init: str, out: dict) -> None:
             out["plain"] = int((plain != uninterrupted).sum())
             out["aligned"] = int((aligned != uninterrupted).sum())
             out["skipped"] = skipped
+        _quiesce()
     finally:
         dist.destroy_process_group()
+
+
+def _quiesce() -> None:
+    """Before the process group goes: the DDPs made here (a comm hook's Python future among them)
+    are freed while the interpreter is whole, and no rank closes its connections while another is
+    still in a collective. Without this a rank aborted in gloo's teardown ("terminate called
+    without an active exception", SIGABRT) once in a CI run."""
+    gc.collect()
+    dist.barrier()
 
 
 def test_a_relaunched_ddp_all_reduces_its_first_step_bit_identically_once_aligned(tmp_path):
@@ -156,6 +167,7 @@ def _layout_worker(rank: int, init: str, out: dict) -> None:
         if rank == 0:
             out.update(record=record, restored=int((restored != uninterrupted).sum()),
                        guessed=int((guessed != uninterrupted).sum()), guess=_ddp._guess(ddp), **others)
+        _quiesce()
     finally:
         dist.destroy_process_group()
 

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from spotguard.checkpoint import Checkpointer, _hugepages
+from spotguard.checkpoint.errors import CheckpointCorruptError
+from spotguard.checkpoint.load import READERS, read_entries, read_manifest
 from spotguard.checkpoint.staging import aligned_bytes
 
 HUGE = _hugepages.HUGE
@@ -62,6 +64,8 @@ def test_a_buffer_where_huge_pages_pay_is_aligned_advised_and_faulted_in_huge_pa
     nbytes = 3 * HUGE + 12345  # whole huge pages and a tail
     buf = aligned_bytes(nbytes)
     assert buf.numel() == nbytes and buf.dtype == torch.uint8 and buf.data_ptr() % HUGE == 0
+    assert _hugepages.huge_range(buf) == (0, 3 * HUGE) and _hugepages.huge_range(buf[HUGE + 5:]) == (0, 2 * HUGE - 5)
+    assert _hugepages.huge_range(buf[3 * HUGE:]) == (0, 0)
     assert sum(m["huge_kib"] for m in mappings(buf)) >= HUGE // 1024  # faulted in as it was made
     buf.fill_(7)
     assert int(buf[-1]) == 7 and int(buf.sum()) == 7 * nbytes
@@ -86,7 +90,7 @@ def test_no_huge_pages_where_they_do_not_pay_are_off_or_for_small_buffers(verdic
         return (buf.data_ptr() % 4096 == 0 and len(maps) == 1 and maps[0]["start"] == buf.data_ptr()
                 and not {"hg", "nh"} & set(maps[0]["flags"]))
     verdict(False)
-    assert plain(aligned_bytes(8 * HUGE))
+    assert plain(buf := aligned_bytes(8 * HUGE)) and _hugepages.huge_range(buf) == (0, 0)
     verdict(None)  # no verdict yet, and a buffer too small to probe: plain pages
     assert plain(aligned_bytes(HUGE + 4096)) and plain(aligned_bytes(HUGE - 4096))
     verdict(True)
@@ -152,8 +156,25 @@ def test_a_slow_huge_page_after_a_winning_probe_ends_huge_pages_from_there(verdi
     maps = mappings(buf)
     advised = [m for m in maps if "hg" in m["flags"]]
     assert [(m["start"] - buf.data_ptr(), m["end"] - buf.data_ptr()) for m in advised] == [(HUGE, 4 * HUGE)]
+    assert _hugepages.huge_range(buf) == (HUGE, 4 * HUGE)  # what a restore reads into directly
     assert all("nh" in m["flags"] for m in maps if m["start"] >= buf.data_ptr() + 4 * HUGE)
     assert not any("hg" in m["flags"] for m in mappings(aligned_bytes(8 * HUGE)))
+
+
+def checkpointed(root, model: torch.nn.Module) -> dict:
+    """``model`` saved at step 1 under ``root``; its values, then the model zeroed."""
+    ck = Checkpointer(root, keep=1)
+    ck.save(1, {"model": model}, blocking=True)
+    ck.close()
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    zeroed(model)
+    return values
+
+
+def zeroed(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
 
 
 @needs_thp
@@ -161,13 +182,7 @@ def test_a_restore_reads_into_huge_pages_which_become_the_staging_copy_and_loads
     verdict(True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))  # 4 MiB weight
-    ck = Checkpointer(tmp_path, keep=1)
-    ck.save(1, {"model": model}, blocking=True)
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    ck.close()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
+    saved = checkpointed(tmp_path, model)
     again = Checkpointer(tmp_path, keep=1)
     try:
         again.load_latest({"model": model})
@@ -178,6 +193,53 @@ def test_a_restore_reads_into_huge_pages_which_become_the_staging_copy_and_loads
         assert sum(m["huge_kib"] for b in staged for m in mappings(b)) >= HUGE // 1024
     finally:
         again.close()
+
+
+@needs_thp
+def test_a_restore_into_small_pages_reads_through_huge_bounce_buffers_and_loads_exactly(tmp_path, verdict,
+                                                                                        monkeypatch):
+    """Where huge pages do not pay for the read buffers (this VM as it is), each reader reads through
+    a bounce buffer in one huge page, so the disk gets 2 MiB requests; where the buffers are huge,
+    none is made; with huge pages off, neither. The restored state is exact every way, and a flipped
+    byte is still caught."""
+    made: list[tuple[torch.Tensor, int]] = []
+
+    def bounce_buffer():
+        buf = make()
+        if buf is not None:
+            made.append((buf, sum(m["huge_kib"] for m in mappings(buf))))
+        return buf
+    make = _hugepages.bounce_buffer
+    monkeypatch.setattr(_hugepages, "bounce_buffer", bounce_buffer)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2049), torch.nn.Linear(2049, 7))  # 8 MiB + a tail
+    saved = checkpointed(tmp_path, model)
+
+    def restored(pays: bool, huge_pages: str = "1") -> int:
+        verdict(pays)
+        monkeypatch.setenv(_hugepages.ENV, huge_pages)
+        made.clear()
+        zeroed(model)
+        again = Checkpointer(tmp_path, keep=1)
+        try:
+            again.load_latest({"model": model})
+        finally:
+            again.close()
+        assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+        return len(made)
+    assert 1 <= restored(False) <= READERS
+    assert all(huge_kib == HUGE // 1024 and buf.data_ptr() % HUGE == 0 for buf, huge_kib in made), made
+    assert restored(True) == 0  # read straight into the huge pages
+    assert restored(False, huge_pages="0") == 0
+    weight = max((p for p in (tmp_path).rglob("*.bin")), key=lambda p: p.stat().st_size)
+    data = bytearray(weight.read_bytes())
+    data[3 * HUGE + 17] ^= 1
+    weight.write_bytes(bytes(data))
+    verdict(False)
+    monkeypatch.setenv(_hugepages.ENV, "1")
+    path = weight.parents[2]
+    with pytest.raises(CheckpointCorruptError, match="xxh3 of bytes 0\\+ mismatch"):
+        read_entries(path, read_manifest(path), "rank-0", verify=True)
 
 
 def test_staging_buffers_are_kept_from_forked_children_so_a_snapshot_after_a_fork_copies_nothing(tmp_path):
@@ -212,3 +274,20 @@ def test_staging_buffers_are_kept_from_forked_children_so_a_snapshot_after_a_for
         assert faults < 2 * (4 << 20) // 4096 // 4, faults  # shared, it would fault all 2,048 pages
     finally:
         again.close()
+
+
+def test_past_the_mapping_budget_buffers_come_from_the_allocator_and_work_the_same(monkeypatch):
+    """A state of very many large tensors must not use up the process's vm.max_map_count, after
+    which every mmap fails (the allocator's, CUDA's): past a quarter of it, buffers are plain."""
+    assert _hugepages.map_budget() >= 64
+    held = [aligned_bytes(1 << 20)]
+    assert _hugepages.keep_from_forks(held[0])  # a mapping of its own
+    monkeypatch.setattr(_hugepages, "_budget", [len(_hugepages._own)])
+    over = aligned_bytes((1 << 20) + 4096)
+    assert over.numel() == (1 << 20) + 4096 and over.data_ptr() % 4096 == 0
+    assert not _hugepages.keep_from_forks(over)  # from the allocator
+    over.fill_(3)
+    assert int(over.sum()) == 3 * over.numel()
+    held.clear()
+    gc.collect()
+    assert _hugepages.keep_from_forks(aligned_bytes(1 << 20))  # one freed: room again

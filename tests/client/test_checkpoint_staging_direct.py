@@ -100,6 +100,28 @@ def test_a_restore_reads_whole_pages_direct_and_the_tail_buffered(tmp_path, nbyt
         pytest.skip("the file system under tmp_path refuses O_DIRECT")
 
 
+@pytest.mark.parametrize("nbytes", [(20 << 20) + 4096, (3 << 20) + 123])
+def test_a_read_through_a_bounce_buffer_fills_any_destination_exactly(tmp_path, nbytes):
+    """The bounce buffer (a huge page the disk reads into, copied out of) lets the destination be
+    unaligned too; spans of 16 MiB, in any order; the tail buffered; a short file still an error."""
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    (tmp_path / "f").write_bytes(data.numpy().tobytes())
+    bounce = staged(2 << 20)
+    out = torch.zeros(nbytes + 3, dtype=torch.uint8)
+    with _fs.FileReader(tmp_path / "f") as reader:
+        for start in reversed(range(0, nbytes, 16 << 20)):
+            reader.read(memoryview(out.numpy())[3:], start, min(start + (16 << 20), nbytes), memoryview(bounce.numpy()))
+        with pytest.raises(ValueError, match="do not fit"):
+            reader.read(memoryview(out.numpy())[3:], 0, nbytes + 1, memoryview(bounce.numpy()))
+        direct = reader.direct
+    assert torch.equal(out[3:], data) and int(out[:3].sum()) == 0
+    (tmp_path / "short").write_bytes(data[: 2 << 20].numpy().tobytes())
+    with _fs.FileReader(tmp_path / "short") as reader, pytest.raises(EOFError, match="shorter"):
+        reader.read(memoryview(out.numpy()), 0, 3 << 20, memoryview(bounce.numpy()))
+    if O_DIRECT and not direct:
+        pytest.skip("the file system under tmp_path refuses O_DIRECT")
+
+
 def test_an_unaligned_buffer_is_read_buffered(tmp_path):
     data = bytes(range(256)) * 8192
     (tmp_path / "f").write_bytes(data)

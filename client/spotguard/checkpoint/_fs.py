@@ -218,7 +218,8 @@ class FileReader:
     part's files: 1 GiB in 0.7 s here where one thread's buffered reads took 1.0-1.1 s (``dd``
     reading buffered with the kernel's read-ahead: 0.55 s). On a VM whose disk serves one request at
     a time, the request size sets the speed instead, and that follows how contiguous the memory read
-    into is (benchmarks/README.md, "A third VM")."""
+    into is (benchmarks/README.md, "A third VM"); a bounce buffer in one huge page fixes that at
+    the cost of a copy (:meth:`read`)."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.direct_fd, self.direct = path, -1, False
@@ -232,14 +233,25 @@ class FileReader:
                     self.close()
                     raise
 
-    def read(self, out: memoryview, start: int, end: int) -> None:
-        """Fill ``out[start:end]`` from the file's bytes ``start:end``; a short file is an error."""
+    def read(self, out: memoryview, start: int, end: int, bounce: memoryview | None = None) -> None:
+        """Fill ``out[start:end]`` from the file's bytes ``start:end``; a short file is an error.
+        With ``bounce`` (a page-aligned buffer in one huge page, :func:`._hugepages.bounce_buffer`),
+        the whole pages are read into it a buffer at a time and copied out: ``out`` may then be
+        anywhere, and each request is as large as the bounce buffer."""
         view, pos = _flat(out), start
-        if self.direct and start % _PAGE == 0 and (_address(view) + start) % _PAGE == 0:
+        if not 0 <= start <= end <= len(view):
+            raise ValueError(f"bytes {start}:{end} do not fit a buffer of {len(view)}")
+        to = _address(view)
+        if self.direct and start % _PAGE == 0 and (bounce is not None or (to + start) % _PAGE == 0):
             direct_end = start + (end - start) // _PAGE * _PAGE
+            src = _address(bounce) if bounce is not None else 0
             while pos < direct_end:
                 try:
-                    n = os.preadv(self.direct_fd, [view[pos:direct_end]], pos)
+                    if bounce is None:
+                        n = os.preadv(self.direct_fd, [view[pos:direct_end]], pos)
+                    else:
+                        n = os.preadv(self.direct_fd, [bounce[: min(len(bounce), direct_end - pos)]], pos)
+                        ctypes.memmove(to + pos, src, n)  # releases the GIL, as preadv does
                 except OSError as exc:  # O_DIRECT refused at read time: the page cache from now on
                     if exc.errno != errno.EINVAL:
                         raise

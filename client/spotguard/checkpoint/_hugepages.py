@@ -39,7 +39,8 @@ import weakref
 
 import torch
 
-__all__ = ["DECIDE_S", "ENV", "HUGE", "available", "keep_from_forks", "mapped_bytes", "state"]
+__all__ = ["DECIDE_S", "ENV", "HUGE", "available", "bounce_buffer", "huge_range", "keep_from_forks", "map_budget",
+           "mapped_bytes", "state"]
 
 HUGE = 2 << 20
 """The huge page size (x86-64's and arm64's PMD with 4 KiB pages)."""
@@ -52,6 +53,8 @@ _PAGE = mmap.PAGESIZE
 _lock = threading.Lock()
 _own: dict[int, "weakref.ref[mmap.mmap]"] = {}
 """Start address -> mapping, of the mappings :func:`mapped_bytes` made that are still mapped."""
+_huge: dict[int, tuple[int, int]] = {}
+"""Start address of a mapping -> the addresses its huge pages span, ``[first, end)``."""
 _verdict: list = [None, 0.0, None]
 """[huge pages pay (None before a probe), when the verdict expires (monotonic), the last probe's
 (4 KiB, huge) CPU seconds]."""
@@ -88,12 +91,33 @@ def _thp_mode() -> str | None:
     return _mode[0]
 
 
+_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+_budget: list[int] = []
+
+
+def map_budget() -> int:
+    """How many mappings of its own this module keeps at most: a quarter of the kernel's per-process
+    limit (``vm.max_map_count``, 65,530 by default), read once. A state of tens of thousands of
+    tensors (a mixture of experts, each expert's matrices apart) would otherwise use up the limit,
+    and then every ``mmap`` of the process fails, the allocator's and CUDA's included."""
+    if not _budget:
+        try:
+            with open(_MAX_MAP_COUNT) as file:
+                _budget.append(max(64, int(file.read()) // 4))
+        except (OSError, ValueError):
+            _budget.append(16384)
+    return _budget[0]
+
+
 def mapped_bytes(nbytes: int, *, private: bool = False) -> torch.Tensor | None:
     """A uint8 tensor of ``nbytes`` in a mapping of its own (unmapped with the last tensor on it):
     on a 2 MiB boundary with its whole 2 MiB pages huge and faulted in where huge pages are asked
     for (:func:`available`, and the verdict in force says they pay, or a probe is due), else page
     aligned and untouched. ``private``: kept from forked children (:func:`keep_from_forks`). None
-    where the mapping fails."""
+    where the mapping fails, or :func:`map_budget` mappings are held already."""
+    with _lock:
+        if len(_own) >= map_budget():
+            return None
     whole = nbytes // HUGE * HUGE
     huge = probe = False
     last = None
@@ -127,6 +151,7 @@ def mapped_bytes(nbytes: int, *, private: bool = False) -> torch.Tensor | None:
     if not huge:
         return buf
     small = _fault(buf[:HUGE], _PAGE) if probe else (last[0] if last else math.inf)
+    end = whole
     for offset in range(first, whole, HUGE):  # each huge page timed: a free 2 MiB block may cost more
         cost = _fault(buf[offset : offset + HUGE], HUGE)
         if probe and offset == first:
@@ -135,12 +160,47 @@ def mapped_bytes(nbytes: int, *, private: bool = False) -> torch.Tensor | None:
         if cost >= small:  # the rest in 4 KiB pages, faulted where first written, as without this module
             with _lock:
                 _verdict[:] = [False, time.monotonic() + DECIDE_S, (small, cost)]
-            if offset + HUGE < whole:
+            end = offset + HUGE
+            if end < whole:
                 try:
-                    region.madvise(mmap.MADV_NOHUGEPAGE, start + offset + HUGE, whole - offset - HUGE)
+                    region.madvise(mmap.MADV_NOHUGEPAGE, start + end, whole - end)
                 except OSError:
                     pass
             break
+    if end > first:
+        with _lock:
+            _huge[base] = (buf.data_ptr() + first, buf.data_ptr() + end)
+    return buf
+
+
+def huge_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of ``tensor`` (offsets from its start, ``[first, end)``) that lie in huge pages of
+    the mapping :func:`mapped_bytes` made for it; ``(0, 0)`` for any other memory, or none given."""
+    with _lock:
+        first, end = _huge.get(tensor.untyped_storage().data_ptr(), (0, 0))
+    here = tensor.data_ptr()
+    return (max(0, first - here), end - here) if end > here else (0, 0)
+
+
+def bounce_buffer() -> torch.Tensor | None:
+    """One huge page (:data:`HUGE` bytes, 2 MiB-aligned, faulted in, kept from forked children) for
+    a reader to fill ``O_DIRECT`` and copy out of; None where huge pages may not be asked for
+    (:func:`available`) or the mapping fails. Asked for whatever the verdict: a reused buffer pays
+    its first touch once, and the disk then serves a read into it in one request of 2 MiB, where a
+    read into fresh 4 KiB pages is cut at every physical discontinuity (:mod:`.load`)."""
+    if not available():
+        return None
+    try:
+        region = mmap.mmap(-1, 2 * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        anchor = ctypes.c_char.from_buffer(region)
+        start = -ctypes.addressof(anchor) % HUGE
+        del anchor
+        region.madvise(mmap.MADV_HUGEPAGE, start, HUGE)
+        region.madvise(mmap.MADV_DONTFORK)
+    except (OSError, ValueError, AttributeError):
+        return None
+    buf = torch.frombuffer(region, dtype=torch.uint8)[start : start + HUGE]
+    buf[::_PAGE].zero_()
     return buf
 
 
@@ -148,6 +208,7 @@ def _forget(base: int, ref: "weakref.ref[mmap.mmap]") -> None:
     with _lock:
         if _own.get(base) is ref:
             del _own[base]
+            _huge.pop(base, None)
 
 
 def keep_from_forks(tensor: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -224,6 +225,9 @@ class FileReader:
     def __init__(self, path: Path) -> None:
         self.path, self.direct_fd, self.direct = path, -1, False
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        self.block = _block_device(os.fstat(self.fd).st_dev)
+        """On a block device (not tmpfs, NFS, FUSE or overlay): there the memory read into sets the
+        size of the disk's ``O_DIRECT`` requests, so a bounce buffer pays (:meth:`read`)."""
         if _O_DIRECT:
             try:
                 self.direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | _O_DIRECT)
@@ -277,6 +281,11 @@ class FileReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@functools.lru_cache(maxsize=64)
+def _block_device(dev: int) -> bool:
+    return os.major(dev) != 0 and os.path.exists(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
 
 
 def _address(view: memoryview) -> int:

@@ -185,7 +185,8 @@ class _PartReader:
         they span) the disk reads directly; into 2 MiB or more of other memory through a bounce
         buffer, since an ``O_DIRECT`` request ends at every physical discontinuity of the memory read
         into, and fresh 4 KiB pages cut a read into requests of 0.5-1.5 MiB where the disk takes
-        4 MiB (benchmarks/README.md, "Bounce buffers")."""
+        4 MiB (benchmarks/README.md, "Bounce buffers"). Only from a block device: from tmpfs an
+        ``O_DIRECT`` read is a copy already, and a network file system sizes its own requests."""
         if self.failed:
             return
         cuts = sorted({start, end} | {x for x in huge if start < x < end})
@@ -193,7 +194,7 @@ class _PartReader:
         try:
             for a, b in zip(cuts, cuts[1:]):
                 inside = huge[0] <= a and b <= huge[1]
-                if bounce is None and not inside and b - a >= _hugepages.HUGE:
+                if bounce is None and not inside and b - a >= _hugepages.HUGE and reader.direct and reader.block:
                     bounce = self._bounce()
                 reader.read(view, a, b, None if inside else bounce)
         finally:

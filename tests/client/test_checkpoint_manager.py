@@ -17,6 +17,7 @@ import xxhash
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from spotguard.checkpoint import Checkpointer, CheckpointError, CommitInfo
+from spotguard.checkpoint.load import _ParamIds
 
 
 def make_training(seed: int = 0):
@@ -81,6 +82,37 @@ def test_real_training_state_roundtrips_bit_exact(tmp_path):
     assert got_after == expected_after  # same batches, same updates, bit for bit
     for name in ("model", "optim", "sched", "scaler"):
         assert_state_dicts_equal(state[name].state_dict(), fresh[name].state_dict())
+
+
+def test_an_optimizer_of_many_parameters_in_groups_restores_exactly_and_keeps_its_own_lists(tmp_path):
+    """torch's Optimizer.load_state_dict looks each state tensor's id up in the saved group's list;
+    spotguard hands it the ids as a list that answers ``in`` from a set (quadratic before: 3.6 s of
+    a 20,000-parameter restore). Two groups, exact; the optimizer keeps plain lists of its own."""
+    def made(seed: int):
+        torch.manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3000)]
+        opt = torch.optim.AdamW([{"params": params[:1000], "lr": 0.1}, {"params": params[1000:], "weight_decay": 0.5}],
+                                lr=1e-3)
+        for p in params:
+            p.grad = torch.randn(3)
+        opt.step()
+        return torch.nn.ParameterList(params), opt
+    model, opt = made(0)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model, "optim": opt}, blocking=True)
+    fresh_model, fresh_opt = made(1)
+    with Checkpointer(tmp_path) as ck:
+        ck.load_latest({"model": fresh_model, "optim": fresh_opt})
+    assert_state_dicts_equal(opt.state_dict(), fresh_opt.state_dict())
+    assert [type(g["params"]) for g in fresh_opt.param_groups] == [list, list]
+    assert all(p is q for g, n in zip(fresh_opt.param_groups, (1000, 2000)) for p, q in
+               zip(g["params"], list(fresh_model)[: n] if n == 1000 else list(fresh_model)[1000:]))
+    ids = _ParamIds([5, 3, 9])
+    assert 3 in ids and 4 not in ids and ids == [5, 3, 9]
+    ids.append(4)
+    ids[0] = 7
+    ids += [8]
+    assert 4 in ids and 7 in ids and 8 in ids and 5 not in ids  # the set follows the list
 
 
 def test_snapshot_is_isolated_from_later_updates(tmp_path):

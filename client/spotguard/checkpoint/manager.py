@@ -42,7 +42,7 @@ from spotguard.checkpoint.emergency import Emergency, LiveWriter, live_snapshot
 from spotguard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from spotguard.checkpoint.layout import CommitInfo
 from spotguard.checkpoint.load import check, read_entries, read_manifest, restore
-from spotguard.checkpoint.staging import Stager, tensor_specs
+from spotguard.checkpoint.staging import Spec, Stager, tensor_specs
 
 __all__ = ["Checkpointer", "SaveStats"]
 
@@ -349,17 +349,19 @@ class Checkpointer:
             return None
         return time.monotonic() - since, bool(self._coord is not None and self._coord.exchanging)
 
-    def prepare(self, state: Mapping[str, Any], *, after_first_step: bool = True) -> None:
+    def prepare(self, state: Mapping[str, Any], *, after_first_step: bool = True,
+                specs: list[Spec] | None = None) -> None:
         """Allocate and pre-fault the staging buffers for ``state`` in a background thread (reniced
         and CPU-capped like a periodic save) so that the first save stalls no longer than later ones;
         returns at once. :meth:`load_latest` calls it. An optimizer without state yet (a fresh
-        start) gets a one-time step hook that prepares again once its first step has created it."""
+        start) gets a one-time step hook that prepares again once its first step has created it.
+        ``specs``: ``tensor_specs`` of the whole state, where the caller has them already."""
         if self._closed:
             return
         names = None if self.rank == 0 else [n for n in state if n in self._per_rank]
         try:
             self._shard_stager()
-            specs = tensor_specs(state, names)
+            specs = specs if specs is not None and names is None else tensor_specs(state, names)
         except Exception as exc:  # only an optimisation: the save itself reports what is wrong
             logger.debug("not preparing staging buffers: %r", exc)
             return
@@ -411,10 +413,11 @@ class Checkpointer:
             if ok:
                 restore(state, entries)
                 del entries
+                specs = None
                 if self._read_buffers:  # the restore's memory becomes the staging copy
-                    self._stager.adopt(self._read_buffers, state)
+                    specs = self._stager.adopt(self._read_buffers, state)
                 self._read_buffers = []
-                self.prepare(state)
+                self.prepare(state, specs=specs)
                 info = check(found[step])
                 if self.resized_from is not None and self.rank == 0:
                     logger.warning("elastic resume: step %d was saved by %d ranks, this job has %d: replicated "

@@ -325,18 +325,21 @@ class Stager:
             return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
         return aligned_bytes(nbytes, True).view(dtype).view(shape)
 
-    def adopt(self, buffers: list[tuple[torch.Tensor, str | None] | None], state: Mapping[str, Any]) -> None:
+    def adopt(self, buffers: list[tuple[torch.Tensor, str | None] | None],
+              state: Mapping[str, Any]) -> list[Spec] | None:
         """Take a restore's read buffers (``buffers[i]``: the i-th tensor of the snapshot the
         checkpoint holds and the entry it belongs to, None where none fits) as the staging buffers,
         so that the restore's memory becomes the staging copy instead of coming on top of it. A
         buffer the restored ``state`` may hold itself is left out, since the next snapshot must never
         write into live state: one that a module's or optimizer's state (``Optimizer.load_state_dict``
         keeps the tensors it is given), a tensor or a mapping references now, and every one of other
-        stateful entries (their ``state_dict()`` is not called outside a save). Not when pinned."""
+        stateful entries (their ``state_dict()`` is not called outside a save). Not when pinned.
+        Returns :func:`tensor_specs` of ``state`` (taken here anyway), None when pinned."""
         if self._pin:
-            return
+            return None
         self._settle()
-        live = {t.untyped_storage().data_ptr() for t in _sources(state)}
+        sources = _sources(state)
+        live = {t.untyped_storage().data_ptr() for t in sources}
         opaque = {k for k, v in state.items() if entry_kind(v) == "stateful" and not isinstance(v, _PURE_STATEFUL)}
         self._buffers = [b[0] if b is not None and b[1] is not None and b[1] not in opaque
                          and b[0].untyped_storage().data_ptr() not in live else _NOTHING for b in buffers]
@@ -344,6 +347,7 @@ class Stager:
             if buf.numel():
                 keep_from_forks(buf)
         self._packed = None  # the next snapshot packs the adopted buffers' small tensors anew
+        return [(t.shape, t.dtype) for t in sources]
 
     def release(self) -> None:
         """Drop the staging buffers (the next snapshot allocates again)."""

@@ -154,12 +154,11 @@ def mapped_bytes(nbytes: int, *, private: bool = False) -> torch.Tensor | None:
     end = whole
     for offset in range(first, whole, HUGE):  # each huge page timed: a free 2 MiB block may cost more
         cost = _fault(buf[offset : offset + HUGE], HUGE)
-        if probe and offset == first:
+        pays = cost < small
+        if not pays or (probe and offset == first):
             with _lock:
-                _verdict[:] = [cost < small, time.monotonic() + DECIDE_S, (small, cost)]
-        if cost >= small:  # the rest in 4 KiB pages, faulted where first written, as without this module
-            with _lock:
-                _verdict[:] = [False, time.monotonic() + DECIDE_S, (small, cost)]
+                _verdict[:] = [pays, time.monotonic() + DECIDE_S, (small, cost)]
+        if not pays:  # the rest in 4 KiB pages, faulted where first written, as without this module
             end = offset + HUGE
             if end < whole:
                 try:

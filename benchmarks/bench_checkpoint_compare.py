@@ -476,6 +476,11 @@ def child(args) -> None:
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("_") and k != "wait_prepared"}))
 
 
+def _ratio(value: float, base: float | None) -> str:
+    """``value / base`` as a table cell; "-" where the run had no baseline variant."""
+    return f"{value / base:.2f}x" if base else "-"
+
+
 def table(rows: dict[str, dict]) -> str:
     ref = rows.get("torch_save", {})
     dd = rows.get("dd", {})
@@ -494,10 +499,9 @@ def table(rows: dict[str, dict]) -> str:
         vs_par = f"{r['restore_s'] / par:.2f}x" if par else "-"
         vs_files = f"{r['restore_s'] / r['files_read_s']:.2f}x" if "files_read_s" in r else "-"
         lines.append(f"| {name} | {r['stall_s']:.3f} s | {r['durable_s']:.2f} s | "
-                     f"{r['durable_s'] / dd['durable_s']:.2f}x | {infl} | {r['restore_s']:.2f} s | "
-                     f"{r['restore_s'] / ref['restore_s']:.2f}x | {r['restore_s'] / dd['restore_s']:.2f}x | "
-                     f"{vs_par} | {vs_files} | {rss} | {prep} |"
-                     if dd and ref else f"| {name} | {r} |")
+                     f"{_ratio(r['durable_s'], dd.get('durable_s'))} | {infl} | {r['restore_s']:.2f} s | "
+                     f"{_ratio(r['restore_s'], ref.get('restore_s'))} | {_ratio(r['restore_s'], dd.get('restore_s'))} | "
+                     f"{vs_par} | {vs_files} | {rss} | {prep} |")
     sizes = [f"{n} {r['restore_request_kib']:.0f}" + (f" (its files read: {r['files_read_request_kib']:.0f})"
                                                       if "files_read_request_kib" in r else "")
              for n, r in rows.items() if "restore_request_kib" in r]

@@ -208,9 +208,9 @@ class _PartReader:
             bounce = self.bounces.get_nowait()
         except queue.Empty:
             made = _hugepages.bounce_buffer()
-            bounce = memoryview(made.numpy()) if made is not None else None
-            if bounce is not None:
-                return bounce
+            if made is not None:
+                return memoryview(made.numpy())
+            bounce = None
         if bounce is None:
             self.bounces.put(None)  # no huge pages: every reader learns it from here
         return bounce
@@ -287,7 +287,10 @@ class _ParamIds(list):
         ids = self.__dict__.get("_ids")
         if ids is None:
             ids = self.__dict__["_ids"] = frozenset(self)
-        return item in ids
+        try:
+            return item in ids
+        except TypeError:  # unhashable: a list compares it with each item
+            return list.__contains__(self, item)
 
 
 def _forgetting(method: Any) -> Any:

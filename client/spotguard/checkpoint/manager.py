@@ -133,11 +133,11 @@ class Checkpointer:
         self._leads = self.rank == (self._coord.leader if self._coord else 0)
         """This rank creates and commits its root's checkpoints, and saves the replicated state."""
         self.node_ranks = self._coord.topology.ranks if self._coord and self._coord.node_local else None
+        """The ranks sharing this node-local root (None: one root, shared or single-process)."""
         self.remote_shards: Callable[[int], Any] | None = None
         """``remote_shards(step)``: the durable store's files of ``step`` (``read_whole``,
         ``read_range``; :class:`spotguard.storage.shards.StoreShards`), for a resharding load on
         node-local roots; set by :class:`spotguard.Run` when the job has a store."""
-        """The ranks sharing this node-local root (None: one root, shared or single-process)."""
         if self._leads:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             layout.remove_stale(self.root)

@@ -45,8 +45,10 @@ dataset to each worker, which also runs the script's top level again (benchmarks
 it, its workers (whose parent it is) would see their parent gone and end, and the rank would die of
 "DataLoader worker exited unexpectedly" before its stop saved anything. So the server spotguard
 starts ignores SIGTERM (it already ignores SIGINT) and still exits with the rank (its alive pipe
-closes); the processes it forks get SIGTERM's default back at once, and a loader's workers then
-ignore it from their ``worker_init_fn`` (:func:`spotguard.data.ignore_stop_signals`).
+closes). The processes it forks begin with both ignored: a loader's workers (whose
+``worker_init_fn`` is :func:`spotguard.data.ignore_stop_signals`') keep ignoring them, even one that
+a stop signal reaches while it starts; every other child gets the defaults back just before its
+target runs (:func:`_serve_through_stop_signals`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ import sys
 import threading
 import types
 from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["deadlocks_at_fork", "threads_alive", "main_import_problem", "worker_context", "fork_warning",
            "start_forkserver", "main_modules", "fork_warned"]
@@ -207,13 +210,36 @@ def _in_forkserver() -> bool:
     return False
 
 
-def _sigterm_default() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def _kept_worker(proc: object) -> bool:
+    """Whether ``proc`` (a child's process object) is a loader worker whose ``worker_init_fn`` is
+    spotguard's (:func:`spotguard.data.ignore_stop_signals`), which ignores the stop signals for good."""
+    return any(isinstance(arg, functools.partial) and getattr(arg.func, "__module__", None) == "spotguard.data"
+               and getattr(arg.func, "__name__", None) == "_worker_init" for arg in getattr(proc, "_args", ()))
+
+
+def _serve_through_stop_signals() -> None:
+    """In the forkserver: ignore SIGTERM and SIGINT (the server saves SIGINT's disposition now as its
+    children's), so that a child begins with both ignored. A stop signal that reaches a loader worker
+    while it starts (unpickling its dataset, importing: seconds under load, every epoch without
+    persistent workers) is then dropped instead of killing it before its ``worker_init_fn`` ignores
+    it. Just before a child's target runs, every child but such a worker gets both defaults back, so
+    a ``Process`` or a ``Pool``'s worker still ends at ``terminate()``."""
+    from multiprocessing import process
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    bootstrap = process.BaseProcess._bootstrap
+
+    def _bootstrap(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _kept_worker(self):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        return bootstrap(self, *args, **kwargs)
+    process.BaseProcess._bootstrap = _bootstrap  # type: ignore[method-assign]
 
 
 if _in_forkserver():
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.register_at_fork(after_in_child=_sigterm_default)
+    _serve_through_stop_signals()
 
 
 def fork_warning(problem: str) -> str:

@@ -165,3 +165,66 @@ def test_loader_workers_ignore_a_stop_signal_that_comes_while_they_start(tmp_pat
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert lines == {"workers": "True", "child": str(-signal.SIGTERM), "pool": f"[{-signal.SIGTERM}]",
                      "stop": "False"}, done.stdout + done.stderr[-3000:]
+
+
+SERVED_JOB = """
+import multiprocessing, os, signal, time
+import torch
+from spotguard.data import ignore_stop_signals
+
+class Starting(torch.utils.data.Dataset):
+    # Unpickled in each forkserver worker before its target runs: the window where torchrun's killpg,
+    # Ctrl-C or scancel finds a worker that is starting (seconds under load, each epoch).
+    def __init__(self):
+        self.kill = False
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.kill:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+
+def epochs(data, n=2):
+    loader = ignore_stop_signals(torch.utils.data.DataLoader(data, batch_size=4, num_workers=2,
+                                                             multiprocessing_context="forkserver"))
+    try:
+        return [b.view(-1).tolist() for _ in range(n) for b in loader]
+    except RuntimeError as exc:  # torch: "DataLoader worker (pid(s) ...) exited unexpectedly"
+        return "died" if "DataLoader worker" in str(exc) else repr(exc)
+
+def main():
+    data = Starting()
+    expected = epochs(data)
+    data.kill = True
+    drawn = epochs(data)
+    print("workers", drawn == expected or drawn)
+    child = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(30,))
+    child.start()  # not a loader's worker: SIGTERM's default, as without spotguard
+    time.sleep(1)
+    child.terminate()
+    child.join(30)
+    print("child", child.exitcode)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_forkserver_loader_workers_ignore_a_stop_signal_that_comes_while_they_start(tmp_path):
+    """spotguard's forkserver (the one a loader gets where forking can hang, or that a user's
+    ``multiprocessing_context='forkserver'`` loader given to spotguard starts) hands its children
+    SIGTERM and SIGINT ignored: a loader worker reached by both while it unpickles its dataset lives
+    and the loop gets every batch; another forkserver child still ends at ``terminate()``."""
+    script = tmp_path / "served.py"
+    script.write_text(SERVED_JOB)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines == {"workers": "True", "child": str(-signal.SIGTERM)}, done.stdout + done.stderr[-3000:]

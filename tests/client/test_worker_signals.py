@@ -157,14 +157,9 @@ def test_loader_workers_ignore_a_stop_signal_that_comes_while_they_start(tmp_pat
     preemption while an epoch's workers start) is held from the fork on and dropped once the worker
     ignores it: the loop gets every batch. Other forked children (a Process, a Pool's workers) still
     die of SIGTERM, early or late."""
-    script = tmp_path / "early.py"
-    script.write_text(EARLY_JOB)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    lines, said = _job_lines(tmp_path / "early.py", EARLY_JOB, timeout=120)
     assert lines == {"workers": "True", "child": str(-signal.SIGTERM), "pool": f"[{-signal.SIGTERM}]",
-                     "stop": "False"}, done.stdout + done.stderr[-3000:]
+                     "stop": "False"}, said
 
 
 SERVED_JOB = """
@@ -221,10 +216,14 @@ def test_forkserver_loader_workers_ignore_a_stop_signal_that_comes_while_they_st
     ``multiprocessing_context='forkserver'`` loader given to spotguard starts) hands its children
     SIGTERM and SIGINT ignored: a loader worker reached by both while it unpickles its dataset lives
     and the loop gets every batch; another forkserver child still ends at ``terminate()``."""
-    script = tmp_path / "served.py"
-    script.write_text(SERVED_JOB)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    lines, said = _job_lines(tmp_path / "served.py", SERVED_JOB, timeout=240)
+    assert lines == {"workers": "True", "child": str(-signal.SIGTERM)}, said
+
+
+def _job_lines(script, source: str, timeout: int) -> tuple[dict[str, str], str]:
+    """Run ``source`` as a script of its own; its ``name value`` lines, and what it said (for a message)."""
+    script.write_text(source)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    assert lines == {"workers": "True", "child": str(-signal.SIGTERM)}, done.stdout + done.stderr[-3000:]
+    return dict(line.split(" ", 1) for line in done.stdout.splitlines()), done.stdout + done.stderr[-3000:]

@@ -128,6 +128,22 @@ def test_warned_preemption_that_loses_steps_and_failed_loads(tmp_path):
     assert "exited with status 75 without finishing" in problems["finished"]
 
 
+def test_a_job_that_outruns_the_drills_sigterm_finished_though_its_launcher_exits_1(tmp_path):
+    """A SIGTERM with a deadline far enough to train the last steps: the job records its finish
+    and torchrun's agent exits 1 of the signal. That launch finished (the preemption did not land);
+    a non-zero exit after a notice, which the drill sends the launcher no signal for, did not."""
+    first = recorded(tmp_path, 1, steps=(10, 20), commits=((10, "periodic"), (20, "periodic")), kind="sigkill")
+    last = recorded(tmp_path, 2, resumed=20, steps=(88, 100), finish="abc", kind="sigterm")
+    last.status = 1
+    reference = recorded(tmp_path, 0, steps=(50, 100), finish="abc")
+    problems = failed(judge([first, last], reference))
+    assert "finished" not in problems and "identical" not in problems, problems
+    assert [c.detail for c in judge([first, last], reference) if c.name == "finished"] == [
+        "the job finished at step 100 (after the drill's SIGTERM; the launch exited with status 1)"]
+    last.kind = "notice"
+    assert "exited with status 1 without finishing" in failed(judge([first, last], reference))["finished"]
+
+
 def test_a_job_that_never_records_and_one_that_is_not_fresh(tmp_path):
     silent = Launch(1, log=tmp_path / "1.log", status=1)
     assert "without starting a spotguard run" in failed(judge([silent], None))["recorded"]

@@ -367,8 +367,15 @@ def _warned(launches: list[Launch]) -> Check:
 
 
 def _finished(last: Launch) -> Check:
-    if last.first("finish") is not None and last.status == 0:
-        return Check("finished", True, f"the job finished at step {last.first('finish')['step']}")
+    """The job's finish, from the last launch. One that the drill sent SIGTERM to and that recorded
+    its finish all the same (a deadline far enough to train the last steps) finished: its launcher's
+    status is the signal's (torchrun's agent exits 1 of it), not the job's."""
+    finish = last.first("finish")
+    if finish is not None and last.status == 0:
+        return Check("finished", True, f"the job finished at step {finish['step']}")
+    if finish is not None and last.preempted and last.kind == "sigterm":
+        return Check("finished", True, f"the job finished at step {finish['step']} (after the drill's "
+                     f"SIGTERM; the launch exited with status {last.status})")
     return Check("finished", False, f"the last launch exited with status {last.status} without "
                  f"finishing; see {last.log}")
 

@@ -372,14 +372,20 @@ def ignore_stop_signals(loader: Any) -> Any:
     is drawn from any generator, so the batches are the same. Workers already started (a live
     iterator, persistent workers) keep their handlers. For any torch ``DataLoader`` (a plain one,
     Lightning's or the Hugging Face ``Trainer``'s); ``spotguard.DataLoader`` does it itself. A loader
-    started with ``spawn`` or ``forkserver`` needs its ``worker_init_fn`` picklable, as before."""
+    started with ``spawn`` or ``forkserver`` needs its ``worker_init_fn`` picklable, as before; for
+    ``forkserver``, the server is started here, preloading torch, the dataset's module and what the
+    main script imported (found on ``sys.path`` from the working directory: Python 3.11's server is
+    not given the script's), so that each epoch's workers do not import them again."""
     init = getattr(loader, "worker_init_fn", None)
     if isinstance(init, functools.partial) and init.func is _worker_init:
         return loader
     loader.worker_init_fn = functools.partial(_worker_init, init)
     context = getattr(loader, "multiprocessing_context", None)
     if context is not None and context.get_start_method() == "forkserver":
-        _fork.start_forkserver([__name__])  # a server of spotguard's, unless one runs: SIGTERM kept off it
+        # A server of spotguard's, unless one runs (SIGTERM kept off it), preloading what every
+        # worker would import again: each epoch's workers start in 0.1 s instead of seconds.
+        dataset = type(getattr(loader, "dataset", None)).__module__
+        _fork.start_forkserver(["torch", __name__, dataset, *_fork.main_modules()])
     return loader
 
 

@@ -220,10 +220,48 @@ def test_forkserver_loader_workers_ignore_a_stop_signal_that_comes_while_they_st
     assert lines == {"workers": "True", "child": str(-signal.SIGTERM)}, said
 
 
-def _job_lines(script, source: str, timeout: int) -> tuple[dict[str, str], str]:
-    """Run ``source`` as a script of its own; its ``name value`` lines, and what it said (for a message)."""
+def _job_lines(script, source: str, timeout: int, **env: str) -> tuple[dict[str, str], str]:
+    """Run ``source`` as a script of its own (``env`` added to the environment); its ``name value``
+    lines, and what it said (for a message)."""
     script.write_text(source)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
-                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env})
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     return dict(line.split(" ", 1) for line in done.stdout.splitlines()), done.stdout + done.stderr[-3000:]
+
+
+PRELOADED_JOB = """
+import os
+import torch
+import imported_once  # noqa: F401  (a library the script holds, as a Lightning script holds lightning)
+from spotguard.data import ignore_stop_signals
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+if __name__ == "__main__":
+    loader = ignore_stop_signals(torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=2,
+                                                             multiprocessing_context="forkserver"))
+    batches = [b.view(-1).tolist() for _ in range(3) for b in loader]
+    print("batches", len(batches))
+    with open(os.environ["IMPORTS"]) as imports:
+        print("importers", len(set(imports.read().split())))
+"""
+
+
+def test_a_forkserver_loader_given_to_spotguard_has_the_scripts_modules_preloaded(tmp_path):
+    """The server that ``ignore_stop_signals`` starts preloads what the main script holds, so an
+    epoch's workers do not import it again (a Lightning script's workers imported lightning every
+    epoch: seconds, under load more than a notice's deadline). Counted by the processes that ran
+    the module's top level: the job and the server, not the 6 workers of 3 epochs."""
+    library = tmp_path / "site"  # installed, as lightning is: on the path of every process
+    library.mkdir()
+    (library / "imported_once.py").write_text(
+        "import os\nwith open(os.environ['IMPORTS'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n")
+    lines, said = _job_lines(tmp_path / "preloaded.py", PRELOADED_JOB, timeout=240, IMPORTS=str(tmp_path / "imports.txt"),
+                             PYTHONPATH=os.pathsep.join([str(library), os.environ.get("PYTHONPATH", "")]))
+    assert lines == {"batches": "12", "importers": "2"}, said

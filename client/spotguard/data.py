@@ -236,10 +236,7 @@ class DataLoader(tud.DataLoader):
             _fork.start_forkserver(self._preload())
 
     def _preload(self) -> list[str]:
-        """What a forkserver imports once for every worker: torch, this module, the dataset's, the
-        main script's."""
-        module = type(getattr(self.dataset, "dataset", self.dataset)).__module__
-        return ["torch", __name__, module, *_fork.main_modules()]
+        return _preload(getattr(self.dataset, "dataset", self.dataset))  # inside its _Seeded
 
     def __iter__(self) -> "_Batches":
         return _Batches(self)
@@ -384,9 +381,14 @@ def ignore_stop_signals(loader: Any) -> Any:
     if context is not None and context.get_start_method() == "forkserver":
         # A server of spotguard's, unless one runs (SIGTERM kept off it), preloading what every
         # worker would import again: each epoch's workers start in 0.1 s instead of seconds.
-        dataset = type(getattr(loader, "dataset", None)).__module__
-        _fork.start_forkserver(["torch", __name__, dataset, *_fork.main_modules()])
+        _fork.start_forkserver(_preload(getattr(loader, "dataset", None)))
     return loader
+
+
+def _preload(dataset: Any) -> list[str]:
+    """What a forkserver imports once for every worker: torch, this module, the dataset's, the
+    main script's."""
+    return ["torch", __name__, type(dataset).__module__, *_fork.main_modules()]
 
 
 def _worker_died(it: Any, wait: float = 1.0) -> bool:

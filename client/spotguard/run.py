@@ -255,6 +255,13 @@ class Run(Stopping):
         """Step saved -> when the loop reached it, for the daemon's goodput (the commit comes later)."""
         self._fixed_cadence = self._cadence_source in ("save_every", "env")  # a fixed step count
         self._due_latched = False
+        self.hold_saves = False
+        """Set by a framework's callback before a boundary whose state it cannot resume from as the
+        run went on (Lightning: a batch after which it validates or ends the epoch): a periodic or
+        requested save due there is taken at the next boundary, and never held twice in a row. A
+        stop still saves there. It must be the same on every rank (a fixed cadence saves without an
+        exchange)."""
+        self._held = False  # a save was held at the last boundary
         self.step = self.start_step = 0
         self.stopped = False
         self.resumed_from: Any = None
@@ -441,9 +448,13 @@ class Run(Stopping):
         self.record.progress(done)
         self._audit.step(done)
         self.guard.report_progress(done)
-        due = self.cadence.due(done)  # asked at every boundary so its count moves alike everywhere
+        held, self._held = self._held, False
+        hold = self.hold_saves and not held  # a save waits one boundary at most
+        due = self.cadence.due(done) or held  # asked at every boundary: its count moves alike everywhere
         if due and self._fixed_cadence:
-            self._save(done)  # a fixed step count is due at the same step on every rank
+            self._held = hold
+            if not hold:
+                self._save(done)  # a fixed step count is due at the same step on every rank
         else:
             self._due_latched |= due and rank() == 0  # rank 0's cadence (the daemon's MTBF) decides
         if self.agreement.enabled and not self.agreement.due(done):
@@ -458,7 +469,9 @@ class Run(Stopping):
             self.cadence.floor(decision.durable_seconds)
         if decision.stop:
             return self._stop(done, decision)
-        if decision.checkpoint and self._saved_step != done:
+        if decision.checkpoint and hold:
+            self._due_latched = self._held = True  # every rank proposes it at the next exchange
+        elif decision.checkpoint and self._saved_step != done:
             self._save(done, "requested")
             self.guard.clear_checkpoint_request()
         return False

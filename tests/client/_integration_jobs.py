@@ -8,7 +8,12 @@ Hugging Face: the ``Trainer``'s own shuffled loader), checkpointed by the spotgu
 SIGTERM itself at the first of those steps after the step it resumed from, so relaunching the identical command until it exits 0 stops it
 at each of them. ``$JOB_DAEMON=1`` makes the callback talk to the daemon (job id ``integration``), and
 ``$JOB_KILL`` (a step) makes the job SIGKILL itself at that step once the daemon acknowledged its
-progress. With ``$SPOTGUARD_STORAGE__URL`` the HF job's checkpoints are committed for the daemon's
+progress. Lightning: ``$JOB_CRASH`` (comma-separated steps) makes it SIGKILL itself once at each of
+them, its saves settled; ``$JOB_VALIDATE=1`` adds a validation every 8 batches (across epochs), a
+``ReduceLROnPlateau`` stepped each epoch on its metric and ``EarlyStopping`` on it; the digest then
+also covers the scheduler's and the callbacks' states. The Lightning digest covers the fit loop's
+epoch counters and how many epoch starts and validations the job's hooks saw; ``EPOCH_ENDS`` is
+printed apart. With ``$SPOTGUARD_STORAGE__URL`` the HF job's checkpoints are committed for the daemon's
 upload and a fresh node restores from that store; under ``torchrun``, ``$JOB_SLOW_RNG_RANK`` makes
 that rank's Trainer write its RNG state 1.5 s late (a slow disk), and ``$JOB_STEPS`` shortens the
 run. The last line is ``DIGEST <sha256 of the final weights and optimizer state>``.
@@ -97,16 +102,53 @@ def collate(rows):
     return {"x": torch.stack([r[0] for r in rows]), "y": torch.stack([r[1] for r in rows])}
 
 
+def crash(step: int, start: int, out: str, settle) -> None:
+    """SIGKILL once at each step of ``$JOB_CRASH`` (a marker file remembers it), saves settled."""
+    crashes = [int(s) for s in os.environ.get("JOB_CRASH", "").split(",") if s]
+    marker = os.path.join(out, f"crashed-{step}")
+    if step > start and step in crashes and not os.path.exists(marker):
+        settle()
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def lightning_job(out: str) -> None:
     import lightning.pytorch as pl
 
     from spotguard.integrations.lightning import SpotguardCallback
+
+    validate = os.environ.get("JOB_VALIDATE") == "1"
 
     class Data(pl.LightningDataModule):
         def train_dataloader(self):
             workers = int(os.environ.get("JOB_WORKERS", "0"))
             return torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=True,
                                                num_workers=workers, persistent_workers=workers > 0)
+
+    class Validated(Data):
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
+
+    class Hooks(pl.Callback):
+        """Counts what a resume must not skip: epoch starts and ends, validations."""
+
+        def __init__(self):
+            self.seen = {"epoch_starts": 0, "epoch_ends": 0, "validations": 0}
+
+        def on_train_epoch_start(self, trainer, module):
+            self.seen["epoch_starts"] += 1
+
+        def on_train_epoch_end(self, trainer, module):
+            self.seen["epoch_ends"] += 1
+
+        def on_validation_end(self, trainer, module):
+            self.seen["validations"] += not trainer.sanity_checking
+
+        def state_dict(self):
+            return dict(self.seen)
+
+        def load_state_dict(self, state):
+            self.seen = dict(state)
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -119,25 +161,46 @@ def lightning_job(out: str) -> None:
         def training_step(self, batch, batch_idx):
             maybe_stop(self.global_step, self.start, lambda: callback.run.guard,
                        lambda: callback.run.checkpointer.wait(None))
+            crash(self.global_step, self.start, out, lambda: callback.run.checkpointer.wait(None))
             x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("train", loss, on_step=True, on_epoch=True)  # an epoch aggregate: never exact after a resume
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch  # dropout and a draw of its own: the validation's RNG use changes nothing
+            self.log("val", torch.nn.functional.mse_loss(self.net(x), y) + torch.rand(()))
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.01)
+            optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+            if not validate:
+                return optimizer
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+            return {"optimizer": optimizer,
+                    "lr_scheduler": {"scheduler": plateau, "interval": "epoch", "monitor": "val"}}
 
     pl.seed_everything(0)
     module = Module()
     daemon = os.environ.get("JOB_DAEMON") == "1"
     callback = SpotguardCallback(os.path.join(out, "ckpt"), save_every=4, daemon=daemon,
                                  job_id="integration" if daemon else "")
+    hooks = Hooks()
+    more = {"val_check_interval": 8, "check_val_every_n_epoch": None} if validate else {}
     accumulate = int(os.environ.get("JOB_ACCUMULATE", "1"))
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", deterministic=True, logger=False,
                          accumulate_grad_batches=accumulate,
-                         callbacks=[callback], enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, Data())
+                         callbacks=[callback, hooks] + [pl.callbacks.EarlyStopping("val", patience=99)] * validate,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, **more)
+    trainer.fit(module, Validated() if validate else Data())
     callback.exit_if_stopped()
-    print("DIGEST", digest(module.state_dict(), trainer.optimizers[0].state_dict()["state"]))
+    saved = trainer._checkpoint_connector.dump_checkpoint()
+    bookkeeping = {"hooks": hooks.seen, "epochs": trainer.fit_loop.epoch_progress.state_dict(),
+                   "schedulers": saved.get("lr_schedulers", []),
+                   "callbacks": {k: v for k, v in saved["callbacks"].items() if "EarlyStopping" in k}}
+    print("BOOKKEEPING", bookkeeping)
+    print("EPOCH_ENDS", hooks.seen.pop("epoch_ends"))  # a stop after an epoch's last batch skips one
+    print("DIGEST", digest(module.state_dict(), trainer.optimizers[0].state_dict()["state"], bookkeeping))
 
 
 def hf_job(out: str) -> None:

@@ -126,6 +126,35 @@ def test_exit_on_stop_false_ends_the_loop_instead(tmp_path):
     assert Checkpointer(tmp_path).latest().step == 3
 
 
+def test_a_save_due_at_a_held_boundary_is_taken_at_the_next_and_a_stop_is_not_held(tmp_path):
+    """``hold_saves`` (a framework callback's: Lightning validates after this batch) moves a due
+    save to the next boundary, never twice in a row; the cadence counts on from the save."""
+    model, optimizer = parts()
+    committed = []
+    held = {3, 4, 10}  # boundaries, counted in steps done
+
+    def hold(step):
+        run.hold_saves = step + 1 in held
+
+    with Run(tmp_path / "held", model=model, optimizer=optimizer, save_every=3, guard=quiet_guard(),
+             on_commit=lambda info: committed.append(info.step)) as run:
+        train(run, 12, model, optimizer, hook=hold)
+    assert committed == [4, 7, 11, 12]  # 3 held (saved at 4, held again but not twice), 10 held
+
+    model, optimizer = parts()
+    run = Run(tmp_path / "stop", model=model, optimizer=optimizer, exit_on_stop=False, save_every=100,
+              guard=quiet_guard())
+
+    def stop_at_a_held_boundary(step):
+        run.hold_saves = True
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    assert train(run, 50, model, optimizer, hook=stop_at_a_held_boundary) == [0, 1, 2]
+    run.guard._restore_handlers()
+    assert Checkpointer(tmp_path / "stop").latest().step == 3
+
+
 def test_estimate_before_the_first_save_then_the_measured_cost(tmp_path):
     model, optimizer = parts()
     with Run(tmp_path, model=model, optimizer=optimizer, save_every=2, guard=quiet_guard()) as run:

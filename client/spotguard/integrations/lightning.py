@@ -23,9 +23,21 @@ code puts it back consistently. Restoring goes through the same connector method
 ``trainer.fit(ckpt_path=...)`` uses (``restore_model``, ``restore_datamodule``,
 ``restore_callbacks``, ``restore_training_state``), called from ``on_fit_start`` (after the strategy
 set up the optimizers, before the fit loop starts). A spotguard checkpoint, when one exists, wins
-over a ``ckpt_path`` given to ``fit``. Private names touched: ``_checkpoint_connector``, and
-``_signal_connector``'s ``_sigterm_notifier_fn`` and ``received_sigterm`` (see SIGTERM below).
-Tested with Lightning 2.6.
+over a ``ckpt_path`` given to ``fit``. Private names touched: ``_checkpoint_connector``,
+``_signal_connector``'s ``_sigterm_notifier_fn`` and ``received_sigterm`` (see SIGTERM below), and
+for validations and epoch ends (below) ``fit_loop._restarting``, ``fit_loop._data_fetcher``,
+``epoch_loop._should_check_val_fx`` and ``_logger_connector._callback_metrics``. Tested with
+Lightning 2.6.
+
+Validations and epoch ends: Lightning resumes *after* the validation and the epoch end that follow
+a saved batch. A periodic save due at such a batch is therefore taken at the next step
+(:attr:`Run.hold_saves`), when the validation's effects (callback states, a ``ReduceLROnPlateau``
+step) and the epoch-end hooks are in the state. ``trainer.callback_metrics`` are saved and put
+back, and the first epoch end after a resume steps ``ReduceLROnPlateau`` schedulers, which
+Lightning's own restart skips. A resume right after an epoch's last batch (a stop there) counts the
+next epoch started and calls its ``on_train_epoch_start`` hooks (Lightning's restart skips both).
+Still inexact: a stop at such a batch (the resumed job skips that validation or epoch end), and
+epoch-level aggregates of training metrics after a mid-epoch resume.
 
 SIGTERM: Lightning 2.6 registers a SIGTERM handler of its own after ``on_fit_start``, which
 broadcasts a tensor from inside the handler on whichever rank got the signal (a collective the
@@ -90,6 +102,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from spotguard import _ddp, _exit, rng
@@ -105,6 +118,9 @@ from spotguard.run import Run
 __all__ = ["SpotguardCallback"]
 
 log = logging.getLogger(__name__)
+
+_METRICS = "spotguard_callback_metrics"
+"""The key of ``trainer.callback_metrics`` in the Lightning dict spotguard saves."""
 
 _ENDLESS = 2**62
 """The step budget handed to :meth:`Run.steps`: the trainer, not spotguard, decides when to end."""
@@ -195,6 +211,20 @@ class SpotguardCallback(pl.Callback):
         self._last_step = trainer.global_step
         self.data.install()  # after the restore: the loaders are built next, in the fit loop
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Lightning reset its loops and metrics: put back what a run never stopped has here."""
+        _start_the_next_epoch(trainer.fit_loop)
+        if self.run is not None:
+            self.run.state["lightning"].restore_metrics()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The first epoch's end after a resume: Lightning 2.6 skips its ``ReduceLROnPlateau``
+        step there (its checkpoints hold no metrics); spotguard's put the metrics back, so step it
+        as a run never stopped does."""
+        loop = trainer.fit_loop
+        if loop.restarting and self.resumed_from is not None:
+            loop._restarting = False  # this loop's flag only; Lightning clears it after this epoch anyway
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.data is not None:
             self.data.epoch_started()
@@ -210,6 +240,7 @@ class SpotguardCallback(pl.Callback):
         self._last_step = trainer.global_step
         assert self.run is not None
         self.run.step = trainer.global_step - 1  # keep Run's count on Lightning's (multi-optimizer)
+        self.run.hold_saves = _finishes_after(trainer)
         self._advance(trainer, trainer.global_step)
         if 0 < trainer.max_steps <= trainer.global_step and not self.stopped:
             self.run.finish(at_boundary=True)  # the last step's state, where any run saves it
@@ -316,6 +347,53 @@ class SpotguardCallback(pl.Callback):
                 connector.received_sigterm = False
 
 
+def _finishes_after(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates or ends the epoch after this batch, before the next one starts.
+
+    A state saved at this batch's end resumes after that work (Lightning 2.6 counts the epoch
+    done and does not validate again): the validation's effect on the callbacks' states
+    (``EarlyStopping``, ``ModelCheckpoint``), a ``ReduceLROnPlateau`` step on its metric and the
+    epoch's end hooks would be lost, and the resumed run would train on differently. So a
+    periodic save waits for the next boundary (:attr:`Run.hold_saves`). Only what is alike on every
+    rank counts: a time-based validation interval is not looked at.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if loop.batch_progress.is_last_batch:
+        return True
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return False
+    try:
+        return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+    except Exception:  # noqa: BLE001 -- another Lightning: save as before
+        return False
+
+
+def _callback_metrics(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """``trainer.callback_metrics`` to save: the tensors, less the epoch aggregates of what the
+    training steps logged (``on_epoch=True``). After a mid-epoch resume those cover only the
+    batches since the resume, so saving them would make every later checkpoint differ from a run
+    never stopped's; the validation's metrics and the per-step values are exact."""
+    aggregated = set()
+    for metric in getattr(trainer.fit_loop.epoch_loop, "_results", {}).values():
+        meta = getattr(metric, "meta", None)
+        if meta is not None and meta.on_epoch:
+            aggregated.add(meta.forked_name(False))
+    return {key: value.detach() for key, value in trainer.callback_metrics.items()
+            if isinstance(key, str) and isinstance(value, torch.Tensor) and key not in aggregated}
+
+
+def _start_the_next_epoch(loop: Any) -> None:
+    """Resumed from the state after an epoch's last batch (a stop there saves it): Lightning 2.6
+    counted the epoch done in its ``reset``, but the stage it keeps (restarted mid-epoch) then
+    skips counting the next epoch as started and its ``on_train_epoch_start`` hooks (the module's,
+    every callback's). Clear that stage, so the next epoch starts as in a run never stopped."""
+    epoch_loop = getattr(loop, "epoch_loop", None)
+    if getattr(loop, "restarted_mid_epoch", False) and \
+            getattr(epoch_loop, "restarted_on_train_batch_end", False) and \
+            epoch_loop.batch_progress.is_last_batch:
+        loop.reset_restart_stage()
+
+
 def _quiet_lightning_sigterm(trainer: pl.Trainer) -> None:
     """Keep Lightning's SIGTERM handler (registered after ``on_fit_start``) from acting on its own.
 
@@ -369,15 +447,26 @@ class _TrainerState:
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
         self._dropped: set[str] = set()
+        self._metrics: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
         checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint[_METRICS] = _callback_metrics(self.trainer)
         return {key: value for key, value in checkpoint.items() if self._storable(key, value)}
+
+    def restore_metrics(self) -> None:
+        """The callback metrics saved (the last validation's, what the module logged): a
+        ``ReduceLROnPlateau``, ``EarlyStopping`` or ``ModelCheckpoint`` monitoring one before it is
+        logged again finds it, as in a run never stopped. Lightning's checkpoints hold none."""
+        self.trainer._logger_connector._callback_metrics.update(self._metrics)
+        self._metrics = {}
 
     def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Restore through Lightning's own connector, as ``fit(ckpt_path=...)`` would."""
+        checkpoint = dict(checkpoint)
+        self._metrics = dict(checkpoint.pop(_METRICS, {}))
         connector = self.trainer._checkpoint_connector
-        connector._loaded_checkpoint = dict(checkpoint)
+        connector._loaded_checkpoint = checkpoint
         try:
             connector.restore_model()
             connector.restore_datamodule()

@@ -16,9 +16,9 @@ import time
 import torch
 
 
-def data() -> torch.utils.data.TensorDataset:
+def data(samples: int = 4096) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(4096, 8, generator=g)  # one epoch covers the run
+    x = torch.randn(samples, 8, generator=g)  # 4096: one epoch covers the run
     return torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
 
 
@@ -48,9 +48,12 @@ def lightning(args: argparse.Namespace) -> None:
     pl.seed_everything(0)
     callback = SpotguardCallback(os.path.join(args.out, "ckpt"), save_every=5)
     trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", deterministic=True, logger=False,
-                         callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(Module(), torch.utils.data.DataLoader(data(), batch_size=16, shuffle=True))
+                         callbacks=[callback, pl.callbacks.ModelCheckpoint(save_top_k=-1)],
+                         enable_progress_bar=False, enable_model_summary=False)
+    # 32 batches an epoch: Lightning's ModelCheckpoint (keeping every file) writes
+    # epoch=0-step=32.ckpt in the reference run and, finding it there, epoch=0-step=32-v1.ckpt in
+    # the drilled one; the final state, at step 60, names it
+    trainer.fit(Module(), torch.utils.data.DataLoader(data(512), batch_size=16, shuffle=True))
     callback.exit_if_stopped()
 
 

@@ -426,3 +426,40 @@ def test_the_drill_plans_only_the_preemptions_that_fit_and_stops_on_a_failed_ref
         assert run.save_every == 100 // 9
     finally:
         run.close()
+
+
+def _final(root, weight, checkpoint_name):
+    """A committed checkpoint holding a Lightning-like dict: weights and a ModelCheckpoint state."""
+    from spotguard.checkpoint import Checkpointer
+
+    path = f"/jobs/checkpoints/{checkpoint_name}"
+    state = {"lightning": {"state_dict": {"w": torch.full((4,), weight)}, "callbacks": {
+        "ModelCheckpoint{'monitor': 'val'}": {"best_model_path": path, "dirpath": "/jobs/checkpoints",
+                                              "best_k_models": {path: torch.tensor(0.5)}}}}}
+    with Checkpointer(root, job_id="j") as ck:
+        ck.save(100, state, blocking=True)
+    return ck.latest().path
+
+
+def test_a_differing_final_state_is_shown_entry_by_entry_and_lightnings_file_versions_are_not_a_difference(
+        tmp_path):
+    """The drill reads both final checkpoints: a weight that differs is named with what each run
+    holds; ModelCheckpoint's '-v1' (a file of the name it wanted existed) is not a difference."""
+    from spotguard_daemon.commands.drill_diff import differences
+
+    base = _final(tmp_path / "reference", 1.0, "epoch=5-step=96.ckpt")
+    renamed = _final(tmp_path / "renamed", 1.0, "epoch=5-step=96-v1.ckpt")
+    other = _final(tmp_path / "other", 2.0, "epoch=5-step=96-v2.ckpt")
+    assert differences(renamed, base) == ([], True)
+    found, _ = differences(other, base)
+    assert found == [("/rank-0/lightning/state_dict/w", "tensor(4,) float32", "tensor(4,) float32")]
+
+    first = recorded(tmp_path, 1, steps=(30,), commits=((20, "periodic"),), stop=30, kind="notice")
+    last = recorded(tmp_path, 2, resumed=30, steps=(100,), commits=((40, "periodic"),), finish="mine")
+    reference = recorded(tmp_path, 0, steps=(100,), commits=((20, "periodic"), (40, "periodic")),
+                         finish="theirs")
+    checks = {c.name: c for c in judge([first, last], reference, differing=differences(renamed, base))}
+    assert checks["identical"].ok and "'…-v1.ckpt'" in checks["identical"].detail
+    problems = failed(judge([first, last], reference, differing=differences(other, base)))
+    assert ("It differs in: rank-0/lightning/state_dict/w: tensor(4,) float32 (drilled) vs "
+            "tensor(4,) float32 (reference).") in problems["identical"]

@@ -80,6 +80,7 @@ from spotguard._record import RecordError, read_new
 from spotguard._run_parts import SAVE_EVERY_ENV
 from spotguard_daemon.commands.common import Duration, guarded, held_interrupts
 from spotguard_daemon.commands.drill_checks import KINDS, Launch, judge, reproducible, SPREAD_FACTOR
+from spotguard_daemon.commands.drill_diff import differences
 from spotguard_daemon.commands.drill_plan import Planning
 from spotguard_daemon.commands.drill_reaper import Reaper
 from spotguard_daemon.commands.drill_report import Live, write_report
@@ -506,6 +507,23 @@ def _layout(launches: list[Launch], reference: Launch | None) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def _differing(launches: list[Launch], reference: Launch | None, report: Path) -> tuple[list, bool] | None:
+    """Where the drilled final state differs from the reference's, read from both final commits
+    (:mod:`.drill_diff`) when their digests differ; None when they match or cannot be read."""
+    mine, theirs = launches[-1].first("finish"), reference and reference.first("finish")
+    if not mine or not theirs or mine.get("digest") == theirs.get("digest"):
+        return None
+    commits = [c for launch in launches for c in launch.of("commit") if c.get("path")]
+    base = [c for c in reference.of("commit") if c.get("path")]
+    if not commits or not base:
+        return None
+    try:  # the reference's checkpoints were moved into the report directory
+        return differences(Path(commits[-1]["path"]),
+                           report / "reference-checkpoints" / Path(base[-1]["path"]).name)
+    except ValueError:
+        return None
+
+
 def _notify(endpoint: str | None, deadline: float) -> None:
     from spotguard.protocol import Kind, NotifyRequest
     from spotguard_daemon.commands.common import request
@@ -567,9 +585,10 @@ def drill(preemptions: int, no_reference: bool, seed: int | None, report_dir: Pa
         reference = None if no_reference or resized else run.reference()
         launches = run.drill()
         layout = _layout(launches, reference)  # before spread() moves the checkpoints aside
+        differing = _differing(launches, reference, report)
         spread = run.spread(launches, reference) if reference else None
         checks = judge(launches, reference, len(run.kinds), spread, layout,
-                       save_every=run.save_every or run.every(launches[0]))
+                       save_every=run.save_every or run.every(launches[0]), differing=differing)
         checks += resize_checks(launches) if resized else []
         return write_report(report, list(command), launches, reference, checks, live,
                             spread=spread, problems=run.problems, as_json=as_json, resize=resized)

@@ -34,6 +34,7 @@ from typing import Any
 
 from spotguard._run_parts import SAVE_EVERY_ENV
 from spotguard.cadence import DEFAULT_NODE_MTBF_S, expected_waste, young_interval
+from spotguard_daemon.commands.drill_diff import describe
 from spotguard_daemon.commands.drill_marks import progress_checks
 
 __all__ = ["Check", "Launch", "judge", "verdict", "ineffective", "reproducible", "losses",
@@ -151,19 +152,20 @@ def verdict(checks: list[Check]) -> str:
 
 def judge(launches: list[Launch], reference: Launch | None, asked: int | None = None,
           spread: dict[str, Any] | None = None, layout: dict[str, Any] | None = None, *,
-          save_every: int | None = None) -> list[Check]:
+          save_every: int | None = None, differing: tuple[list, bool] | None = None) -> list[Check]:
     """The drill's verdict, check by check; a failed check's ``detail`` says what to fix.
     ``asked``: the preemptions planned (default: those delivered); ``spread``: the distances the
     drill measured for a nondeterministic job (see :func:`reproducible`); ``layout``: the
     ``ddp_layout`` entry of the job's last checkpoint, when it has one; ``save_every``: the steps
-    between saves the drill gave the launches (``$SPOTGUARD_SAVE_EVERY``), for the advice."""
+    between saves the drill gave the launches (``$SPOTGUARD_SAVE_EVERY``), for the advice;
+    ``differing``: where the final states differ, from :func:`.drill_diff.differences`."""
     checks = [_started(launches), _fresh(launches[0]), _resumes(launches), _loads(launches),
               _warned(launches), _finished(launches[-1]), _data(launches, reference)]
     checks += [Check(*found) for found in progress_checks(launches, reference)]
     checks.append(_took_effect(launches, asked, save_every))
     if reference is not None:
         same, step = reproducible(launches, reference)
-        checks.append(_identical(launches, reference, layout) if same is not False
+        checks.append(_identical(launches, reference, layout, differing) if same is not False
                       else _within_spread(launches, step, spread, layout))
     return _unjudged(launches, [check for check in checks if check is not None])
 
@@ -380,7 +382,8 @@ def _finished(last: Launch) -> Check:
                  f"finishing; see {last.log}")
 
 
-def _identical(launches: list[Launch], reference: Launch, layout: dict[str, Any] | None) -> Check:
+def _identical(launches: list[Launch], reference: Launch, layout: dict[str, Any] | None,
+               differing: tuple[list, bool] | None = None) -> Check:
     last = launches[-1]
     mine, theirs = last.first("finish"), reference.first("finish")
     if theirs is None:
@@ -390,8 +393,21 @@ def _identical(launches: list[Launch], reference: Launch, layout: dict[str, Any]
         return Check("identical", mine is not None, "final state bit-identical to the "
                      f"uninterrupted run (digest {theirs.get('digest', '')[:16]})" if mine else
                      "no final state to compare")
+    found, renamed = differing or (None, False)
+    if found == [] and renamed:
+        return Check("identical", True, "final state bit-identical to the uninterrupted run's but "
+                     "for the names of Lightning's checkpoint files: its ModelCheckpoint wrote "
+                     "'…-v1.ckpt' where the name it wanted existed already (the reference run wrote "
+                     "it, in the same directory, or a launch killed after writing it). The weights, "
+                     "optimizer, scores and counters are identical")
+    where = f" It differs in: {describe(found)}." if found else ""
+    if any(path.endswith("/dirpath") and "ModelCheckpoint" in path for path, _, _ in found or ()):
+        where += (" Lightning's logger made a new version directory at the relaunch, so its "
+                  "ModelCheckpoint wrote elsewhere and did not reload the scores it tracks: give the "
+                  "logger a fixed version (CSVLogger(save_dir, version=0)) or the ModelCheckpoint "
+                  "a dirpath.")
     return Check("identical", False, "the final training state differs from the uninterrupted "
-                 "run's. " + _cause(launches, layout) + _diverged(launches, reference))
+                 "run's. " + _cause(launches, layout) + _diverged(launches, reference) + where)
 
 
 def _cause(launches: list[Launch], layout: dict[str, Any] | None) -> str:

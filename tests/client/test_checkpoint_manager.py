@@ -313,6 +313,38 @@ def test_save_in_flight_when_the_script_ends_still_commits(tmp_path):
     assert len(target["t"]) == 24 and torch.equal(target["t"][23], torch.full((1 << 18,), 7.0))
 
 
+def test_a_restore_does_not_wait_for_the_dtensor_path_import_and_a_save_still_finds_it(tmp_path):
+    """Once ``torch.distributed.tensor`` is imported (constructing an optimizer does) a DTensor may
+    exist: the DTensor path (DCP, 0.1-0.35 s) is imported at the restore, in a thread of its own,
+    not by the thread restoring (it was, on every resume's path), and the first save finds it."""
+    script = (
+        "import sys, threading, torch\n"
+        "from spotguard.checkpoint import Checkpointer\n"
+        "importers = []\n"
+        "class Spy:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'spotguard.checkpoint.sharded':\n"
+        "            importers.append(threading.current_thread().name)\n"
+        "sys.meta_path.insert(0, Spy())\n"
+        "model = torch.nn.Linear(4, 4)\n"
+        "opt = torch.optim.AdamW(model.parameters())  # imports torch.distributed.tensor\n"
+        "ck = Checkpointer(sys.argv[1])\n"
+        "assert ck.load_latest({'model': model, 'opt': opt}).step == 1\n"
+        "ck.save(2, {'model': model, 'opt': opt}); ck.wait()  # its snapshot waits for the import\n"
+        "print(importers)\n"
+    )
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    Checkpointer(tmp_path).save(1, {"model": model, "opt": opt}, blocking=True)
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "['spotguard-import-sharded']"
+    assert Checkpointer(tmp_path).latest().step == 2
+
+
 def test_throttle_caps_the_cpu_share_of_a_thread():
     from spotguard.checkpoint._workers import Throttle
 

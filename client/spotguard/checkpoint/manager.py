@@ -20,6 +20,7 @@ the change once. A :class:`~spotguard.ResumableSampler` re-splits the rest of it
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import threading
@@ -61,6 +62,26 @@ class SaveStats:
     """Write + hash + fsync + commit time of the background part (0 for an emergency save)."""
     bytes: int = 0
     """Bytes of tensor data written."""
+
+
+def _import_sharded_soon() -> None:
+    """Import the DTensor path (:mod:`.sharded`, which imports DCP: 0.1-0.35 s) in a thread of its
+    own, when a DTensor can exist (``torch.distributed.tensor`` is imported: an optimizer's
+    ``load_state_dict`` imports it) and it is not imported yet. It was on every resume's path (the
+    restore waited for it) or in the first save's stall. A save that needs it first waits for this
+    import (Python's module lock). The import registers torch code, so it is one fork-gated piece
+    (:mod:`spotguard._forkgate`): a loader forking meanwhile waits for its end, once."""
+    if "torch.distributed.tensor" not in sys.modules or "spotguard.checkpoint.sharded" in sys.modules:
+        return
+
+    def work() -> None:
+        with torch_work():
+            try:
+                importlib.import_module("spotguard.checkpoint.sharded")
+            except Exception as exc:  # noqa: BLE001 -- the save that needs it says what is wrong
+                logger.debug("importing the DTensor path failed: %r", exc)
+
+    threading.Thread(target=work, name="spotguard-import-sharded", daemon=True).start()
 
 
 class Checkpointer:
@@ -248,7 +269,8 @@ class Checkpointer:
 
     def _shard_stager(self) -> Any:
         """The DTensor stager once ``torch.distributed.tensor`` is imported (no DTensor can exist
-        before). :meth:`prepare` creates it, so that the first save does not pay the import (0.5 s)."""
+        before). :meth:`prepare` imports its module in the background (:func:`_import_sharded_soon`),
+        so that neither a restore nor the first save waits for that import."""
         if self._shards is None and "torch.distributed.tensor" in sys.modules:
             from spotguard.checkpoint.sharded import ShardStager
 
@@ -359,8 +381,8 @@ class Checkpointer:
         if self._closed:
             return
         names = None if self.rank == 0 else [n for n in state if n in self._per_rank]
+        _import_sharded_soon()
         try:
-            self._shard_stager()
             specs = specs if specs is not None and names is None else tensor_specs(state, names)
         except Exception as exc:  # only an optimisation: the save itself reports what is wrong
             logger.debug("not preparing staging buffers: %r", exc)

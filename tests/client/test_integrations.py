@@ -147,6 +147,40 @@ def test_lightning_ctrl_c_stops_fit_with_a_save_and_exits_130(tmp_path):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def test_a_resume_after_an_epochs_last_batch_starts_the_next_epoch_as_a_run_never_stopped(tmp_path):
+    """A state saved right after an epoch's last batch (a stop there, with no room to wait for the
+    epoch's end): Lightning's own restart counts that epoch done, then skips the next epoch's
+    start, its counters and its ``on_train_epoch_start`` hooks. With the callback it starts."""
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=8)  # 8 batches an epoch
+
+    class Saver(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 8:
+                trainer.save_checkpoint(tmp_path / "last-batch.ckpt")
+
+    class Starts(pl.Callback):
+        def __init__(self):
+            self.epochs = []
+
+        def on_train_epoch_start(self, trainer, module):
+            self.epochs.append(trainer.current_epoch)
+
+    def trainer(steps, *callbacks):
+        return pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=list(callbacks),
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+    trainer(8, Saver()).fit(TinyModule(), loader)
+
+    def resumed(*callbacks):
+        starts = Starts()
+        run = trainer(20, *callbacks, starts)
+        run.fit(TinyModule(), loader, ckpt_path=tmp_path / "last-batch.ckpt")
+        return starts.epochs, run.fit_loop.epoch_progress.current.started
+
+    assert resumed() == ([2], 2)  # Lightning alone: epoch 1 never started
+    assert resumed(SpotguardCallback(tmp_path / "sg", guard=quiet_guard())) == ([1, 2], 3)
+
+
 def test_lightning_saves_on_cadence_and_keeps_the_newest(tmp_path):
     root = tmp_path / "ckpt"
     callback = SpotguardCallback(root, save_every=6, keep=2, guard=quiet_guard())

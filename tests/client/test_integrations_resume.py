@@ -81,9 +81,9 @@ def epoch_ends(output: str) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("kind, knobs, stops, expected", [
-    # mid-epoch twice, then after an epoch's last batch (12 batches an epoch): the resumed launch
-    # runs to the end, so its epoch counters and epoch starts show whether that epoch started
-    ("lightning", {}, "5,17,23", [6, 18, 24]),
+    # mid-epoch twice, then inside an epoch's last batch (12 batches an epoch): that stop waits
+    # for the epoch's end and comes after the next epoch's first step
+    ("lightning", {}, "5,17,23", [6, 18, 25]),
     # 2 persistent loader workers, 2 batches a step: every stop is mid-epoch (6 steps an epoch)
     ("lightning", {"JOB_WORKERS": "2", "JOB_ACCUMULATE": "2"}, "4,8,13", [5, 9, 14]),
     ("hf", {}, "5,11,19", [6, 12, 20]),
@@ -96,8 +96,8 @@ def test_shuffled_dropout_job_stopped_three_times_ends_bit_identical(server, tmp
     assert stopped == expected
     assert final == reference  # Lightning: also its epoch counters and the epoch starts' hooks
     assert "not resumable" not in output  # Lightning's own warning about plain loaders
-    if kind == "lightning" and not knobs:  # a stop after an epoch's last batch: a known limit (docs)
-        assert epoch_ends(output) == epoch_ends(reference_output) - sum(s % 12 == 0 for s in stopped)
+    if kind == "lightning":
+        assert epoch_ends(output) == epoch_ends(reference_output)
 
 
 @pytest.mark.slow
@@ -117,6 +117,24 @@ def test_lightning_killed_around_validations_and_epoch_ends_resumes_them_exactly
     final, stopped, output = run_to_the_end(server, "lightning", tmp_path / "stopped", "20", knobs)
     assert [int(s) for s in re.findall(r"resumed from step (\d+)", output)] == [9, 13, 21]
     assert stopped == [21]
+    assert final == reference, output
+    assert epoch_ends(output) == epoch_ends(reference_output)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_lightning_stopped_before_a_validation_or_an_epoch_end_waits_for_them(server, tmp_path):
+    """SIGTERM (30 s to the kill) inside step 16, after which Lightning validates, and inside step
+    24, after which it validates and ends the epoch: the stop waits for that work and comes at the
+    next step's end (17, 25), so the resumed run skips nothing: weights, optimizer, scheduler,
+    EarlyStopping, epoch counters and the hooks' counts of epoch starts, ends and validations are
+    the uninterrupted run's. A stop at step 16 or 24 saved the state before them, and the resumed
+    run never validated there."""
+    knobs = {"JOB_VALIDATE": "1"}
+    reference, _, reference_output = run_to_the_end(server, "lightning", tmp_path / "reference", "", knobs)
+    final, stopped, output = run_to_the_end(server, "lightning", tmp_path / "stopped", "15,23", knobs)
+    assert stopped == [17, 25]
+    assert output.count("so that the resumed run does not skip it") == 2
     assert final == reference, output
     assert epoch_ends(output) == epoch_ends(reference_output)
 

@@ -1,10 +1,11 @@
 """The Lightning callback and a notice during a validation inside ``fit`` (real Trainer processes).
 
 SIGTERM lands in the middle of a ~3 s validation after step 20 (between the periodic saves of 18
-and 24): the callback saves step 20's state as it was when the validation began, ends ``fit`` with
-75 without finishing the validation, and the relaunch ends with the digest of an uninterrupted run
-(the validation's RNG draws are put back at its end, so they never change training). A notice whose
-deadline is far away lets the validation and training go on (``stop_lead``, as in ``Run``)."""
+and 24). With room before the deadline the validation ends first and the stop comes at step 21's
+end; with too little, the callback saves step 20's state as it was when the validation began and
+ends ``fit`` with 75 without finishing it. Either relaunch ends with the digest of an uninterrupted
+run (the validation's RNG draws are put back at its end, so they never change training). A notice
+whose deadline is far away lets the validation and training go on (``stop_lead``, as in ``Run``)."""
 
 from __future__ import annotations
 
@@ -35,13 +36,18 @@ def digest(out: str) -> str:
     return next(line.split()[1] for line in out.splitlines() if line.startswith("DIGEST "))
 
 
-def test_a_notice_during_validation_saves_the_step_and_resumes_bit_identically(tmp_path):
-    code, out, err = job(tmp_path / "reference")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    code, out, err = job(tmp_path_factory.mktemp("reference"))
     assert code == 0, err[-3000:]
-    reference = digest(out)
+    return digest(out)
 
+
+def test_a_notice_during_validation_with_no_room_to_finish_it_saves_the_step_it_follows(tmp_path, reference):
+    """SIGTERM 5 s from the kill: too close to finish the validation (3 s, as the one after step 8
+    took), a step and the save, so the stop saves step 20's state from the validation's start."""
     record = str(tmp_path / "record.jsonl")
-    code, out, err = job(tmp_path / "stopped", "20", SPOTGUARD_RECORD=record)
+    code, out, err = job(tmp_path / "stopped", "20", SPOTGUARD_RECORD=record, SPOTGUARD_SIGNAL__GRACE="5")
     assert code == 75, err[-3000:]
     assert "spotguard stops during the validation after step 20" in err
     assert "emergency save" in err and "validating 20" in out and "DIGEST" not in out
@@ -53,6 +59,22 @@ def test_a_notice_during_validation_saves_the_step_and_resumes_bit_identically(t
     assert digest(out) == reference
     marks = {e["at"]: e["rng"] for e in read(record) if e["event"] == "marks" and e["step"] == 20}
     assert marks["save"] == marks["load"]  # the drill's marks digest the RNG saved, not the validation's
+
+
+def test_a_notice_during_validation_with_room_waits_for_its_end_and_stops_after_the_next_step(
+        tmp_path, reference):
+    """SIGTERM 30 s from the kill (the default): the validation runs to its end (its effects on the
+    callbacks' states are then in the checkpoint), and the stop comes at step 21's end."""
+    code, out, err = job(tmp_path / "stopped", "20")
+    assert code == 75, err[-3000:]
+    assert "stops after the validation or epoch end that follows step 20" in err
+    assert "stops during the validation" not in err and "DIGEST" not in out
+    assert Checkpointer(tmp_path / "stopped" / "ckpt").latest().step == 21
+
+    code, out, err = job(tmp_path / "stopped")
+    assert code == 0, err[-3000:]
+    assert "validating 20" not in out  # it ran before the stop
+    assert digest(out) == reference
 
 
 def test_a_far_notice_during_validation_lets_training_go_on(tmp_path):

@@ -34,9 +34,11 @@ a saved batch. A periodic save due at such a batch is therefore taken at the nex
 (:attr:`Run.hold_saves`), when the validation's effects (callback states, a ``ReduceLROnPlateau``
 step) and the epoch-end hooks are in the state. ``trainer.callback_metrics`` are saved and put
 back, and the first epoch end after a resume steps ``ReduceLROnPlateau`` schedulers, which
-Lightning's own restart skips. A resume right after an epoch's last batch (a stop there) counts the
-next epoch started and calls its ``on_train_epoch_start`` hooks (Lightning's restart skips both).
-Still inexact: a stop at such a batch (the resumed job skips that validation or epoch end), and
+Lightning's own restart skips. A stop at such a batch, or a notice during a validation, waits for
+that work when the deadline leaves room (one process, :meth:`SpotguardCallback._stop_waits`). A
+resume right after an epoch's last batch (a stop there with no room) counts the next epoch started
+and calls its ``on_train_epoch_start`` hooks (Lightning's restart skips both). Still inexact: a stop
+with no room, or with several ranks (the resumed job skips that validation or epoch end), and
 epoch-level aggregates of training metrics after a mid-epoch resume.
 
 SIGTERM: Lightning 2.6 registers a SIGTERM handler of its own after ``on_fit_start``, which
@@ -76,7 +78,8 @@ rank its RNG, and the gradient bucket layout of ``trainer.strategy.model`` is ch
 restored, :mod:`spotguard._ddp`, so 3+ ranks resume bit-identically). A collective that fails
 because a peer rank is gone (``on_exception``), the ranks' exchange failing, or no step boundary
 for ``peer_timeout`` end the process with 77 as in ``Run``; ``stop_lead`` is ``Run``'s far-deadline
-rule. A notice during a validation inside ``fit`` is acted on at the next validation batch
+rule. A notice during a validation inside ``fit`` with one process waits for the validation's end
+when the deadline leaves room (above); else it is acted on at the next validation batch
 end: the state kept when the validation began (Lightning's dict, data position, RNG) is saved and ``fit``
 ends with ``SystemExit(75)``; the validation's RNG draws are put back at its end, so it never changes
 training and such a stop resumes bit-identically. With several ranks the batch ends are agreement
@@ -99,6 +102,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
@@ -186,6 +190,13 @@ class SpotguardCallback(pl.Callback):
         self._last_step: int | None = None
         self._paused: tuple[int, Any, Any, Any] | None = None
         """At a validation inside fit: (step, Lightning's checkpoint dict, data position, RNG states)."""
+        self._held_at: float | None = None  # when the last batch followed by a validation or epoch end ended
+        self._tail_s: float | None = None
+        """The longest time from such a batch's end to the next step's end: the validation, the
+        epoch's end, the next epoch's start and a step."""
+        self._waited = False  # a stop is waiting for that work (one process)
+        self._val_tick: float | None = None  # the last validation batch's end
+        self._val_batch_s = 0.0  # the longest validation batch
 
     def exit_if_stopped(self) -> None:
         """Raise ``SystemExit(EXIT_PREEMPTED)`` (75) when training stopped because of a notice."""
@@ -240,8 +251,12 @@ class SpotguardCallback(pl.Callback):
         self._last_step = trainer.global_step
         assert self.run is not None
         self.run.step = trainer.global_step - 1  # keep Run's count on Lightning's (multi-optimizer)
-        self.run.hold_saves = _finishes_after(trainer)
+        held = self.run.hold_saves = _finishes_after(trainer)
+        self._measure_tail(held)
+        if held and self._stop_waits(trainer.global_step):
+            return  # the next step's end acts on it, after Lightning's validation and epoch end
         self._advance(trainer, trainer.global_step)
+        self._waited = False
         if 0 < trainer.max_steps <= trainer.global_step and not self.stopped:
             self.run.finish(at_boundary=True)  # the last step's state, where any run saves it
 
@@ -249,14 +264,18 @@ class SpotguardCallback(pl.Callback):
         """A validation inside ``fit``: keep what a stop during it saves, the last step's state
         (Lightning's checkpoint dict, the data position and the RNG states, taken now)."""
         run = self.run
-        if run is None or trainer.sanity_checking or trainer.state.fn != "fit" or \
+        if run is None or self.stopped or trainer.sanity_checking or trainer.state.fn != "fit" or \
                 (run.agreement.enabled and not run._heartbeats.enabled):
-            return
+            return  # (Lightning validates once more after a stop, before fit returns)
         self._paused = (trainer.global_step, run.state["lightning"].state_dict(), self.data.state_dict(),
                         rng.capture())
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._defer_sigterm(trainer)
+        now = time.monotonic()
+        if self._val_tick is not None:
+            self._val_batch_s = max(self._val_batch_s, now - self._val_tick)
+        self._val_tick = now
         if self.run is not None:
             # a long validation between two steps is not a lost peer; with several ranks, where they
             # agree on a notice and save the state kept at the validation's start (True: stopped)
@@ -281,6 +300,7 @@ class SpotguardCallback(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Put back the RNG states of the validation's start: it draws nothing training sees (so a
         stop during it, which saves those states, resumes as if it never ran)."""
+        self._val_tick = None
         if self._paused is not None:
             rng.restore(self._paused[3])
             self._paused = None
@@ -290,6 +310,8 @@ class SpotguardCallback(pl.Callback):
         state kept at its start and end ``fit`` with ``SystemExit(75)`` now, not after it."""
         assert self.run is not None and self._paused is not None
         step = self._paused[0]
+        if self._stop_waits(step) or (self._waited and not self._must_stop_now()):
+            return  # the stop waits for this validation's end: the deadline still leaves room
         decision = self.run._local_decision(step)
         if not decision.stop:
             return
@@ -330,6 +352,48 @@ class SpotguardCallback(pl.Callback):
             connector = getattr(trainer, "_signal_connector", None)
             if connector is not None:
                 connector.received_sigterm = False
+
+    def _measure_tail(self, held: bool) -> None:
+        """Time Lightning's work after a batch that it follows with a validation or an epoch end:
+        from that batch's end to the next step's end."""
+        now = time.monotonic()
+        if self._held_at is not None:
+            self._tail_s = max(self._tail_s or 0.0, now - self._held_at)
+        self._held_at = now if held else None
+
+    def _stop_waits(self, step: int) -> bool:
+        """One process, a stop requested, and Lightning validates or ends the epoch after this
+        batch: a stop here would save the state before that work, which the resumed run then skips
+        (see :func:`_finishes_after`). When the deadline leaves room for that work, a step and the
+        save (half again the longest such wait seen in this process, else four steps and 2 s; twice
+        the save), stop at the next step's end instead. A validation is watched batch by batch
+        (:meth:`_must_stop_now`). Several ranks stop here: their decision is agreed, the room would
+        not be."""
+        run = self.run
+        assert run is not None
+        if self._waited or self.stopped or run.agreement.enabled or not run.guard.stop_requested:
+            return False
+        left, save = run.guard.seconds_left(), run.expected_save_seconds() or 0.0
+        step_s = getattr(run.cadence, "step_s", None) or 0.0
+        tail = self._tail_s if self._tail_s is not None else 4 * step_s + 2.0
+        if left is not None and left <= 1.5 * tail + 2 * save + run.save_margin:
+            return False
+        self._waited = True
+        log.warning("spotguard stops after the validation or epoch end that follows step %d (%s), so "
+                    "that the resumed run does not skip it", step,
+                    "no deadline" if left is None else f"{left:.1f} s left")
+        return True
+
+    def _must_stop_now(self) -> bool:
+        """During a validation a stop waits for: whether the deadline no longer leaves room for the
+        rest of it (another batch), a step and the save; then the state before it is saved."""
+        run = self.run
+        assert run is not None
+        left = run.guard.seconds_left()
+        if left is None:
+            return False
+        step_s = getattr(run.cadence, "step_s", None) or 0.0
+        return left <= 2 * ((run.expected_save_seconds() or 0.0) + step_s + self._val_batch_s) + run.save_margin
 
     def _release(self) -> None:
         if self.data is not None:

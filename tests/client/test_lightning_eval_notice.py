@@ -70,6 +70,7 @@ def test_a_notice_during_validation_with_room_waits_for_its_end_and_stops_after_
     assert "stops after the validation or epoch end that follows step 20" in err
     assert "stops during the validation" not in err and "DIGEST" not in out
     assert Checkpointer(tmp_path / "stopped" / "ckpt").latest().step == 21
+    assert "validating 21" not in out  # Lightning's own validation after a stop: 3 s under the deadline
 
     code, out, err = job(tmp_path / "stopped")
     assert code == 0, err[-3000:]

@@ -68,7 +68,7 @@ stepped the optimizer (never in the middle of gradient accumulation, whose parti
 saved). At each boundary :class:`~spotguard.Run` decides (cadence, notice, ranks' agreement): a due
 save runs asynchronously; on a notice an emergency save is taken when it fits before the deadline,
 the pending save is awaited, the daemon is told the process is safe, ``trainer.should_stop`` is set
-and :attr:`SpotguardCallback.stopped` becomes True. A normal end of training saves the final state.
+(without the validation Lightning runs when asked to stop) and :attr:`SpotguardCallback.stopped` becomes True. A normal end of training saves the final state.
 After a stop the process is expected to exit (as with ``Run``): the forced-exit watchdog stays
 armed and SIGTERM/SIGUSR1 stay ignored, so call :meth:`~SpotguardCallback.exit_if_stopped` (75)
 right after ``fit``.
@@ -406,6 +406,9 @@ class SpotguardCallback(pl.Callback):
             self.stopped = True
             self._steps = None
             trainer.should_stop = True
+            # Lightning validates once more when fit is asked to stop (for EarlyStopping): here
+            # that is a whole validation between the save and the exit, under the deadline
+            trainer.fit_loop.epoch_loop._skip_next_val = True
             connector = getattr(trainer, "_signal_connector", None)
             if connector is not None:  # the stop is clean: no SIGTERMException after it
                 connector.received_sigterm = False

@@ -24,7 +24,8 @@ from spotguard_daemon.commands.drill_report import CHAR_W, Live, write_report
 
 
 def recorded(tmp_path, index, *, resumed=None, steps=(), commits=(), stop=None, finish=None,
-             kind=None, load_error=None, skipped=(), extra=(), loaded=None, cadence=None, daemon=None):
+             kind=None, load_error=None, skipped=(), extra=(), loaded=None, cadence=None, daemon=None,
+             entries=("model", "rng")):
     """A Launch whose events went through a real Recorder file and back; ``extra``: (event,
     fields) emitted after the start."""
     path = tmp_path / f"{index}.jsonl"
@@ -32,7 +33,7 @@ def recorded(tmp_path, index, *, resumed=None, steps=(), commits=(), stop=None, 
     if load_error:
         rec.emit("load_failed", error=load_error)
     rec.start(root=tmp_path / "ckpt", world_size=1, resumed_from=resumed, skipped=list(skipped),
-              total=100, entries=["model", "rng"], loaded_digest=loaded, cadence=cadence, daemon=daemon)
+              total=100, entries=list(entries), loaded_digest=loaded, cadence=cadence, daemon=daemon)
     for event, fields in extra:
         rec.emit(event, **fields)
     for step in steps:
@@ -463,3 +464,10 @@ def test_a_differing_final_state_is_shown_entry_by_entry_and_lightnings_file_ver
     problems = failed(judge([first, last], reference, differing=differences(other, base)))
     assert ("It differs in: rank-0/lightning/state_dict/w: tensor(4,) float32 (drilled) vs "
             "tensor(4,) float32 (reference).") in problems["identical"]
+    assert "spotguard.DataLoader" in problems["identical"]  # a Run job: its loader is the suspect
+
+    lightning = recorded(tmp_path, 3, resumed=30, steps=(100,), commits=((40, "periodic"),),
+                         finish="mine", entries=("data", "lightning", "rng"))
+    problems = failed(judge([first, lightning], reference, differing=differences(other, base)))
+    assert "The Lightning callback restores Lightning's checkpoint dict" in problems["identical"]
+    assert "spotguard.DataLoader" not in problems["identical"]  # the callback owns the loader

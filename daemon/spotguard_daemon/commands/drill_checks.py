@@ -434,6 +434,14 @@ def _cause(launches: list[Launch], layout: dict[str, Any] | None) -> str:
         return ("Everything the job uses is in its checkpoint, but DDP's gradient bucket layout "
                 f"cannot be restored ({layout.get('why')}): the first step after a resume "
                 "all-reduces other buckets, so its arithmetic differs." + holds)
+    if isinstance(entries, list) and "lightning" in entries:
+        return ("The Lightning callback restores Lightning's checkpoint dict, the data position and "
+                "the RNG streams; what differs is named below. Known causes: a stop with no room to "
+                "wait, or on several ranks, right after the batch before a validation or an epoch "
+                "end (Lightning does not run that work again on resume, so a scheduler's step, "
+                "EarlyStopping's count or ModelCheckpoint's best is missing: docs/library/"
+                "frameworks.md); state the module keeps outside that dict (an attribute changed in "
+                "training_step that on_save_checkpoint does not save)." + holds)
     if not any(e["event"] == "data" for launch in launches for e in launch.events):
         return ("Something the job depends on is not in its checkpoint: the data position and "
                 "its seeds are not recorded (a torch DataLoader shuffles from the global RNG and "

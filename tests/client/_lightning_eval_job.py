@@ -4,8 +4,10 @@
 
 Validation draws from torch's RNG (``torch.rand`` noise, and its loader's seed). With ``STOP_STEP``
 the job SIGTERMs itself at the 5th validation batch after that global step (unless it resumed from
-there), and prints ``validating <step>`` when each validation starts. The last line is
-``DIGEST <sha256>`` of the final weights and optimizer state.
+there), and prints ``validating <step>`` when each validation starts; ``$JOB_TERM_IN_STEP`` makes it
+SIGTERM itself inside that step instead. A ``ReduceLROnPlateau`` steps at each epoch's end on the
+last validation's metric, so a validation a resume skips changes the learning rate. The last line
+is ``DIGEST <sha256>`` of the final weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class Module(pl.LightningModule):
         self.start = self.global_step
 
     def training_step(self, batch, batch_idx):
+        if self.global_step + 1 == int(os.environ.get("JOB_TERM_IN_STEP", "0")) and self.global_step >= self.start:
+            os.kill(os.getpid(), signal.SIGTERM)  # inside that step: the stop comes at its end
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -61,7 +65,9 @@ class Module(pl.LightningModule):
         self.log("val", torch.nn.functional.mse_loss(self.net(x + 0.1 * torch.rand_like(x)), y))
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val"}}
 
 
 def main() -> None:

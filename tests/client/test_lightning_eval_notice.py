@@ -3,7 +3,7 @@
 SIGTERM lands in the middle of a ~3 s validation after step 20 (between the periodic saves of 18
 and 24). With room before the deadline the validation ends first and the stop comes at step 21's
 end; with too little, the callback saves step 20's state as it was when the validation began and
-ends ``fit`` with 75 without finishing it. Either relaunch ends with the digest of an uninterrupted
+ends ``fit`` with 75 without finishing it, and the relaunch runs that validation again. Either relaunch ends with the digest of an uninterrupted
 run (the validation's RNG draws are put back at its end, so they never change training). A notice
 whose deadline is far away lets the validation and training go on (``stop_lead``, as in ``Run``)."""
 
@@ -56,9 +56,22 @@ def test_a_notice_during_validation_with_no_room_to_finish_it_saves_the_step_it_
     code, out, err = job(tmp_path / "stopped", SPOTGUARD_RECORD=record)
     assert code == 0, err[-3000:]
     assert "validating 8" not in out  # resumed after step 20
+    assert "validating 20" in out  # the validation the stop cut short, run again from its start
     assert digest(out) == reference
     marks = {e["at"]: e["rng"] for e in read(record) if e["event"] == "marks" and e["step"] == 20}
     assert marks["save"] == marks["load"]  # the drill's marks digest the RNG saved, not the validation's
+
+
+def test_a_stop_with_no_room_before_a_validation_resumes_into_it(tmp_path, reference):
+    """SIGTERM 5 s from the kill inside step 20, which a validation follows: no room to wait, so the
+    stop saves step 20 before it; the relaunch runs that validation (Lightning's restart would have
+    counted it done) and the plateau scheduler steps on its metric as in a run never stopped."""
+    code, out, err = job(tmp_path, JOB_TERM_IN_STEP="20", SPOTGUARD_SIGNAL__GRACE="5")
+    assert code == 75, err[-3000:]
+    assert "stopping at step 20" in err and "validating 20" not in out
+    code, out, err = job(tmp_path)
+    assert code == 0, err[-3000:]
+    assert "validating 20" in out and digest(out) == reference
 
 
 def test_a_notice_during_validation_with_room_waits_for_its_end_and_stops_after_the_next_step(

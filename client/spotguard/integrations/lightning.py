@@ -36,10 +36,12 @@ step) and the epoch-end hooks are in the state. ``trainer.callback_metrics`` are
 back, and the first epoch end after a resume steps ``ReduceLROnPlateau`` schedulers, which
 Lightning's own restart skips. A stop at such a batch, or a notice during a validation, waits for
 that work when the deadline leaves room (one process, :meth:`SpotguardCallback._stop_waits`). A
-resume right after an epoch's last batch (a stop there with no room) counts the next epoch started
-and calls its ``on_train_epoch_start`` hooks (Lightning's restart skips both). Still inexact: a stop
-with no room, or with several ranks (the resumed job skips that validation or epoch end), and
-epoch-level aggregates of training metrics after a mid-epoch resume.
+state saved before a validation (a stop with no room, or on several ranks) is saved as a validation
+just begun (:func:`_resume_into_validation`): the resumed run runs it again. A resume right after an
+epoch's last batch counts the next epoch started and calls its ``on_train_epoch_start`` hooks
+(Lightning's restart skips both). Still inexact: such a stop right before an epoch end that no
+validation precedes (the resumed job skips that epoch's end hooks), and epoch-level aggregates of
+training metrics after a mid-epoch resume.
 
 SIGTERM: Lightning 2.6 registers a SIGTERM handler of its own after ``on_fit_start``, which
 broadcasts a tensor from inside the handler on whichever rank got the signal (a collective the
@@ -81,8 +83,9 @@ for ``peer_timeout`` end the process with 77 as in ``Run``; ``stop_lead`` is ``R
 rule. A notice during a validation inside ``fit`` with one process waits for the validation's end
 when the deadline leaves room (above); else it is acted on at the next validation batch
 end: the state kept when the validation began (Lightning's dict, data position, RNG) is saved and ``fit``
-ends with ``SystemExit(75)``; the validation's RNG draws are put back at its end, so it never changes
-training and such a stop resumes bit-identically. With several ranks the batch ends are agreement
+ends with ``SystemExit(75)``; the relaunch runs that validation again. The RNG states of the batch
+the validation follows are put back at its end, so it never changes training (also when run again)
+and such a stop resumes bit-identically. With several ranks the batch ends are agreement
 points (``Run(agree_at_heartbeat=True)``, :mod:`spotguard._heartbeat`): every rank saves that step and
 exits 75 together. This needs every rank to run the same number of validation batches inside ``fit``
 (Lightning's ``DistributedSampler`` pads to that; the sanity check runs on every rank too, before any
@@ -195,6 +198,7 @@ class SpotguardCallback(pl.Callback):
         """The longest time from such a batch's end to the next step's end: the validation, the
         epoch's end, the next epoch's start and a step."""
         self._waited = False  # a stop is waiting for that work (one process)
+        self._before_validation: Any = None  # RNG states at the end of a batch a validation follows
         self._val_tick: float | None = None  # the last validation batch's end
         self._val_batch_s = 0.0  # the longest validation batch
 
@@ -227,6 +231,8 @@ class SpotguardCallback(pl.Callback):
         _start_the_next_epoch(trainer.fit_loop)
         if self.run is not None:
             self.run.state["lightning"].restore_metrics()
+        if self.resumed_from is not None:  # a state saved before a validation resumes into it
+            self._before_validation = rng.capture()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The first epoch's end after a resume: Lightning 2.6 skips its ``ReduceLROnPlateau``
@@ -246,6 +252,9 @@ class SpotguardCallback(pl.Callback):
         if self.data is not None:
             self.data.batch_done()  # every batch, also the accumulating ones
         self._defer_sigterm(trainer)
+        # the RNG states a validation after this batch gives back at its end: taken before it makes
+        # its loader's iterator (a shuffled one draws), so that one run again from its start draws alike
+        self._before_validation = rng.capture() if self.run is not None and _validates_after(trainer) else None
         if self._steps is None or trainer.global_step == self._last_step:
             return
         self._last_step = trainer.global_step
@@ -268,7 +277,7 @@ class SpotguardCallback(pl.Callback):
                 (run.agreement.enabled and not run._heartbeats.enabled):
             return  # (Lightning validates once more after a stop, before fit returns)
         self._paused = (trainer.global_step, run.state["lightning"].state_dict(), self.data.state_dict(),
-                        rng.capture())
+                        self._before_validation or rng.capture())
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._defer_sigterm(trainer)
@@ -298,8 +307,9 @@ class SpotguardCallback(pl.Callback):
         return dict(self.run.state, lightning=_Frozen(lightning), data=_Frozen(data), rng=_Frozen(rng_state))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put back the RNG states of the validation's start: it draws nothing training sees (so a
-        stop during it, which saves those states, resumes as if it never ran)."""
+        """Put back the RNG states of the end of the batch it follows (before its loader's iterator
+        drew its order): it draws nothing training sees, and one run again from a stop during it
+        draws what it drew the first time."""
         self._val_tick = None
         if self._paused is not None:
             rng.restore(self._paused[3])
@@ -414,6 +424,36 @@ class SpotguardCallback(pl.Callback):
                 connector.received_sigterm = False
 
 
+def _validates_after(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates after this batch (counted in batches: alike on every rank)."""
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return False
+    try:
+        return bool(trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+    except Exception:  # noqa: BLE001 -- another Lightning: as before
+        return False
+
+
+def _resume_into_validation(checkpoint: dict[str, Any]) -> None:
+    """A state saved before a validation (a stop at the batch it follows, or during it, from its
+    start): give the saved progress the shape of a checkpoint taken as that validation began,
+    the batch's end done and the validation at its first batch. Lightning's restart then runs the
+    whole validation and the rest of the batch's end (a ``ReduceLROnPlateau`` stepped on its
+    metric), then the epoch's end when it was the last batch, instead of counting them done."""
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        batches, validation = loop["epoch_loop.batch_progress"], loop["epoch_loop.val_loop.batch_progress"]
+        if batches["total"]["completed"] == batches["total"]["processed"] - 1:  # at on_train_batch_end
+            batches["total"]["completed"] += 1
+            batches["current"]["completed"] += 1
+        validation["total"]["ready"] += 1
+        validation["total"]["started"] += 1
+        validation["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+        validation["is_last_batch"] = False
+    except (KeyError, TypeError):  # another Lightning's layout: its own restart, as before
+        return
+
+
 def _finishes_after(trainer: pl.Trainer) -> bool:
     """Whether Lightning validates or ends the epoch after this batch, before the next one starts.
 
@@ -424,15 +464,7 @@ def _finishes_after(trainer: pl.Trainer) -> bool:
     periodic save waits for the next boundary (:attr:`Run.hold_saves`). Only what is alike on every
     rank counts: a time-based validation interval is not looked at.
     """
-    loop = trainer.fit_loop.epoch_loop
-    if loop.batch_progress.is_last_batch:
-        return True
-    if getattr(trainer, "_val_check_time_interval", None) is not None:
-        return False
-    try:
-        return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
-    except Exception:  # noqa: BLE001 -- another Lightning: save as before
-        return False
+    return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or _validates_after(trainer)
 
 
 def _callback_metrics(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
@@ -519,6 +551,8 @@ class _TrainerState:
     def state_dict(self) -> dict[str, Any]:
         checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         checkpoint[_METRICS] = _callback_metrics(self.trainer)
+        if self.trainer.validating or _validates_after(self.trainer):
+            _resume_into_validation(checkpoint)
         return {key: value for key, value in checkpoint.items() if self._storable(key, value)}
 
     def restore_metrics(self) -> None:

@@ -437,9 +437,9 @@ def _cause(launches: list[Launch], layout: dict[str, Any] | None) -> str:
     if isinstance(entries, list) and "lightning" in entries:
         return ("The Lightning callback restores Lightning's checkpoint dict, the data position and "
                 "the RNG streams; what differs is named below. Known causes: a stop with no room to "
-                "wait, or on several ranks, right after the batch before a validation or an epoch "
-                "end (Lightning does not run that work again on resume, so a scheduler's step, "
-                "EarlyStopping's count or ModelCheckpoint's best is missing: docs/library/"
+                "wait, or on several ranks, right after an epoch's last batch when no validation "
+                "follows it (Lightning does not run that epoch's end again on resume, so an epoch "
+                "scheduler's step or an epoch-end hook's work is missing: docs/library/"
                 "frameworks.md); state the module keeps outside that dict (an attribute changed in "
                 "training_step that on_save_checkpoint does not save)." + holds)
     if not any(e["event"] == "data" for launch in launches for e in launch.events):

@@ -10,7 +10,8 @@ at each of them. ``$JOB_DAEMON=1`` makes the callback talk to the daemon (job id
 ``$JOB_KILL`` (a step) makes the job SIGKILL itself at that step once the daemon acknowledged its
 progress. Lightning: ``$JOB_CRASH`` (comma-separated steps) makes it SIGKILL itself once at each of
 them, its saves settled; ``$JOB_VALIDATE=1`` adds a validation every 8 batches (across epochs), a
-``ReduceLROnPlateau`` stepped each epoch on its metric and ``EarlyStopping`` on it; the digest then
+``ReduceLROnPlateau`` stepped each epoch on its metric and ``EarlyStopping`` on it
+(``$JOB_VALIDATION_SLEEP``: seconds each validation batch sleeps); the digest then
 also covers the scheduler's and the callbacks' states. The Lightning digest covers the fit loop's
 epoch counters and how many epoch starts and validations the job's hooks saw; ``EPOCH_ENDS`` is
 printed apart. With ``$SPOTGUARD_STORAGE__URL`` the HF job's checkpoints are committed for the daemon's
@@ -168,6 +169,7 @@ def lightning_job(out: str) -> None:
             return loss
 
         def validation_step(self, batch, batch_idx):
+            time.sleep(float(os.environ.get("JOB_VALIDATION_SLEEP", "0")))
             x, y = batch  # dropout and a draw of its own: the validation's RNG use changes nothing
             self.log("val", torch.nn.functional.mse_loss(self.net(x), y) + torch.rand(()))
 

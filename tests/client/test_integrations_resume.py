@@ -139,6 +139,22 @@ def test_lightning_stopped_before_a_validation_or_an_epoch_end_waits_for_them(se
     assert epoch_ends(output) == epoch_ends(reference_output)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_lightning_stopped_with_no_room_before_an_epochs_last_validation_resumes_into_it(server, tmp_path):
+    """SIGTERM 3 s from the kill inside step 24, the epoch's last, after which a 1.2 s validation
+    and the epoch's end come: no room to wait (the validation after step 8 took as long), so the
+    stop saves step 24 before them. The relaunch validates at 24 and ends the epoch (hooks, the
+    plateau step on the metric), and ends as the uninterrupted run."""
+    knobs = {"JOB_VALIDATE": "1", "JOB_VALIDATION_SLEEP": "0.1"}
+    reference, _, reference_output = run_to_the_end(server, "lightning", tmp_path / "reference", "", knobs)
+    final, stopped, output = run_to_the_end(server, "lightning", tmp_path / "stopped", "23",
+                                            {**knobs, "SPOTGUARD_SIGNAL__GRACE": "3"})
+    assert stopped == [24] and "does not skip it" not in output
+    assert final == reference, output
+    assert epoch_ends(output) == epoch_ends(reference_output)
+
+
 def test_sigterm_between_accumulating_batches_still_stops_with_a_save(tmp_path):
     """Lightning raises its SIGTERMException after a non-stepping batch unless the callback,
     which stops at the next step boundary, keeps it from doing so (it used to end fit with 0)."""

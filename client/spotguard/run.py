@@ -457,8 +457,10 @@ class Run(Stopping):
                 self._save(done)  # a fixed step count is due at the same step on every rank
         else:
             self._due_latched |= due and rank() == 0  # rank 0's cadence (the daemon's MTBF) decides
-        if self.agreement.enabled and not self.agreement.due(done):
-            return False  # flags wait for the next exchange: every rank acts at the same step
+        # flags wait for the next exchange, so every rank acts at the same step; after a held save
+        # every rank exchanges at once (the next scheduled exchange could fall on a held boundary too)
+        if self.agreement.enabled and not self.agreement.due(done) and not held:
+            return False
         try:
             decision = self.agreement.agree(done, self._local_decision(done), self._heartbeats.boundary_marks())
         except PeerLostError as exc:

@@ -254,13 +254,16 @@ class SpotguardCallback(pl.Callback):
         self._defer_sigterm(trainer)
         # the RNG states a validation after this batch gives back at its end: taken before it makes
         # its loader's iterator (a shuffled one draws), so that one run again from its start draws alike
-        self._before_validation = rng.capture() if self.run is not None and _validates_after(trainer) else None
+        validates = self.run is not None and _validates_after(trainer)
+        self._before_validation = rng.capture() if validates else None
         if self._steps is None or trainer.global_step == self._last_step:
             return
         self._last_step = trainer.global_step
         assert self.run is not None
         self.run.step = trainer.global_step - 1  # keep Run's count on Lightning's (multi-optimizer)
-        held = self.run.hold_saves = _finishes_after(trainer)
+        # a validation or the epoch's end follows: Lightning would resume after it, so a due save
+        # waits for the next boundary (Run.hold_saves; both are alike on every rank)
+        held = self.run.hold_saves = validates or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         self._measure_tail(held)
         if held and self._stop_waits(trainer.global_step):
             return  # the next step's end acts on it, after Lightning's validation and epoch end
@@ -374,7 +377,7 @@ class SpotguardCallback(pl.Callback):
     def _stop_waits(self, step: int) -> bool:
         """One process, a stop requested, and Lightning validates or ends the epoch after this
         batch: a stop here would save the state before that work, which the resumed run then skips
-        (see :func:`_finishes_after`). When the deadline leaves room for that work, a step and the
+        (Lightning's restart counts it done). When the deadline leaves room for that work, a step and the
         save (half again the longest such wait seen in this process, else four steps and 2 s; twice
         the save), stop at the next step's end instead. A validation is watched batch by batch
         (:meth:`_must_stop_now`). Several ranks stop here: their decision is agreed, the room would
@@ -452,19 +455,6 @@ def _resume_into_validation(checkpoint: dict[str, Any]) -> None:
         validation["is_last_batch"] = False
     except (KeyError, TypeError):  # another Lightning's layout: its own restart, as before
         return
-
-
-def _finishes_after(trainer: pl.Trainer) -> bool:
-    """Whether Lightning validates or ends the epoch after this batch, before the next one starts.
-
-    A state saved at this batch's end resumes after that work (Lightning 2.6 counts the epoch
-    done and does not validate again): the validation's effect on the callbacks' states
-    (``EarlyStopping``, ``ModelCheckpoint``), a ``ReduceLROnPlateau`` step on its metric and the
-    epoch's end hooks would be lost, and the resumed run would train on differently. So a
-    periodic save waits for the next boundary (:attr:`Run.hold_saves`). Only what is alike on every
-    rank counts: a time-based validation interval is not looked at.
-    """
-    return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or _validates_after(trainer)
 
 
 def _callback_metrics(trainer: pl.Trainer) -> dict[str, torch.Tensor]:

@@ -496,30 +496,35 @@ def _loss_spread(last: Launch, reference: Launch, second: Launch) -> dict:
     return {"reference": spread, "drill": drilled, "threshold": max(SPREAD_FACTOR * spread, 1e-6)}
 
 
+def _final_differs(launches: list[Launch], reference: Launch | None) -> bool:
+    """Both runs finished, with different final digests."""
+    mine, theirs = launches[-1].first("finish"), reference and reference.first("finish")
+    return bool(mine and theirs and mine.get("digest") != theirs.get("digest"))
+
+
+def _last_commit(launches: list[Launch]) -> Path | None:
+    paths = [c["path"] for launch in launches for c in launch.of("commit") if c.get("path")]
+    return Path(paths[-1]) if paths else None
+
+
 def _layout(launches: list[Launch], reference: Launch | None) -> dict | None:
     """The ``ddp_layout`` entry of the job's last commit (a DDP job's bucket layout, and whether a
     resume can restore it), read only when the final state differs from the reference's."""
-    mine, theirs = launches[-1].first("finish"), reference and reference.first("finish")
-    if not mine or not theirs or mine.get("digest") == theirs.get("digest"):
-        return None
-    commits = [c for launch in launches for c in launch.of("commit") if c.get("path")]
-    value = entry_of(Path(commits[-1]["path"]), "ddp_layout") if commits else None
+    last = _last_commit(launches) if _final_differs(launches, reference) else None
+    value = entry_of(last, "ddp_layout") if last else None
     return value if isinstance(value, dict) else None
 
 
 def _differing(launches: list[Launch], reference: Launch | None, report: Path) -> tuple[list, bool] | None:
     """Where the drilled final state differs from the reference's, read from both final commits
     (:mod:`.drill_diff`) when their digests differ; None when they match or cannot be read."""
-    mine, theirs = launches[-1].first("finish"), reference and reference.first("finish")
-    if not mine or not theirs or mine.get("digest") == theirs.get("digest"):
+    if not _final_differs(launches, reference):
         return None
-    commits = [c for launch in launches for c in launch.of("commit") if c.get("path")]
-    base = [c for c in reference.of("commit") if c.get("path")]
-    if not commits or not base:
+    mine, theirs = _last_commit(launches), _last_commit([reference])
+    if mine is None or theirs is None:
         return None
     try:  # the reference's checkpoints were moved into the report directory
-        return differences(Path(commits[-1]["path"]),
-                           report / "reference-checkpoints" / Path(base[-1]["path"]).name)
+        return differences(mine, report / "reference-checkpoints" / theirs.name)
     except ValueError:
         return None
 
